@@ -1,0 +1,342 @@
+"""Build the patched llama.cpp: ``python -m dflash_gguf.build``.
+
+Steps (each cached under ``$DFLASH_GGUF_CACHE``, default ``~/.cache/dflash-gguf``):
+
+1. fetch the pinned llama-cpp-python sdist from PyPI and verify its sha256;
+2. unpack it and apply ``patches/*.patch`` in order (a patch that does not apply stops the
+   build and is named), then stamp the tree with the patch-series hash;
+3. build a wheel of the patched llama-cpp-python (one libllama for the whole process) and
+   install it; the wheel is cached by (sdist hash, patch-series hash, build flags);
+4. install the sdist's vendored ``gguf-py`` (PyPI's ``gguf`` lacks DFlash) and keep the
+   sdist's ``convert_hf_to_gguf.py`` + ``conversion/`` for :mod:`dflash_gguf.convert`;
+5. optionally (``--with-tools``) build upstream's reference binaries from the same tree.
+"""
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import logging
+import os
+import platform
+import re
+import shutil
+import subprocess
+import sys
+import tarfile
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from dflash_gguf import paths
+
+log = logging.getLogger("dflash_gguf.build")
+
+SDIST_NAME = "llama-cpp-python"
+SDIST_VERSION = "0.3.36"
+SDIST_FILE = f"llama_cpp_python-{SDIST_VERSION}.tar.gz"
+SDIST_SHA256 = "832db0699007f1be95a7e41ef12e88926b02ba836461e36a36372db2760c1a2e"
+TOOLS = ("llama-speculative-simple", "llama-completion", "llama-server")
+STAMP_HEADER = "vendor/llama.cpp/src/llama-dflash-stamp.h"
+# llava/mtmd is not needed by DFlash and costs ~2 of the ~10 build minutes on 2 cores
+DEFAULT_CMAKE_ARGS = ("-DLLAVA_BUILD=OFF",)
+_PROGRESS = re.compile(r"^\[\s*(\d+)/(\d+)\]")  # ninja: [12/141]
+
+
+class BuildError(RuntimeError):
+    """A build step failed; the message says which and what to do."""
+
+
+@dataclass
+class BuildOptions:
+    platform: str = "cpu"                 # cpu | metal | kleidiai
+    cmake_args: list[str] = field(default_factory=list)
+    kleidiai_src: str | None = None
+    cross: str | None = None              # e.g. aarch64-linux-gnu (configure + build only)
+    with_tools: bool = False
+    force: bool = False
+    sdist: str | None = None              # a local sdist instead of fetching it
+    jobs: int = os.cpu_count() or 2
+
+    def all_cmake_args(self) -> list[str]:
+        args = list(DEFAULT_CMAKE_ARGS)
+        if self.platform == "metal":
+            args += ["-DGGML_METAL=ON", "-DGGML_METAL_EMBED_LIBRARY=ON"]
+        elif self.platform == "kleidiai":
+            if not self.kleidiai_src:
+                raise BuildError(
+                    "--platform kleidiai needs --kleidiai-src DIR: upstream downloads KleidiAI v1.24.0 "
+                    "at configure time; unpack kleidiai-v1.24.0-src.tar.gz (from ARM-software/kleidiai "
+                    "releases) on a connected machine and pass its folder")
+            src = Path(self.kleidiai_src).resolve()
+            if not (src / "CMakeLists.txt").exists():
+                raise BuildError(f"--kleidiai-src {src} has no CMakeLists.txt: pass the unpacked KleidiAI source")
+            args += ["-DGGML_CPU_KLEIDIAI=ON", f"-DFETCHCONTENT_SOURCE_DIR_KLEIDIAI={src}"]
+        elif self.platform != "cpu":
+            raise BuildError(f"unknown --platform {self.platform!r}: choose cpu, metal or kleidiai")
+        if self.cross:
+            args += cross_cmake_args(self.cross)
+        return args + list(self.cmake_args)
+
+
+def cross_cmake_args(triple: str) -> list[str]:
+    cc, cxx = f"{triple}-gcc", f"{triple}-g++"
+    if not shutil.which(cc) or not shutil.which(cxx):
+        raise BuildError(f"cross compiler {cc}/{cxx} not found: install gcc-{triple.replace('_', '-')} "
+                         f"and g++-{triple.replace('_', '-')} (Debian: apt-get install g++-aarch64-linux-gnu)")
+    proc = triple.split("-")[0]
+    return [f"-DCMAKE_SYSTEM_NAME=Linux", f"-DCMAKE_SYSTEM_PROCESSOR={proc}",
+            f"-DCMAKE_C_COMPILER={cc}", f"-DCMAKE_CXX_COMPILER={cxx}", "-DGGML_NATIVE=OFF",
+            "-DGGML_OPENMP=OFF"]
+
+
+# --------------------------------------------------------------------------- hashing
+
+def sha256_file(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def build_key(series: str, opts: BuildOptions) -> str:
+    flags = json.dumps({"cmake": opts.all_cmake_args(), "machine": platform.machine(),
+                        "python": f"{sys.version_info[0]}.{sys.version_info[1]}"}, sort_keys=True)
+    return hashlib.sha256(f"{SDIST_SHA256}\n{series}\n{flags}".encode()).hexdigest()[:20]
+
+
+# --------------------------------------------------------------------------- steps
+
+def fetch_sdist(opts: BuildOptions) -> Path:
+    """Return a verified copy of the pinned sdist in the cache."""
+    dest_dir = paths.cache_dir() / "sdist"
+    dest_dir.mkdir(parents=True, exist_ok=True)
+    dest = dest_dir / SDIST_FILE
+    if opts.sdist:
+        src = Path(opts.sdist)
+        if not src.is_file():
+            raise BuildError(f"--sdist {src} does not exist")
+        shutil.copyfile(src, dest)
+    if not dest.exists():
+        log.info("fetching %s==%s sdist from PyPI", SDIST_NAME, SDIST_VERSION)
+        with tempfile.TemporaryDirectory(dir=dest_dir) as tmp:
+            cmd = [sys.executable, "-m", "pip", "download", "--no-binary", ":all:", "--no-deps",
+                   "--disable-pip-version-check", f"{SDIST_NAME}=={SDIST_VERSION}", "-d", tmp]
+            r = subprocess.run(cmd, capture_output=True, text=True)
+            got = Path(tmp) / SDIST_FILE
+            if r.returncode != 0 or not got.exists():
+                raise BuildError(
+                    f"could not download {SDIST_NAME}=={SDIST_VERSION} from PyPI (no network?).\n"
+                    f"Fetch {SDIST_FILE} on a connected machine and pass it with --sdist PATH.\n"
+                    f"pip said: {r.stderr.strip()[-800:]}")
+            os.replace(got, dest)
+    digest = sha256_file(dest)
+    if digest != SDIST_SHA256:
+        dest.unlink()
+        raise BuildError(f"{SDIST_FILE} has sha256 {digest}, expected {SDIST_SHA256}: the download is "
+                         "corrupt or not the pinned release; it was removed, run the build again")
+    return dest
+
+
+def apply_patches(tree: Path, patches: list[Path]) -> None:
+    """Apply each patch in order; stop at the first that does not apply, naming it."""
+    env = dict(os.environ, GIT_CEILING_DIRECTORIES=str(tree.parent))
+    for p in patches:
+        check = subprocess.run(["git", "apply", "--check", "-p1", str(p)], cwd=tree, env=env,
+                               capture_output=True, text=True)
+        if check.returncode != 0:
+            raise BuildError(f"patch {p.name} does not apply to {SDIST_NAME} {SDIST_VERSION}:\n"
+                             f"{check.stderr.strip()}\nFix or regenerate {p} against the pinned sdist.")
+        subprocess.run(["git", "apply", "-p1", str(p)], cwd=tree, env=env, check=True)
+        log.info("applied %s", p.name)
+
+
+def prepare_tree(sdist: Path, key: str, series: str, force: bool) -> Path:
+    """Unpack the sdist, apply the patch series and stamp it. Returns the patched sdist root."""
+    root = paths.cache_dir() / "src" / key
+    done = root / ".dflash-prepared"
+    if done.exists() and not force:
+        return root / f"llama_cpp_python-{SDIST_VERSION}"
+    if root.exists():
+        shutil.rmtree(root)
+    tmp = Path(tempfile.mkdtemp(prefix="prep-", dir=paths.cache_dir()))
+    try:
+        log.info("unpacking %s", sdist.name)
+        with tarfile.open(sdist) as tf:
+            tf.extractall(tmp, filter="data")
+        tree = tmp / f"llama_cpp_python-{SDIST_VERSION}"
+        for git_marker in (tree / ".git", tree / "vendor" / "llama.cpp" / ".git"):
+            if git_marker.is_file():
+                git_marker.unlink()          # submodule pointers: would confuse git apply
+        apply_patches(tree, paths.patch_files())
+        (tree / STAMP_HEADER).write_text(
+            "// written by dflash_gguf.build after the patch series applied\n"
+            f'#define LLAMA_DFLASH_SERIES "{series}"\n')
+        root.parent.mkdir(parents=True, exist_ok=True)
+        os.replace(tmp, root)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    done.write_text(series)
+    return root / f"llama_cpp_python-{SDIST_VERSION}"
+
+
+def _run_logged(cmd: list[str], cwd: Path | None, env: dict, logfile: Path, what: str) -> None:
+    """Run a long command, writing its output to logfile and progress lines to the log."""
+    log.info("%s (log: %s)", what, logfile)
+    t0 = time.time()
+    last = 0.0
+    with open(logfile, "w") as lf:
+        proc = subprocess.Popen(cmd, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                text=True, bufsize=1)
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            lf.write(line)
+            m = _PROGRESS.match(line.strip())
+            if m and time.time() - last > 15:
+                last = time.time()
+                log.info("  step %s/%s  (%.0f s)", m.group(1), m.group(2), last - t0)
+        rc = proc.wait()
+    if rc != 0:
+        tail = "".join(open(logfile).readlines()[-30:])
+        raise BuildError(f"{what} failed (exit {rc}); last lines of {logfile}:\n{tail}")
+    log.info("%s done in %.0f s", what, time.time() - t0)
+
+
+def build_wheel(tree: Path, key: str, opts: BuildOptions) -> Path:
+    wheel_dir = paths.cache_dir() / "wheels" / key
+    wheels = sorted(wheel_dir.glob("llama_cpp_python-*.whl")) if wheel_dir.exists() else []
+    if wheels and not opts.force:
+        log.info("using cached wheel %s", wheels[-1].name)
+        return wheels[-1]
+    if opts.cross:
+        raise BuildError("--cross builds the library only (use --with-tools or build_library); "
+                         "a wheel for another architecture cannot be installed here")
+    shutil.rmtree(wheel_dir, ignore_errors=True)
+    tmp_dir = Path(tempfile.mkdtemp(prefix="wheel-", dir=paths.cache_dir()))
+    env = dict(os.environ, CMAKE_ARGS=" ".join(opts.all_cmake_args()),
+               CMAKE_BUILD_PARALLEL_LEVEL=str(opts.jobs))
+    logfile = paths.cache_dir() / "logs" / f"wheel-{key}.log"
+    logfile.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        _run_logged([sys.executable, "-m", "pip", "wheel", "--no-deps", "--disable-pip-version-check",
+                     "-v", "-w", str(tmp_dir), str(tree)], None, env, logfile,
+                    "building the patched llama-cpp-python wheel (about 8 minutes on 2 cores)")
+        built = sorted(tmp_dir.glob("llama_cpp_python-*.whl"))
+        if not built:
+            raise BuildError(f"pip wheel produced no wheel; see {logfile}")
+        wheel_dir.parent.mkdir(parents=True, exist_ok=True)
+        os.replace(tmp_dir, wheel_dir)
+    finally:
+        shutil.rmtree(tmp_dir, ignore_errors=True)
+    return sorted(wheel_dir.glob("llama_cpp_python-*.whl"))[-1]
+
+
+def _pip_install(args: list[str]) -> None:
+    r = subprocess.run([sys.executable, "-m", "pip", "install", "--disable-pip-version-check", "-q", *args],
+                       capture_output=True, text=True)
+    if r.returncode != 0:
+        raise BuildError(f"pip install {' '.join(args)} failed:\n{r.stderr.strip()[-1500:]}")
+
+
+def install(wheel: Path, tree: Path, key: str) -> None:
+    marker = paths.install_marker()
+    if marker is not None and marker.exists() and marker.read_text().strip() == key:
+        log.info("patched llama-cpp-python %s already installed", key)
+    else:
+        log.info("installing %s", wheel.name)
+        _pip_install(["--force-reinstall", "--no-deps", str(wheel)])
+        _pip_install([str(wheel)])  # its dependencies (diskcache, jinja2, ...), already-present ones kept
+        marker = paths.install_marker()
+        if marker is None:
+            raise BuildError("llama_cpp is not importable after installing the wheel")
+        marker.write_text(key)
+    gguf_py = tree / "vendor" / "llama.cpp" / "gguf-py"
+    gguf_marker = paths.cache_dir() / "gguf-installed"
+    if not (gguf_marker.exists() and gguf_marker.read_text() == f"{key}:{sys.prefix}"):
+        log.info("installing the vendored gguf-py (DFlash-aware) as 'gguf'")
+        _pip_install(["--force-reinstall", "--no-deps", str(gguf_py)])
+        _pip_install([str(gguf_py)])
+        gguf_marker.write_text(f"{key}:{sys.prefix}")
+    paths.upstream_pointer().parent.mkdir(parents=True, exist_ok=True)
+    paths.upstream_pointer().write_text(str(tree / "vendor" / "llama.cpp"))
+
+
+def build_tools(tree: Path, key: str, opts: BuildOptions) -> Path:
+    """Build upstream's reference binaries from the same patched tree."""
+    out = paths.cache_dir() / "tools" / key
+    bindir = out / "bin"
+    if all((bindir / t).exists() for t in TOOLS) and not opts.force:
+        log.info("reference tools cached in %s", bindir)
+        return bindir
+    build = out / "build"
+    shutil.rmtree(out, ignore_errors=True)
+    build.mkdir(parents=True)
+    src = tree / "vendor" / "llama.cpp"
+    logfile = paths.cache_dir() / "logs" / f"tools-{key}.log"
+    env = dict(os.environ)
+    cfg = ["cmake", "-S", str(src), "-B", str(build), "-DCMAKE_BUILD_TYPE=Release",
+           "-DLLAMA_BUILD_EXAMPLES=ON", "-DLLAMA_BUILD_TOOLS=ON", "-DLLAMA_BUILD_SERVER=ON",
+           "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_USE_PREBUILT_UI=OFF", "-DLLAMA_CURL=OFF",
+           f"-DCMAKE_RUNTIME_OUTPUT_DIRECTORY={bindir}", *opts.all_cmake_args()]
+    _run_logged(cfg, None, env, logfile.with_suffix(".configure.log"), "configuring reference tools")
+    targets = list(TOOLS) if not opts.cross else ["llama"]
+    _run_logged(["cmake", "--build", str(build), "--config", "Release", "-j", str(opts.jobs),
+                 "--target", *targets], None, env, logfile,
+                f"building {', '.join(targets)} (about 7 minutes on 2 cores)")
+    return bindir
+
+
+def build(opts: BuildOptions) -> dict:
+    """Run the whole build; returns a summary dict."""
+    t0 = time.time()
+    series = paths.patch_series_hash()
+    key = build_key(series, opts)
+    log.info("build key %s (patch series %s…, flags %s)", key, series[:12], " ".join(opts.all_cmake_args()))
+    sdist = fetch_sdist(opts)
+    tree = prepare_tree(sdist, key, series, opts.force)
+    summary: dict = {"key": key, "series": series, "tree": str(tree)}
+    if not opts.cross:
+        wheel = build_wheel(tree, key, opts)
+        install(wheel, tree, key)
+        summary["wheel"] = str(wheel)
+    if opts.with_tools or opts.cross:
+        summary["tools"] = str(build_tools(tree, key, opts))
+        if not opts.cross:
+            paths.tools_pointer().write_text(summary["tools"])
+    summary["seconds"] = round(time.time() - t0, 1)
+    log.info("build ready in %.1f s", summary["seconds"])
+    return summary
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m dflash_gguf.build", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--platform", default="cpu", choices=["cpu", "metal", "kleidiai"],
+                    help="cpu (default, GGML_NATIVE), metal (macOS), kleidiai (Arm64 SME/SME2 kernels)")
+    ap.add_argument("--kleidiai-src", help="unpacked KleidiAI v1.24.0 source (upstream would download it)")
+    ap.add_argument("--cross", help="cross-compile the library for a GNU triple, e.g. aarch64-linux-gnu")
+    ap.add_argument("--cmake-arg", action="append", default=[], dest="cmake_args", help="extra CMake -D flag")
+    ap.add_argument("--with-tools", action="store_true",
+                    help="also build llama-speculative-simple, llama-completion and llama-server")
+    ap.add_argument("--sdist", help="use this local llama-cpp-python 0.3.36 sdist instead of PyPI")
+    ap.add_argument("--force", action="store_true", help="rebuild even if a cached build exists")
+    ap.add_argument("-j", "--jobs", type=int, default=os.cpu_count() or 2)
+    args = ap.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s", datefmt="%H:%M:%S")
+    opts = BuildOptions(platform=args.platform, cmake_args=args.cmake_args, kleidiai_src=args.kleidiai_src,
+                        cross=args.cross, with_tools=args.with_tools, force=args.force, sdist=args.sdist,
+                        jobs=args.jobs)
+    try:
+        summary = build(opts)
+    except BuildError as e:
+        log.error("%s", e)
+        return 1
+    print(json.dumps(summary, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

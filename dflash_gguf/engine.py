@@ -1,0 +1,198 @@
+"""Native handles: a loaded GGUF model and a llama.cpp context, as small owner objects.
+
+Loading and context creation go through llama-cpp-python's ctypes API (it owns the struct
+layouts); the hot loop uses the cffi handles of :mod:`dflash_gguf._bindings`.
+"""
+from __future__ import annotations
+
+import ctypes
+import logging
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import llama_cpp.llama_cpp as C
+import numpy as np
+
+from dflash_gguf import _bindings as B
+from dflash_gguf.errors import DFlashError, RollbackError
+
+log = logging.getLogger("dflash_gguf.engine")
+
+PARTIAL_ONLY = 1  # LLAMA_STATE_SEQ_FLAGS_PARTIAL_ONLY
+
+
+class Model:
+    """A GGUF model loaded by llama.cpp. Free it with :meth:`close` (or a ``with`` block)."""
+
+    def __init__(self, path: str | os.PathLike, *, n_gpu_layers: int = 0, use_mmap: bool = True):
+        self.path = Path(path)
+        if not self.path.is_file():
+            raise FileNotFoundError(f"model file not found: {self.path}")
+        params = C.llama_model_default_params()
+        params.n_gpu_layers = n_gpu_layers
+        params.use_mmap = use_mmap
+        ptr = C.llama_model_load_from_file(str(self.path).encode(), params)
+        if not ptr:
+            raise DFlashError(f"llama.cpp could not load {self.path}: not a valid GGUF, truncated, or an "
+                              "architecture this build does not know (see the llama.cpp log above)")
+        self.ptr = ptr
+        self.cptr = B.as_model(ptr)
+        self.vocab = C.llama_model_get_vocab(ptr)
+        self.n_vocab = C.llama_vocab_n_tokens(self.vocab)
+        self.n_embd = C.llama_model_n_embd(ptr)
+        self.n_layer = C.llama_model_n_layer(ptr)
+        self.n_ctx_train = C.llama_model_n_ctx_train(ptr)
+        self.arch = self.meta("general.architecture") or "?"
+        self.is_recurrent = bool(C.llama_model_is_recurrent(ptr))
+        self.is_hybrid = bool(C.llama_model_is_hybrid(ptr))
+        eog = [t for t in range(self.n_vocab) if C.llama_vocab_is_eog(self.vocab, t)] if self.n_vocab < 300_000 else []
+        self.eog_tokens = np.array(eog, dtype=np.int32)
+
+    def meta(self, key: str) -> str | None:
+        buf = ctypes.create_string_buffer(512)
+        n = C.llama_model_meta_val_str(self.ptr, key.encode(), buf, len(buf))
+        return buf.value.decode("utf-8", "replace") if n >= 0 else None
+
+    def tokenize(self, text: bytes, add_bos: bool = True, special: bool = False) -> list[int]:
+        n_max = len(text) + 16
+        buf = (ctypes.c_int32 * n_max)()
+        n = C.llama_tokenize(self.vocab, text, len(text), buf, n_max, add_bos, special)
+        if n < 0:
+            buf = (ctypes.c_int32 * -n)()
+            n = C.llama_tokenize(self.vocab, text, len(text), buf, -n, add_bos, special)
+        return list(buf[:n])
+
+    def token_bytes(self, token: int, special: bool = False) -> bytes:
+        buf = ctypes.create_string_buffer(64)
+        n = C.llama_token_to_piece(self.vocab, token, buf, len(buf), 0, special)
+        if n < 0:
+            buf = ctypes.create_string_buffer(-n)
+            n = C.llama_token_to_piece(self.vocab, token, buf, len(buf), 0, special)
+        return buf.raw[:n]
+
+    def detokenize(self, tokens, special: bool = False) -> bytes:
+        return b"".join(self.token_bytes(int(t), special) for t in tokens)
+
+    def close(self) -> None:
+        if getattr(self, "ptr", None):
+            C.llama_model_free(self.ptr)
+            self.ptr = None
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    def __del__(self):
+        try:
+            self.close()
+        except Exception:
+            pass
+
+
+@dataclass
+class ContextOptions:
+    n_ctx: int = 2048
+    n_batch: int = 512
+    n_ubatch: int = 512
+    n_threads: int | None = None
+    n_rs_seq: int = 0                 # recurrent-state snapshots for rollback (hybrid targets)
+    flash_attn: bool | None = None    # None: llama.cpp's auto
+
+
+class Context:
+    """A llama.cpp context on a :class:`Model` (one sequence, id 0)."""
+
+    def __init__(self, model: Model, opts: ContextOptions | None = None, *, other: "Context | None" = None):
+        opts = opts or ContextOptions()
+        self.model = model
+        self.opts = opts
+        p = C.llama_context_default_params()
+        p.n_ctx = opts.n_ctx
+        p.n_batch = opts.n_batch
+        p.n_ubatch = min(opts.n_ubatch, opts.n_batch)
+        p.n_seq_max = 1
+        threads = opts.n_threads or max(1, os.cpu_count() or 1)
+        p.n_threads = threads
+        p.n_threads_batch = threads
+        p.n_rs_seq = opts.n_rs_seq
+        p.no_perf = True
+        if opts.flash_attn is not None:
+            p.flash_attn_type = 1 if opts.flash_attn else 0
+        if other is not None:
+            p.ctx_other = other.ptr
+        ptr = C.llama_init_from_model(model.ptr, p)
+        if not ptr:
+            raise DFlashError(f"llama.cpp could not create a context for {model.path.name} "
+                              f"(n_ctx={opts.n_ctx}); lower n_ctx or free memory")
+        self.ptr = ptr
+        self.cptr = B.as_ctx(ptr)
+        self.mem = B.lib.llama_get_memory(self.cptr)
+        self.n_ctx = B.lib.llama_n_ctx(self.cptr)
+        self.n_batch = B.lib.llama_n_batch(self.cptr)
+        self.n_ubatch = B.lib.llama_n_ubatch(self.cptr)
+        self.n_rs_seq = B.lib.llama_n_rs_seq(self.cptr)
+        self._other = other  # keep the target alive while the drafter borrows its tensors
+
+    # memory ---------------------------------------------------------------
+    def clear(self) -> None:
+        B.lib.llama_memory_clear(self.mem, True)
+
+    def pos_max(self) -> int:
+        return B.lib.llama_memory_seq_pos_max(self.mem, 0)
+
+    def truncate(self, n_keep: int) -> bool:
+        """Keep positions [0, n_keep); False if the memory refuses a partial removal."""
+        return bool(B.lib.llama_memory_seq_rm(self.mem, 0, n_keep, -1))
+
+    def save_seq(self) -> bytes:
+        """Host copy of the sequence's recurrent part (attention KV excluded)."""
+        n = B.lib.llama_state_seq_get_size_ext(self.cptr, 0, PARTIAL_ONLY)
+        buf = B.ffi.new("uint8_t[]", n)
+        got = B.lib.llama_state_seq_get_data_ext(self.cptr, buf, n, 0, PARTIAL_ONLY)
+        if got != n:
+            raise RollbackError(f"saving the recurrent state failed ({got} of {n} bytes)")
+        return bytes(B.ffi.buffer(buf, n))
+
+    def restore_seq(self, data: bytes) -> None:
+        got = B.lib.llama_state_seq_set_data_ext(self.cptr, data, len(data), 0, PARTIAL_ONLY)
+        if got != len(data):
+            raise RollbackError("restoring the recurrent state failed")
+
+    # decoding -------------------------------------------------------------
+    def decode(self, tokens: np.ndarray, pos0: int, out_row0: int | None = None,
+               argmax: np.ndarray | None = None) -> None:
+        """Decode ``tokens`` at ``pos0``; outputs from ``out_row0`` (default: none unless argmax)."""
+        n = len(tokens)
+        if out_row0 is None:
+            out_row0 = n if argmax is None else n - len(argmax)
+        ap = B.ffi.NULL if argmax is None else B.ffi.from_buffer("llama_token[]", argmax)
+        rc = B.lib.llama_dflash_decode(self.cptr, 0, pos0, B.ffi.from_buffer("llama_token[]", tokens),
+                                       n, out_row0, ap)
+        B.check(rc, f"decode of {n} tokens at position {pos0}")
+
+    def logits_row(self, i: int) -> np.ndarray:
+        """Zero-copy view of batch row ``i``'s logits from the last decode."""
+        p = B.lib.llama_get_logits_ith(self.cptr, i)
+        if p == B.ffi.NULL:
+            raise DFlashError(f"no logits for batch row {i}")
+        return np.frombuffer(B.ffi.buffer(p, 4 * self.model.n_vocab), dtype=np.float32)
+
+    def close(self) -> None:
+        if getattr(self, "ptr", None):
+            C.llama_free(self.ptr)
+            self.ptr = None
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    def __del__(self):
+        try:
+            self.close()
+        except Exception:
+            pass

@@ -1,0 +1,70 @@
+"""Where things live: the patch series, the build cache and what the build left there."""
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import os
+from pathlib import Path
+
+_PKG = Path(__file__).resolve().parent
+
+
+def patches_dir() -> Path:
+    """The patch series: ``patches/`` of a source checkout, or the copy inside an installed wheel."""
+    for cand in (_PKG.parent / "patches", _PKG / "_patches"):
+        if cand.is_dir() and any(cand.glob("*.patch")):
+            return cand
+    raise FileNotFoundError("dflash_gguf's patch series (patches/*.patch) is missing from this installation")
+
+
+def patch_files() -> list[Path]:
+    return sorted(patches_dir().glob("*.patch"))
+
+
+def patch_series_hash() -> str:
+    """sha256 over the patch files in order (name and bytes): the build stamp's series id."""
+    h = hashlib.sha256()
+    for p in patch_files():
+        h.update(p.name.encode() + b"\0" + p.read_bytes() + b"\0")
+    return h.hexdigest()
+
+
+def cache_dir() -> Path:
+    d = Path(os.environ.get("DFLASH_GGUF_CACHE") or Path.home() / ".cache" / "dflash-gguf")
+    d.mkdir(parents=True, exist_ok=True)
+    return d
+
+
+def install_marker() -> Path | None:
+    """A file inside the installed llama_cpp package recording which build installed it."""
+    spec = importlib.util.find_spec("llama_cpp")
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    return Path(list(spec.submodule_search_locations)[0]) / ".dflash-gguf-build"
+
+
+def upstream_pointer() -> Path:
+    return cache_dir() / "upstream-tree"
+
+
+def tools_pointer() -> Path:
+    return cache_dir() / "tools-dir"
+
+
+def upstream_tree() -> Path:
+    """The patched llama.cpp source tree kept by the build (converter scripts, gguf-py)."""
+    p = upstream_pointer()
+    if not p.exists() or not Path(p.read_text().strip()).is_dir():
+        raise FileNotFoundError("the upstream llama.cpp tree is not in the build cache: run `python -m dflash_gguf.build`")
+    return Path(p.read_text().strip())
+
+
+def tools_dir() -> Path | None:
+    """Folder of upstream's reference binaries, if the build made them (``--with-tools``)."""
+    env = os.environ.get("DFLASH_GGUF_TOOLS")
+    if env:
+        return Path(env)
+    p = tools_pointer()
+    if p.exists() and Path(p.read_text().strip()).is_dir():
+        return Path(p.read_text().strip())
+    return None

@@ -1,0 +1,130 @@
+"""Token selection that reproduces llama.cpp's sampler chain, and lossless speculative acceptance.
+
+The chain is the one llama-cpp-python builds for ``Llama.sample``: penalties over the tokens
+generated so far (last ``penalty_last_n``), then greedy at ``temperature == 0``; otherwise
+top-k -> typical -> top-p -> min-p -> temperature -> sample. ``temperature < 0`` samples from the
+raw distribution. Acceptance of a drafted token ``d`` with target distribution ``p`` and a
+deterministic proposal (q one-hot at ``d``) is the standard rejection rule: accept with
+probability ``p[d]``; on rejection sample from ``p`` with ``d`` removed, renormalised. The
+output distribution is then exactly ``p`` at every position.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    temperature: float = 0.0
+    top_k: int = 40
+    top_p: float = 0.95
+    min_p: float = 0.05
+    typical_p: float = 1.0
+    repeat_penalty: float = 1.0
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    penalty_last_n: int = 64
+    seed: int | None = None
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+    @property
+    def has_penalties(self) -> bool:
+        return self.penalty_last_n != 0 and (
+            self.repeat_penalty != 1.0 or self.frequency_penalty != 0.0 or self.presence_penalty != 0.0)
+
+    def unsupported(self) -> str | None:
+        """Why the speculative path cannot serve these parameters exactly (None if it can)."""
+        if self.typical_p < 1.0 and not self.greedy and self.temperature > 0:
+            return "typical_p < 1 is not implemented in the speculative sampler"
+        return None
+
+
+def apply_penalties(logits: np.ndarray, history: list[int], sp: SamplingParams) -> np.ndarray:
+    """llama.cpp's penalties sampler on a copy of ``logits`` (history: generated tokens)."""
+    if not sp.has_penalties or not history:
+        return logits
+    window = history[-sp.penalty_last_n:] if sp.penalty_last_n > 0 else history
+    ids, counts = np.unique(np.asarray(window, dtype=np.int64), return_counts=True)
+    out = logits.copy()
+    vals = out[ids]
+    vals = np.where(vals <= 0, vals * sp.repeat_penalty, vals / sp.repeat_penalty)
+    vals = vals - counts * sp.frequency_penalty - sp.presence_penalty
+    out[ids] = vals.astype(np.float32)
+    return out
+
+
+def _softmax(x: np.ndarray) -> np.ndarray:
+    e = np.exp(x - x.max())
+    return e / e.sum()
+
+
+def distribution(logits: np.ndarray, sp: SamplingParams) -> tuple[np.ndarray, np.ndarray]:
+    """Candidate ids and their probabilities after the filter chain (sampling mode)."""
+    if sp.temperature < 0:
+        ids = np.argsort(-logits, kind="stable")
+        return ids, _softmax(logits[ids].astype(np.float64))
+    n = logits.shape[0]
+    k = sp.top_k if 0 < sp.top_k < n else n
+    if k < n:
+        ids = np.argpartition(-logits, k - 1)[:k]
+        ids = ids[np.argsort(-logits[ids], kind="stable")]
+    else:
+        ids = np.argsort(-logits, kind="stable")
+    lg = logits[ids].astype(np.float64)
+    if sp.top_p < 1.0:
+        cum = np.cumsum(_softmax(lg))
+        last = int(np.searchsorted(cum, sp.top_p, side="left")) + 1
+        last = max(1, min(last, len(lg)))
+        ids, lg = ids[:last], lg[:last]
+    if sp.min_p > 0.0:
+        keep = lg >= lg[0] + np.log(sp.min_p)
+        if keep.sum() >= 1:
+            ids, lg = ids[keep], lg[keep]
+    return ids, _softmax(lg / sp.temperature)
+
+
+class TokenChooser:
+    """Picks target tokens for one generation call: greedy or sampled, with penalties."""
+
+    def __init__(self, sp: SamplingParams):
+        self.sp = sp
+        self.rng = np.random.default_rng(sp.seed)
+        self.history: list[int] = []   # generated tokens (what llama.cpp's sampler has accepted)
+
+    def _logits(self, logits: np.ndarray, extra: list[int]) -> np.ndarray:
+        if not self.sp.has_penalties:
+            return logits
+        return apply_penalties(logits, self.history + extra, self.sp)
+
+    def pick(self, logits: np.ndarray, extra: list[int]) -> int:
+        """The target's own choice at a position (extra: tokens committed earlier in the block)."""
+        lg = self._logits(logits, extra)
+        if self.sp.greedy:
+            return int(np.argmax(lg))
+        ids, p = distribution(lg, self.sp)
+        return int(ids[self.rng.choice(len(ids), p=p)])
+
+    def verify(self, logits: np.ndarray, draft: int, extra: list[int]) -> tuple[bool, int]:
+        """Accept ``draft`` or return the replacement token (lossless rejection sampling)."""
+        lg = self._logits(logits, extra)
+        if self.sp.greedy:
+            best = int(np.argmax(lg))
+            return best == draft, best
+        ids, p = distribution(lg, self.sp)
+        hit = np.nonzero(ids == draft)[0]
+        p_d = float(p[hit[0]]) if len(hit) else 0.0
+        if p_d > 0.0 and self.rng.random() < p_d:
+            return True, draft
+        if len(hit):
+            p = p.copy()
+            p[hit[0]] = 0.0
+            p /= p.sum()
+        return False, int(ids[self.rng.choice(len(ids), p=p)])
+
+    def accept(self, tokens) -> None:
+        self.history.extend(int(t) for t in tokens)
