@@ -15,7 +15,7 @@ import llama_cpp.llama_cpp as C
 import numpy as np
 
 from dflash_gguf import _bindings as B
-from dflash_gguf.errors import DFlashError, RollbackError
+from dflash_gguf.errors import DFlashError, PairMismatchError, RollbackError, UnsupportedError
 
 log = logging.getLogger("dflash_gguf.engine")
 
@@ -92,6 +92,28 @@ class Model:
             pass
 
 
+TAPPABLE_ARCHS = ("llama", "qwen3", "qwen3moe", "qwen3next", "qwen35", "qwen35moe")
+
+
+def check_pair(target: Model, drafter: Model) -> None:
+    """Refuse a target/drafter pair llama.cpp cannot run together (before any context exists)."""
+    info = B.ffi.new("struct llama_dflash_drafter_info *")
+    B.check(B.lib.llama_dflash_get_drafter_info(drafter.cptr, info), f"reading drafter {drafter.path.name}")
+    fix = "convert the drafter against this target: python -m dflash_gguf.convert TARGET_DIR DRAFTER_DIR -o OUT"
+    if target.arch not in TAPPABLE_ARCHS:
+        raise UnsupportedError(f"target architecture {target.arch!r} exposes no layer taps; "
+                               f"supported: {', '.join(TAPPABLE_ARCHS)}")
+    if info.n_embd != target.n_embd:
+        raise PairMismatchError(f"drafter {drafter.path.name} has hidden size {info.n_embd}, target "
+                                f"{target.path.name} has {target.n_embd}; {fix}")
+    if info.n_vocab != target.n_vocab:
+        raise PairMismatchError(f"drafter vocabulary ({info.n_vocab}) differs from the target's ({target.n_vocab}); {fix}")
+    taps = [info.target_layers[i] for i in range(info.n_target_layers)]
+    if any(not 0 <= t < target.n_layer for t in taps):
+        raise PairMismatchError(f"drafter taps target layers {taps} but the target has {target.n_layer} layers "
+                                f"(GGUF tap ids are HF target_layer_ids + 1, at most n_layer - 1); {fix}")
+
+
 @dataclass
 class ContextOptions:
     n_ctx: int = 2048
@@ -122,6 +144,8 @@ class Context:
         if opts.flash_attn is not None:
             p.flash_attn_type = 1 if opts.flash_attn else 0
         if other is not None:
+            if model.arch == "dflash":
+                check_pair(other.model, model)   # llama.cpp aborts on a mismatched pair: refuse first
             p.ctx_other = other.ptr
         ptr = C.llama_init_from_model(model.ptr, p)
         if not ptr:

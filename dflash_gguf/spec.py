@@ -21,7 +21,7 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import Iterator, Sequence
+from typing import Callable, Iterator, Sequence
 
 import numpy as np
 
@@ -103,6 +103,9 @@ class GenerationStats:
 class SpecOptions:
     n_draft: int | None = None   # tokens drafted per block; default and maximum: block_size - 1
     rollback: str = "auto"       # auto | seq_rm | snapshot | checkpoint
+    # test hook: replaces the drafter's proposal (context tokens, n) -> n token ids; the drafter
+    # still receives every feature injection, so its cache stays exactly as without the hook
+    proposer: Callable[[list[int], int], Sequence[int]] | None = None
 
 
 class DFlashDecoder:
@@ -271,6 +274,8 @@ class DFlashDecoder:
                                   "drafting a block")
                     stats.t_draft += time.perf_counter() - t0
                     n = got
+                    if self.opts.proposer is not None:
+                        self._draft[:n] = np.asarray(self.opts.proposer(self.cache + [pending], n), dtype=np.int32)[:n]
                 # ---- verify
                 self._verify[0] = pending
                 self._verify[1:n + 1] = self._draft[:n]

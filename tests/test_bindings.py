@@ -1,0 +1,195 @@
+"""The C API of patches/0001-0002 (include/llama-dflash.h), through the cffi bindings.
+
+Layer-index convention under test: tap L is the INPUT of target layer L, which is Hugging Face's
+``hidden_states[L]`` (the raw output of layer L-1; ``hidden_states[0]`` is the embeddings).
+"""
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from dflash_gguf import _bindings as B
+from dflash_gguf import paths
+from dflash_gguf.engine import Context, ContextOptions, Model
+from dflash_gguf.errors import (BufferTooSmallError, LayerError, NotADrafterError, PairMismatchError,
+                                RowRangeError, TapDisabledError)
+
+PROMPT = b"def parse(self, args):\n    for name in args:\n        yield name"
+
+
+def _header_functions() -> list[str]:
+    header = (paths.upstream_tree() / "include" / "llama-dflash.h").read_text()
+    return re.findall(r"LLAMA_API\s+[\w\s\*]+?\b(llama_dflash_\w+)\s*\(", header)
+
+
+def test_every_header_function_is_declared_and_resolves():
+    names = _header_functions()
+    assert len(names) >= 12, names
+    cdef = (Path(B.__file__).parent / "_cffi" / "dflash.cdef").read_text()
+    for name in names:
+        assert re.search(rf"\b{name}\s*\(", cdef), f"{name} missing from dflash.cdef"
+        assert callable(getattr(B.lib, name)), name
+
+
+def test_stamp_and_version():
+    assert B.lib.llama_dflash_api_version() == B.API_VERSION
+    assert B.BUILD_STAMP == f"dflash-gguf;api={B.API_VERSION};series={paths.patch_series_hash()}"
+    assert B.status_str(-4) == "row range outside the rows of the last decode"
+    assert B.status_str(12345) == "unknown status"
+
+
+def _hf_hidden_states(hf_dir: Path, tokens: list[int]) -> list[np.ndarray]:
+    import torch
+    import transformers
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(hf_dir, torch_dtype=torch.float32)
+    with torch.no_grad():
+        out = model(torch.tensor([tokens]), output_hidden_states=True)
+    return [h[0].numpy() for h in out.hidden_states]
+
+
+@pytest.mark.parametrize("arch", ["qwen3", "llama"])
+def test_taps_match_transformers_hidden_states(models, arch):
+    hf, gguf = models.target(arch)
+    with Model(gguf) as m, Context(m, ContextOptions(n_ctx=256, n_batch=64, n_ubatch=16)) as ctx:
+        tokens = m.tokenize(PROMPT)
+        layers = list(range(m.n_layer))          # every tappable layer, 0 = the embeddings
+        B.check(B.lib.llama_dflash_set_taps(ctx.cptr, layers, len(layers), True), "set taps")
+        for lid in layers:
+            assert B.lib.llama_dflash_tap_enabled(ctx.cptr, lid) == 1
+        # n_ubatch 16 < prompt: the taps of several ubatches must come back in batch order
+        ctx.decode(np.array(tokens, np.int32), 0, out_row0=len(tokens))
+        n = len(tokens)
+        assert B.lib.llama_dflash_tap_rows(ctx.cptr) == n
+        out = np.zeros((n, len(layers) * m.n_embd), np.float32)
+        B.check(B.lib.llama_dflash_get_taps(ctx.cptr, layers, len(layers), 0, n,
+                                            B.ffi.from_buffer("float[]", out), out.size), "get taps")
+        ref = _hf_hidden_states(hf, tokens)
+        # llama.cpp keeps K/V in f16 by default, so layers past the first differ from the float32
+        # reference at the 1e-3 level; an off-by-one layer differs at the 1e-1 level.
+        def rel(a, b):
+            return float(np.linalg.norm(a - b) / np.linalg.norm(b))
+
+        for k, lid in enumerate(layers):
+            got = out[:, k * m.n_embd:(k + 1) * m.n_embd]
+            assert rel(got, ref[lid]) < 5e-3, f"tap {lid} != hidden_states[{lid}] ({rel(got, ref[lid]):.2e})"
+            if lid == 0:
+                np.testing.assert_allclose(got, ref[0], rtol=1e-6, atol=1e-6)   # embeddings: exact
+            assert rel(got, ref[lid + 1]) > 0.1, f"tap {lid} also matches hidden_states[{lid + 1}]"
+        # a row range in the middle, one layer
+        part = np.zeros((3, m.n_embd), np.float32)
+        B.check(B.lib.llama_dflash_get_taps(ctx.cptr, [2], 1, 5, 3, B.ffi.from_buffer("float[]", part), part.size), "")
+        np.testing.assert_array_equal(part, out[5:8, 2 * m.n_embd:3 * m.n_embd])
+
+
+def test_tap_errors_are_codes_not_aborts(models):
+    _, gguf = models.target("qwen3")
+    with Model(gguf) as m, Context(m, ContextOptions(n_ctx=128, n_batch=32, n_ubatch=32)) as ctx:
+        tokens = np.array(m.tokenize(PROMPT)[:10], np.int32)
+        buf = np.zeros(64 * m.n_embd, np.float32)
+        fb = B.ffi.from_buffer("float[]", buf)
+
+        def get(layers, row0, n_rows, size=buf.size):
+            B.check(B.lib.llama_dflash_get_taps(ctx.cptr, layers, len(layers), row0, n_rows, fb, size), "get taps")
+
+        with pytest.raises(LayerError):
+            B.check(B.lib.llama_dflash_set_taps(ctx.cptr, [m.n_layer], 1, True), "tap the final layer")
+        with pytest.raises(LayerError):
+            B.check(B.lib.llama_dflash_set_taps(ctx.cptr, [-1], 1, True), "negative layer")
+        B.check(B.lib.llama_dflash_set_taps(ctx.cptr, [1, 2], 2, True), "set taps")
+        with pytest.raises(RowRangeError):          # no decode yet
+            get([1], 0, 1)
+        ctx.decode(tokens, 0, out_row0=len(tokens))
+        get([1, 2], 0, 10)
+        with pytest.raises(RowRangeError):
+            get([1], 5, 6)
+        with pytest.raises(RowRangeError):
+            get([1], -1, 2)
+        with pytest.raises(TapDisabledError):
+            get([3], 0, 1)
+        with pytest.raises(LayerError):
+            get([99], 0, 1)
+        with pytest.raises(BufferTooSmallError):
+            get([1, 2], 0, 10, size=10)
+        # disabling works and is reported
+        B.check(B.lib.llama_dflash_set_taps(ctx.cptr, [2], 1, False), "disable")
+        assert B.lib.llama_dflash_tap_enabled(ctx.cptr, 2) == 0
+        # a failed decode leaves no readable rows
+        with pytest.raises(Exception):
+            ctx.decode(np.array([10**6], np.int32), 10)
+        assert B.lib.llama_dflash_tap_rows(ctx.cptr) in (0, 10)
+
+
+def test_drafter_info_and_pair_checks(models):
+    pair = models.pair("qwen3", "dflash", 8)
+    import json
+    cfg = json.loads((pair.drafter_hf / "config.json").read_text())
+    with Model(pair.target) as tm, Model(pair.drafter) as dm:
+        info = B.ffi.new("struct llama_dflash_drafter_info *")
+        B.check(B.lib.llama_dflash_get_drafter_info(dm.cptr, info), "info")
+        assert info.kind == 1 and info.block_size == 8 and info.causal == 0
+        assert info.mask_token == cfg["dflash_config"]["mask_token_id"]
+        taps = [info.target_layers[i] for i in range(info.n_target_layers)]
+        assert taps == [t + 1 for t in cfg["dflash_config"]["target_layer_ids"]]   # the +1 convention
+        with pytest.raises(NotADrafterError):
+            B.check(B.lib.llama_dflash_get_drafter_info(tm.cptr, info), "target is no drafter")
+
+        tc = Context(tm, ContextOptions(n_ctx=128, n_batch=32, n_ubatch=32))
+        lone = Context(dm, ContextOptions(n_ctx=128, n_batch=32, n_ubatch=32), other=tc)
+        B.check(B.lib.llama_dflash_prepare(tc.cptr, lone.cptr, B.ffi.NULL), "good pair")
+        for lid in taps:
+            assert B.lib.llama_dflash_tap_enabled(tc.cptr, lid) == 1
+        with pytest.raises(NotADrafterError):
+            B.check(B.lib.llama_dflash_prepare(lone.cptr, tc.cptr, B.ffi.NULL), "swapped")
+        lone.close()
+        tc.close()
+
+
+def test_prepare_refuses_drafter_of_other_hidden_size(models, tmp_path):
+    import tiny
+
+    other_t = tiny.make_target(tmp_path / "t96", models.tok, "qwen3", hidden=96, head_dim=24)
+    other_d = tiny.make_drafter(tmp_path / "d96", other_t)
+    d_gguf = tiny.upstream_convert(other_d, tmp_path / "d96.gguf", target_dir=other_t)
+    _, t_gguf = models.target("qwen3")
+    with Model(t_gguf) as tm, Model(d_gguf) as dm:
+        tc = Context(tm, ContextOptions(n_ctx=64, n_batch=32, n_ubatch=32))
+        # refused before llama.cpp creates the drafter context (it would abort the process)
+        with pytest.raises(PairMismatchError, match="hidden size 96.*dflash_gguf.convert"):
+            Context(dm, ContextOptions(n_ctx=64, n_batch=32, n_ubatch=32), other=tc)
+        tc.close()
+
+
+def _import_in_subprocess(tmp_path: Path, prelude: str) -> subprocess.CompletedProcess:
+    code = textwrap.dedent(prelude) + "\nimport dflash_gguf._bindings\n"
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          env=dict(os.environ, PYTHONPATH=f"{tmp_path}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"))
+
+
+def test_import_refuses_unpatched_library(tmp_path):
+    # a stand-in llama_cpp whose "libllama" is a library without the llama_dflash_* API
+    other = next(Path(B.LIBRARY_PATH).parent.glob("libggml-base*"))
+    pkg = tmp_path / "llama_cpp"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text("")
+    (pkg / "llama_cpp.py").write_text(f"class _L:\n    _name = {str(other)!r}\n_lib = _L()\n")
+    r = _import_in_subprocess(tmp_path, "")
+    assert r.returncode != 0
+    assert "BuildMismatchError" in r.stderr and "unpatched" in r.stderr
+    assert "python -m dflash_gguf.build" in r.stderr
+
+
+def test_import_refuses_stale_patch_series(tmp_path):
+    r = _import_in_subprocess(tmp_path, """
+        import dflash_gguf.paths as p
+        p.patch_series_hash = lambda: "0" * 64
+    """)
+    assert r.returncode != 0
+    assert "another patch series" in r.stderr and "python -m dflash_gguf.build" in r.stderr
