@@ -1,0 +1,41 @@
+"""dflash-gguf: lossless DFlash / DFlash2 block speculative decoding for GGUF models.
+
+``import dflash_gguf`` stays light: the names below load their modules on first use.
+
+    >>> from dflash_gguf import Llama
+    >>> llm = Llama.from_pair("qwen3-4b-dflash/")                 # or Llama(target, draft_model_path=drafter)
+    >>> llm("def fib(n):", max_tokens=64, temperature=0)["dflash"]["acceptance_length"]
+"""
+from __future__ import annotations
+
+import importlib
+
+__version__ = "0.1.0"
+
+_LAZY = {
+    "Llama": "dflash_gguf.api",
+    "pair_files": "dflash_gguf.api",
+    "DFlashDecoder": "dflash_gguf.spec",
+    "GenerationStats": "dflash_gguf.spec",
+    "SpecOptions": "dflash_gguf.spec",
+    "SamplingParams": "dflash_gguf.sampling",
+    "Model": "dflash_gguf.engine",
+    "Context": "dflash_gguf.engine",
+    "ContextOptions": "dflash_gguf.engine",
+    "set_log_handler": "dflash_gguf.logs",
+}
+
+__all__ = sorted(_LAZY) + ["__version__"]
+
+
+def __getattr__(name: str):
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'dflash_gguf' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__():
+    return __all__

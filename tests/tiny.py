@@ -87,7 +87,10 @@ def _spice_up(model, seed: int, scale: float) -> None:
 def make_target(out_dir: Path, tok_dir: Path, arch: str = "qwen3", *, hidden: int = 64, layers: int = 4,
                 heads: int = 4, kv_heads: int = 2, head_dim: int = 16, inter: int = 128, seed: int = 0,
                 scale: float = 3.0) -> Path:
-    """A random Qwen3 or Llama causal LM saved as a Hugging Face folder."""
+    """A random Qwen3 or Llama causal LM saved as a Hugging Face folder (hybrids: make_hybrid_target)."""
+    if arch in HYBRID_ARCHS:
+        return make_hybrid_target(out_dir, tok_dir, arch, hidden=hidden, layers=layers, heads=heads,
+                                  kv_heads=kv_heads, head_dim=head_dim, inter=inter, seed=seed, scale=scale)
     import torch
     import transformers
 
@@ -191,3 +194,203 @@ def upstream_convert(hf_dir: Path, out_file: Path, target_dir: Path | None = Non
     if r.returncode != 0:
         raise RuntimeError(f"conversion of {hf_dir} failed:\n{r.stderr[-3000:]}")
     return out_file
+
+
+# ---------------------------------------------------------------------------------------------
+# Hybrid (gated delta-net) targets: Qwen3.5 (llama.cpp arch ``qwen35``) and Qwen3-Next (``qwen3next``).
+#
+# Written directly as config.json + model.safetensors: transformers 4.57.6 has no qwen3_5 classes
+# (the converter then falls back to reading config.json), and writing both the same way keeps the
+# tensor layout explicit. Names and shapes follow the pinned converter (conversion/qwen.py:
+# Qwen3NextModel, _LinearAttentionVReorderBase, Qwen3_5TextModel, _QwenMtpMixin), gguf-py's
+# tensor_mapping.py and llama.cpp's loaders (src/models/qwen35.cpp, qwen3next.cpp).
+#
+# Tokenizer: both converter classes take TextModel.set_vocab, i.e. the GPT-2 BPE path with the
+# pre-tokenizer hash check, so the SentencePiece model of the other targets cannot be used (a
+# custom BPE fails the hash check). The hybrids therefore use GPT-2's byte-level BPE (50,257
+# tokens), rebuilt exactly from the vendored ``models/ggml-vocab-gpt-2.gguf``; the converter
+# recognises it as ``gpt-2``. The SentencePiece ``tokenizer.model`` is copied alongside only so
+# that ``make_drafter`` (which reads the mask id from it) works unchanged: the drafter's mask id
+# is then an ordinary GPT-2 token, which is fine for a random drafter.
+# ---------------------------------------------------------------------------------------------
+
+HYBRID_ARCHS = ("qwen35", "qwen3next")
+GPT2_VOCAB_SIZE = 50257
+
+
+def _gpt2_tokenizer_json(cache_dir: Path) -> Path:
+    """GPT-2's tokenizer.json rebuilt from the vendored vocab GGUF (cached)."""
+    out = cache_dir / "tokenizer.json"
+    if out.exists():
+        return out
+    import gguf
+    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, processors
+
+    from dflash_gguf import paths
+
+    r = gguf.GGUFReader(str(paths.upstream_tree() / "models" / "ggml-vocab-gpt-2.gguf"))
+
+    def strings(key: str) -> list[str]:
+        f = r.fields[key]
+        return [bytes(f.parts[i]).decode("utf-8") for i in f.data]
+
+    tokens, merges = strings("tokenizer.ggml.tokens"), strings("tokenizer.ggml.merges")
+    assert len(tokens) == GPT2_VOCAB_SIZE and tokens[-1] == "<|endoftext|>"
+    tk = Tokenizer(models.BPE(vocab={t: i for i, t in enumerate(tokens)},
+                              merges=[tuple(m.split(" ")) for m in merges]))
+    tk.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tk.decoder = decoders.ByteLevel()
+    tk.post_processor = processors.ByteLevel(trim_offsets=False)
+    tk.add_special_tokens([AddedToken("<|endoftext|>", special=True)])
+    cache_dir.mkdir(parents=True, exist_ok=True)
+    tmp = cache_dir / "tokenizer.json.tmp"
+    tk.save(str(tmp))
+    tmp.replace(out)
+    return out
+
+
+def _gpt2_tokenizer_files(dst: Path, tok_dir: Path) -> None:
+    (dst / "tokenizer.json").write_bytes(_gpt2_tokenizer_json(tok_dir / "gpt2").read_bytes())
+    (dst / "tokenizer_config.json").write_text(json.dumps({
+        "tokenizer_class": "GPT2TokenizerFast", "bos_token": "<|endoftext|>", "eos_token": "<|endoftext|>",
+        "unk_token": "<|endoftext|>", "add_bos_token": False, "model_max_length": 4096}))
+    # only for make_drafter's mask-token lookup; the converter reads tokenizer.json
+    (dst / "tokenizer.model").write_bytes((tok_dir / "tokenizer.model").read_bytes())
+
+
+def _mrope_section(rot_dims: int) -> list[int]:
+    """Split rot_dims/2 frequency pairs over (t, h, w) like Qwen3.5's [11, 11, 10] for 64 dims."""
+    half = rot_dims // 2
+    return [half // 3 + (half % 3 > 0), half // 3 + (half % 3 > 1), half // 3]
+
+
+def _hybrid_weights(cfg: dict, seed: int, scale: float) -> dict[str, np.ndarray]:
+    """Random weights in the HF layout of Qwen3.5 (dense MLP) or Qwen3-Next (MoE + shared expert).
+
+    Zero-centred RMSNorm weights (Qwen3-Next style: the converter adds 1) get small random values;
+    the gated-delta-net norm is a plain RMSNorm (1 + noise). A_log/dt_bias give decays
+    exp(-A*softplus(a+dt_bias)) mostly around 0.7-0.97 per token, so the recurrent state carries
+    information over many tokens and a wrong rollback shows in the output.
+    """
+    rng = np.random.default_rng(seed)
+    H, V = cfg["hidden_size"], cfg["vocab_size"]
+    nh, nkv, hd = cfg["num_attention_heads"], cfg["num_key_value_heads"], cfg["head_dim"]
+    nk, nv = cfg["linear_num_key_heads"], cfg["linear_num_value_heads"]
+    dk, dv, K = cfg["linear_key_head_dim"], cfg["linear_value_head_dim"], cfg["linear_conv_kernel_dim"]
+    key_dim, value_dim = nk * dk, nv * dv
+    moe = "num_experts" in cfg
+
+    def w(*shape, s=scale):
+        return (rng.standard_normal(shape) * s / np.sqrt(shape[-1])).astype(np.float32)
+
+    def znorm(n):   # zero-centred: effective weight 1 + w
+        return (0.1 * rng.standard_normal(n)).astype(np.float32)
+
+    def attn(p: str) -> dict:
+        return {p + "self_attn.q_proj.weight": w(nh * hd * 2, H),   # per head [query, gate]
+                p + "self_attn.k_proj.weight": w(nkv * hd, H), p + "self_attn.v_proj.weight": w(nkv * hd, H),
+                p + "self_attn.o_proj.weight": w(H, nh * hd),
+                p + "self_attn.q_norm.weight": znorm(hd), p + "self_attn.k_norm.weight": znorm(hd)}
+
+    def linear_attn(p: str) -> dict:
+        p += "linear_attn."
+        t = {p + "conv1d.weight": w(key_dim * 2 + value_dim, 1, K),
+             p + "A_log": np.log(rng.uniform(0.05, 0.5, nv)).astype(np.float32),
+             p + "dt_bias": rng.uniform(-2.0, 0.0, nv).astype(np.float32),
+             p + "norm.weight": (1.0 + 0.1 * rng.standard_normal(dv)).astype(np.float32),
+             p + "out_proj.weight": w(H, value_dim)}
+        if moe:   # Qwen3-Next: fused projections, grouped per key head
+            t[p + "in_proj_qkvz.weight"] = w(2 * key_dim + 2 * value_dim, H)
+            t[p + "in_proj_ba.weight"] = w(2 * nv, H, s=1.0)
+        else:     # Qwen3.5: separate projections
+            t[p + "in_proj_qkv.weight"] = w(2 * key_dim + value_dim, H)
+            t[p + "in_proj_z.weight"] = w(value_dim, H)
+            t[p + "in_proj_b.weight"] = w(nv, H, s=1.0)
+            t[p + "in_proj_a.weight"] = w(nv, H, s=1.0)
+        return t
+
+    def mlp(p: str) -> dict:
+        p += "mlp."
+        if not moe:
+            I = cfg["intermediate_size"]
+            return {p + "gate_proj.weight": w(I, H), p + "up_proj.weight": w(I, H), p + "down_proj.weight": w(H, I)}
+        E, I, Is = cfg["num_experts"], cfg["moe_intermediate_size"], cfg["shared_expert_intermediate_size"]
+        t = {p + "gate.weight": w(E, H, s=1.0), p + "shared_expert_gate.weight": w(1, H, s=1.0),
+             p + "shared_expert.gate_proj.weight": w(Is, H), p + "shared_expert.up_proj.weight": w(Is, H),
+             p + "shared_expert.down_proj.weight": w(H, Is)}
+        for e in range(E):
+            t.update({p + f"experts.{e}.gate_proj.weight": w(I, H), p + f"experts.{e}.up_proj.weight": w(I, H),
+                      p + f"experts.{e}.down_proj.weight": w(H, I)})
+        return t
+
+    def block(p: str, kind: str) -> dict:
+        t = {p + "input_layernorm.weight": znorm(H), p + "post_attention_layernorm.weight": znorm(H)}
+        t.update(attn(p) if kind == "full_attention" else linear_attn(p))
+        t.update(mlp(p))
+        return t
+
+    t = {"model.embed_tokens.weight": rng.standard_normal((V, H)).astype(np.float32), "model.norm.weight": znorm(H)}
+    for i, kind in enumerate(cfg["layer_types"]):
+        t.update(block(f"model.layers.{i}.", kind))
+    if not cfg.get("tie_word_embeddings", False):
+        t["lm_head.weight"] = w(V, H, s=1.0)
+    # one MTP block (real checkpoints ship it, and the converter's MTP wiring expects it unless
+    # --no-mtp is given); llama.cpp loads it with TENSOR_SKIP and never runs it in the main graph
+    for i in range(cfg.get("mtp_num_hidden_layers", 1)):
+        t.update(block(f"mtp.layers.{i}.", "full_attention"))
+    t.update({"mtp.fc.weight": w(H, 2 * H), "mtp.pre_fc_norm_embedding.weight": znorm(H),
+              "mtp.pre_fc_norm_hidden.weight": znorm(H), "mtp.norm.weight": znorm(H)})
+    return t
+
+
+def make_hybrid_target(out_dir: Path, tok_dir: Path, arch: str = "qwen35", *, hidden: int = 64, layers: int = 4,
+                       heads: int = 4, kv_heads: int = 2, head_dim: int = 16, inter: int = 128, seed: int = 0,
+                       scale: float = 3.0, linear_head_dim: int = 32, linear_k_heads: int = 2,
+                       linear_v_heads: int = 4, conv_kernel: int = 4, full_attention_interval: int = 4,
+                       n_experts: int = 4, n_experts_used: int = 2) -> Path:
+    """A random Qwen3.5 (``qwen35``) or Qwen3-Next (``qwen3next``) causal LM as a Hugging Face folder.
+
+    Every ``full_attention_interval``-th layer is gated full attention, the others gated delta-net
+    linear attention (default 4 layers: 3 linear + 1 full).
+    """
+    from safetensors.numpy import save_file
+
+    if arch not in HYBRID_ARCHS:
+        raise ValueError(arch)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    if (out_dir / "config.json").exists():
+        return out_dir
+    rot = int(head_dim * 0.25)
+    layer_types = ["full_attention" if (i + 1) % full_attention_interval == 0 else "linear_attention"
+                   for i in range(layers)]
+    cfg = {
+        "vocab_size": GPT2_VOCAB_SIZE, "hidden_size": hidden, "intermediate_size": inter,
+        "num_hidden_layers": layers, "num_attention_heads": heads, "num_key_value_heads": kv_heads,
+        "head_dim": head_dim, "hidden_act": "silu", "max_position_embeddings": 4096, "rms_norm_eps": 1e-6,
+        "tie_word_embeddings": True, "attention_bias": False, "attention_dropout": 0.0,
+        "linear_conv_kernel_dim": conv_kernel, "linear_key_head_dim": linear_head_dim,
+        "linear_value_head_dim": linear_head_dim, "linear_num_key_heads": linear_k_heads,
+        "linear_num_value_heads": linear_v_heads, "layer_types": layer_types,
+        "full_attention_interval": full_attention_interval, "mtp_num_hidden_layers": 1,
+        "bos_token_id": GPT2_VOCAB_SIZE - 1, "eos_token_id": GPT2_VOCAB_SIZE - 1, "torch_dtype": "float32",
+    }
+    if arch == "qwen35":
+        cfg.update({
+            "architectures": ["Qwen3_5ForCausalLM"], "model_type": "qwen3_5_text", "attn_output_gate": True,
+            "mtp_use_dedicated_embeddings": False,
+            "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.25,
+                                "mrope_section": _mrope_section(rot), "mrope_interleaved": True},
+        })
+    else:
+        cfg.update({
+            "architectures": ["Qwen3NextForCausalLM"], "model_type": "qwen3_next", "rope_theta": 10000.0,
+            "partial_rotary_factor": 0.25, "decoder_sparse_step": 1, "mlp_only_layers": [],
+            "num_experts": n_experts, "num_experts_per_tok": n_experts_used, "norm_topk_prob": True,
+            "moe_intermediate_size": inter // 2, "shared_expert_intermediate_size": inter // 2,
+            "output_router_logits": False, "router_aux_loss_coef": 0.001,
+        })
+    tensors = _hybrid_weights(cfg, seed, scale)
+    save_file(tensors, str(out_dir / "model.safetensors"), metadata={"format": "pt"})
+    _gpt2_tokenizer_files(out_dir, tok_dir)
+    (out_dir / "config.json").write_text(json.dumps(cfg, indent=2))   # last: marks the folder complete
+    return out_dir

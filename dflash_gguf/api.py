@@ -1,0 +1,493 @@
+"""``dflash_gguf.Llama``: a drop-in ``llama_cpp.Llama`` with DFlash speculative decoding inside.
+
+Every generation entry point of llama-cpp-python (``__call__``, ``create_completion``,
+``create_chat_completion``, streaming or not) funnels into ``Llama.generate``. This class overrides
+that one generator: when the request can be served exactly by the DFlash engine it runs
+:class:`dflash_gguf.spec.DFlashDecoder` on the Llama's *own* target context; otherwise it falls back
+to ``llama_cpp.Llama.generate`` (see :meth:`Llama.dflash_unsupported`). Stop strings, ``max_tokens``,
+UTF-8-safe streaming and the response shapes stay llama_cpp's code.
+
+State contract (one llama.cpp context, two views of it):
+
+* ``self.input_ids[:self.n_tokens]`` (llama_cpp's view) always describes the target KV. After a
+  DFlash generation it is set to ``decoder.cache``; ``_requires_eval`` is raised so the plain path
+  replays one token before sampling.
+* ``decoder.cache`` describes the drafter's KV (target features per position). Before each DFlash
+  generation both views are reconciled: only their common prefix is kept in both caches, since the
+  drafter has no features for tokens that the plain path (or ``eval``/``load_state``/``reset``)
+  put into the target.
+"""
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import inspect
+import json
+import logging
+import os
+import weakref
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Iterator, Sequence
+
+import llama_cpp
+import llama_cpp._internals as internals
+import llama_cpp.llama_chat_format as llama_chat_format
+import numpy as np
+
+from dflash_gguf import _bindings as B
+from dflash_gguf.engine import Context, ContextOptions, Model
+from dflash_gguf.errors import DFlashError
+from dflash_gguf.sampling import SamplingParams
+from dflash_gguf.spec import DFlashDecoder, GenerationStats, SpecOptions
+
+log = logging.getLogger("dflash_gguf.api")
+
+_DEFAULT_SEED = llama_cpp.LLAMA_DEFAULT_SEED
+_COMPLETION_SIG = inspect.signature(llama_cpp.Llama._create_completion)
+_CHAT_SIG = inspect.signature(llama_cpp.Llama.create_chat_completion)
+
+
+# --------------------------------------------------------------------------- borrowed handles
+class _BorrowedModel(Model):
+    """A :class:`Model` view of a ``llama_model`` owned by llama_cpp (never freed here)."""
+
+    def __init__(self, ptr: int, path: str | os.PathLike):  # noqa: D401 - no super().__init__: nothing to load
+        C = llama_cpp.llama_cpp
+        self.path = Path(path)
+        self.ptr = ptr
+        self.cptr = B.as_model(ptr)
+        self.vocab = C.llama_model_get_vocab(ptr)
+        self.n_vocab = C.llama_vocab_n_tokens(self.vocab)
+        self.n_embd = C.llama_model_n_embd(ptr)
+        self.n_layer = C.llama_model_n_layer(ptr)
+        self.n_ctx_train = C.llama_model_n_ctx_train(ptr)
+        self.arch = self.meta("general.architecture") or "?"
+        self.is_recurrent = bool(C.llama_model_is_recurrent(ptr))
+        self.is_hybrid = bool(C.llama_model_is_hybrid(ptr))
+        self.eog_tokens = np.array([t for t in range(self.n_vocab) if C.llama_vocab_is_eog(self.vocab, t)],
+                                   dtype=np.int32)
+
+    def close(self) -> None:
+        self.ptr = None   # the owner (llama_cpp.Llama) frees it
+
+
+class _BorrowedContext(Context):
+    """A :class:`Context` view of a ``llama_context`` owned by llama_cpp (never freed here)."""
+
+    def __init__(self, model: Model, ptr: int, opts: ContextOptions):
+        self.model = model
+        self.opts = opts
+        self.ptr = ptr
+        self.cptr = B.as_ctx(ptr)
+        self.mem = B.lib.llama_get_memory(self.cptr)
+        self.n_ctx = B.lib.llama_n_ctx(self.cptr)
+        self.n_batch = B.lib.llama_n_batch(self.cptr)
+        self.n_ubatch = B.lib.llama_n_ubatch(self.cptr)
+        self.n_rs_seq = B.lib.llama_n_rs_seq(self.cptr)
+        self._other = None
+
+    def close(self) -> None:
+        self.ptr = None
+
+
+@dataclass
+class _Request:
+    """What ``_create_completion`` knows about a call and ``generate`` needs."""
+    max_tokens: int | None
+    logprobs: int | None
+    dflash: bool | None
+    served: bool = False               # True once generate() picked the DFlash path
+    stats: GenerationStats | None = None
+
+
+def _prefix_len(a: Sequence[int], b: Sequence[int]) -> int:
+    n = min(len(a), len(b))
+    if n == 0:
+        return 0
+    eq = np.asarray(a[:n], dtype=np.int64) == np.asarray(b[:n], dtype=np.int64)
+    return n if eq.all() else int(np.argmin(eq))
+
+
+def pair_files(path: str | os.PathLike) -> tuple[Path, Path]:
+    """(target.gguf, drafter.gguf) of a converted pair directory (or its ``pair.json``)."""
+    p = Path(path)
+    root = p.parent if p.is_file() else p
+    if not root.is_dir():
+        raise FileNotFoundError(f"pair directory not found: {root}")
+    try:
+        from dflash_gguf.convert import load_manifest  # written by the converter's author
+    except ImportError:
+        load_manifest = None
+    manifest: Any = None
+    if load_manifest is not None:
+        try:
+            manifest = load_manifest(root)
+        except FileNotFoundError:
+            manifest = None
+    elif (root / "pair.json").is_file():
+        manifest = json.loads((root / "pair.json").read_text())
+    if manifest is not None:
+        return _manifest_file(root, manifest, "target"), _manifest_file(root, manifest, "drafter")
+    targets, drafters = sorted(root.glob("target*.gguf")), sorted(root.glob("drafter*.gguf"))
+    if len(targets) == 1 and len(drafters) == 1:
+        return targets[0], drafters[0]
+    raise FileNotFoundError(f"{root} has no pair.json and not exactly one target*.gguf and drafter*.gguf "
+                            "(make one with `python -m dflash_gguf convert`)")
+
+
+def _manifest_file(root: Path, manifest: Any, key: str) -> Path:
+    entry = manifest.get(key) if isinstance(manifest, dict) else getattr(manifest, key, None)
+    if isinstance(entry, dict):
+        entry = entry.get("file") or entry.get("path")
+    elif entry is not None and not isinstance(entry, (str, os.PathLike)):
+        entry = getattr(entry, "file", None) or getattr(entry, "path", None)
+    if not entry:
+        raise ValueError(f"the pair manifest in {root} names no {key} file")
+    f = Path(entry)
+    f = f if f.is_absolute() else root / f
+    if not f.is_file():
+        raise FileNotFoundError(f"the pair manifest names {key} {f}, which does not exist")
+    return f
+
+
+# --------------------------------------------------------------------------- Llama
+class Llama(llama_cpp.Llama):
+    """``llama_cpp.Llama`` plus a DFlash/DFlash2 drafter.
+
+    Extra arguments (everything else is ``llama_cpp.Llama``'s):
+        draft_model_path: the drafter GGUF (converted against this target). Without it this
+            class behaves exactly like ``llama_cpp.Llama``.
+        draft_n_max: tokens drafted per block (default and maximum: the drafter's block size - 1).
+        dflash: default for every call; each call can override it with ``dflash=True/False``.
+        draft_n_gpu_layers: layers of the drafter to offload (default: as the target).
+
+    After each generation ``self.last_dflash_stats`` holds its :class:`GenerationStats` (``None``
+    after a plain fallback) and responses carry the same numbers as a top-level ``"dflash"`` object.
+    """
+
+    def __init__(self, model_path: str, *, draft_model_path: str | os.PathLike | None = None,
+                 draft_n_max: int | None = None, dflash: bool = True, draft_n_gpu_layers: int | None = None,
+                 **kwargs):
+        self._decoder: DFlashDecoder | None = None
+        self._request: _Request | None = None
+        self._created_request: _Request | None = None
+        self._call_dflash: bool | None = None
+        self._live: weakref.ref | None = None   # the DFlash generator in flight, if any
+        self.last_dflash_stats: GenerationStats | None = None
+        self.dflash = dflash
+        self.draft_model_path = str(draft_model_path) if draft_model_path else None
+        self.draft_n_max = draft_n_max
+        self.draft_n_gpu_layers = draft_n_gpu_layers
+        super().__init__(model_path, **kwargs)
+        if self.draft_model_path:
+            self._stack.callback(self._close_dflash)   # LIFO: freed before the target context
+            self._open_drafter()
+        elif kwargs.get("draft_model") is None:
+            log.info("no draft_model_path: %s decodes plainly", Path(model_path).name)
+
+    # ------------------------------------------------------------------ construction
+    @classmethod
+    def from_pair(cls, path: str | os.PathLike, **kwargs) -> "Llama":
+        """Open a converted pair directory (``pair.json`` + ``target*.gguf`` + ``drafter*.gguf``)."""
+        target, drafter = pair_files(path)
+        return cls(str(target), draft_model_path=str(drafter), **kwargs)
+
+    def _open_drafter(self) -> None:
+        ngl = self.draft_n_gpu_layers if self.draft_n_gpu_layers is not None else self.model_params.n_gpu_layers
+        self._draft_model = Model(self.draft_model_path, n_gpu_layers=ngl)
+        info = B.ffi.new("struct llama_dflash_drafter_info *")
+        B.check(B.lib.llama_dflash_get_drafter_info(self._draft_model.cptr, info),
+                f"reading the drafter {Path(self.draft_model_path).name}")
+        n_draft = info.block_size - 1 if self.draft_n_max is None else min(self.draft_n_max, info.block_size - 1)
+        n_draft = max(0, min(n_draft, self.n_batch - 1, self.context_params.n_ubatch - 1))
+        if (self._is_hybrid or self._is_recurrent) and n_draft > 0:
+            self._recreate_context(n_rs_seq=n_draft)
+        target = _BorrowedContext(_BorrowedModel(self._model.model, self.model_path), self._ctx.ctx,
+                                  ContextOptions(n_ctx=self._n_ctx, n_batch=self.n_batch))
+        flash = self.context_params.flash_attn_type == llama_cpp.LLAMA_FLASH_ATTN_TYPE_ENABLED
+        opts = ContextOptions(n_ctx=self._n_ctx, n_batch=self.n_batch, n_ubatch=self.context_params.n_ubatch,
+                              n_threads=self.n_threads, flash_attn=flash)
+        self._draft_ctx = Context(self._draft_model, opts, other=target)
+        self._decoder = DFlashDecoder(target, self._draft_ctx, SpecOptions(n_draft=self.draft_n_max))
+        self.n_tokens = 0   # the decoder cleared the target memory
+        log.info("DFlash ready: %s drafter %s, block %d, %d drafted per step, rollback %s",
+                 self._decoder.info.kind, Path(self.draft_model_path).name, self._decoder.info.block_size,
+                 self._decoder.n_draft, self._decoder.rollback)
+
+    def _recreate_context(self, n_rs_seq: int) -> None:
+        """Rebuild the target context with ``n_rs_seq`` recurrent snapshots (hybrid targets).
+
+        ``llama_cpp.Llama.__init__`` creates its context before a subclass can set ``n_rs_seq``,
+        so the first context (still empty) is freed and made again with the same parameters.
+        """
+        self._ctx.close()
+        self.context_params.n_rs_seq = n_rs_seq
+        self._ctx = self._stack.enter_context(contextlib.closing(
+            internals.LlamaContext(model=self._model, params=self.context_params, verbose=self.verbose)))
+        if self._lora_adapter is not None:
+            adapters = (llama_cpp.llama_adapter_lora_p_ctypes * 1)(self._lora_adapter)
+            scales = (ctypes.c_float * 1)(self.lora_scale)
+            if llama_cpp.llama_set_adapters_lora(self._ctx.ctx, adapters, 1, scales):
+                raise RuntimeError(f"Failed to set LoRA adapter from lora path: {self.lora_path}")
+        self.n_tokens = 0
+        self._requires_eval = True
+
+    def _close_dflash(self) -> None:
+        self._finish_live()
+        self._decoder = None
+        for name in ("_draft_ctx", "_draft_model"):   # context before model
+            obj = getattr(self, name, None)
+            if obj is not None:
+                obj.close()
+                setattr(self, name, None)
+
+    def __getstate__(self):
+        state = super().__getstate__()
+        state.update(draft_model_path=self.draft_model_path, draft_n_max=self.draft_n_max, dflash=self.dflash,
+                     draft_n_gpu_layers=self.draft_n_gpu_layers)
+        return state
+
+    # ------------------------------------------------------------------ introspection
+    @property
+    def decoder(self) -> DFlashDecoder | None:
+        """The DFlash engine on this Llama's context (None without a drafter)."""
+        return self._decoder
+
+    @property
+    def dflash_info(self) -> dict | None:
+        """The drafter's kind, block size, drafted tokens per step and rollback kind."""
+        d = self._decoder
+        if d is None:
+            return None
+        return {"kind": d.info.kind, "block_size": d.info.block_size, "n_draft": d.n_draft,
+                "rollback": d.rollback, "drafter": self.draft_model_path, "enabled": self.dflash}
+
+    # ------------------------------------------------------------------ per-call options
+    @contextlib.contextmanager
+    def _call_options(self, dflash: bool | None):
+        prev = self._call_dflash
+        if dflash is not None:
+            self._call_dflash = dflash
+        try:
+            yield
+        finally:
+            self._call_dflash = prev
+
+    def create_completion(self, *args, dflash: bool | None = None, **kwargs):
+        """``llama_cpp.Llama.create_completion`` plus ``dflash=`` (None: the instance default)."""
+        with self._call_options(dflash):
+            return super().create_completion(*args, **kwargs)
+
+    def __call__(self, *args, dflash: bool | None = None, **kwargs):
+        with self._call_options(dflash):
+            return super().__call__(*args, **kwargs)
+
+    def create_chat_completion(self, *args, dflash: bool | None = None,
+                               chat_template_kwargs: dict | None = None, **kwargs):
+        """``llama_cpp.Llama.create_chat_completion`` plus ``dflash=`` and ``chat_template_kwargs=``.
+
+        ``chat_template_kwargs`` become variables of the chat template (Jinja templates from the
+        GGUF), e.g. ``{"enable_thinking": False}`` for Qwen3-class thinking models: thinking text
+        is much harder to draft, so turning it off raises acceptance a lot. Built-in formats
+        (``chat_format="chatml"``, ...) ignore them.
+        """
+        with self._call_options(dflash):
+            self._created_request = None
+            if chat_template_kwargs:
+                result = self._chat_with_template_kwargs(args, kwargs, chat_template_kwargs)
+            else:
+                result = super().create_chat_completion(*args, **kwargs)
+            req, self._created_request = self._created_request, None
+        if isinstance(result, dict):
+            result["dflash"] = self._stats_dict(req)
+            return result
+        return self._chat_stream(result, req)
+
+    def _chat_with_template_kwargs(self, args, kwargs, extra: dict):
+        bound = _CHAT_SIG.bind(self, *args, **kwargs)
+        bound.apply_defaults()
+        call = {k: v for k, v in bound.arguments.items() if k != "self"}
+        clash = sorted(set(extra) & (set(call) | {"llama"}))
+        if clash:
+            raise ValueError(f"chat_template_kwargs must not repeat request parameters: {clash}")
+        handler = (self.chat_handler or self._chat_handlers.get(self.chat_format)
+                   or llama_chat_format.get_chat_completion_handler(self.chat_format))
+        return handler(llama=self, **call, **extra)
+
+    def _chat_stream(self, chunks, req: _Request | None):
+        try:
+            for chunk in chunks:
+                if chunk.get("choices") and chunk["choices"][0].get("finish_reason") is not None:
+                    chunk["dflash"] = self._stats_dict(req)
+                yield chunk
+        finally:
+            close = getattr(chunks, "close", None)
+            if close is not None:
+                close()
+
+    def _create_completion(self, *args, **kwargs):
+        bound = _COMPLETION_SIG.bind(self, *args, **kwargs)
+        bound.apply_defaults()
+        a = bound.arguments
+        req = _Request(max_tokens=a["max_tokens"], logprobs=a["logprobs"], dflash=self._call_dflash)
+        self._created_request = req
+        return self._completion_chunks(req, super()._create_completion(*args, **kwargs))
+
+    def _completion_chunks(self, req: _Request, chunks):
+        # Set right before llama_cpp's body runs: it calls self.generate() within this same resume.
+        self._request = req
+        try:
+            for chunk in chunks:
+                finish = chunk["choices"][0]["finish_reason"]
+                if finish is not None:
+                    if req.stats is not None and req.stats.finish is None:
+                        req.stats.finish = finish      # the consumer stopped the decoder (stop string, budget)
+                    chunk["dflash"] = self._stats_dict(req)
+                yield chunk
+        finally:
+            if self._request is req:
+                self._request = None
+            chunks.close()
+
+    @staticmethod
+    def _stats_dict(req: _Request | None) -> dict | None:
+        if req is None or not req.served or req.stats is None:
+            return None
+        return req.stats.as_dict()
+
+    # ------------------------------------------------------------------ generation
+    def dflash_unsupported(self, *, sampling: SamplingParams, reset: bool = True, mirostat_mode: int = 0,
+                           logits_processor=None, stopping_criteria=None, grammar=None,
+                           request: _Request | None = None) -> str | None:
+        """Why a generation must use the plain path (None when DFlash serves it exactly)."""
+        want = self.dflash if request is None or request.dflash is None else request.dflash
+        if self._decoder is None:
+            return "no drafter loaded (draft_model_path)"
+        if not want:
+            return "dflash disabled for this call" if self.dflash else "dflash=False"
+        if self.draft_model is not None:
+            return "a llama_cpp draft_model is set"
+        if not reset:
+            return "generate(reset=False) continues llama_cpp's own state"
+        if grammar is not None:
+            return "grammar-constrained sampling"
+        if logits_processor:
+            return "logits_processor / logit_bias"
+        if stopping_criteria:
+            return "stopping_criteria read per-token logits"
+        if mirostat_mode:
+            return "mirostat sampling"
+        if self._logits_all:
+            return "logits_all=True (per-token scores are only filled by the plain path)"
+        if request is not None and request.logprobs is not None:
+            return "logprobs requested"
+        return sampling.unsupported()
+
+    def generate(self, tokens: Sequence[int], top_k: int = 40, top_p: float = 0.95, min_p: float = 0.05,
+                 typical_p: float = 1.0, temp: float = 0.80, repeat_penalty: float = 1.0, reset: bool = True,
+                 frequency_penalty: float = 0.0, presence_penalty: float = 0.0, tfs_z: float = 1.0,
+                 mirostat_mode: int = 0, mirostat_tau: float = 5.0, mirostat_eta: float = 0.1,
+                 penalize_nl: bool = True, logits_processor=None, stopping_criteria=None, grammar=None):
+        """Token generator (``llama_cpp.Llama.generate``'s signature), through DFlash when possible.
+
+        Yields exactly the tokens the plain path would (greedy: the same ids; sampling: the same
+        distribution). Values sent into the generator are ignored on the DFlash path.
+        """
+        req, self._request = self._request, None
+        self._finish_live()
+        seed = None if self._seed in (None, _DEFAULT_SEED) else int(self._seed)
+        sp = SamplingParams(temperature=float(temp), top_k=int(top_k), top_p=float(top_p), min_p=float(min_p),
+                            typical_p=float(typical_p), repeat_penalty=float(repeat_penalty),
+                            frequency_penalty=float(frequency_penalty), presence_penalty=float(presence_penalty),
+                            penalty_last_n=int(self.last_n_tokens_size), seed=seed)
+        why = self.dflash_unsupported(sampling=sp, reset=reset, mirostat_mode=mirostat_mode,
+                                      logits_processor=logits_processor, stopping_criteria=stopping_criteria,
+                                      grammar=grammar, request=req)
+        if why is not None:
+            if self._decoder is not None:
+                log.debug("plain decoding: %s", why)
+            self.last_dflash_stats = None
+            return super().generate(
+                tokens, top_k=top_k, top_p=top_p, min_p=min_p, typical_p=typical_p, temp=temp,
+                repeat_penalty=repeat_penalty, reset=reset, frequency_penalty=frequency_penalty,
+                presence_penalty=presence_penalty, tfs_z=tfs_z, mirostat_mode=mirostat_mode,
+                mirostat_tau=mirostat_tau, mirostat_eta=mirostat_eta, penalize_nl=penalize_nl,
+                logits_processor=logits_processor, stopping_criteria=stopping_criteria, grammar=grammar)
+        stats = GenerationStats()
+        if req is not None:
+            req.served, req.stats = True, stats
+        self.last_dflash_stats = stats
+        gen = self._dflash_tokens(list(tokens), sp, stats, req)
+        self._live = weakref.ref(gen)
+        return gen
+
+    def _dflash_tokens(self, prompt: list[int], sp: SamplingParams, stats: GenerationStats,
+                       req: _Request | None) -> Iterator[int]:
+        room = self._n_ctx - len(prompt)
+        budget = req.max_tokens if req is not None else None
+        budget = room if budget is None or budget <= 0 else min(budget, room)
+        self._adopt_llama_view()
+        inner = None
+        try:
+            inner = self._decoder.generate(prompt, max(budget, 0), sampling=sp, stats=stats)
+            yield from inner
+        finally:
+            if inner is not None:
+                inner.close()           # the decoder rolls both caches back to the consumed tokens
+            self._publish_cache()
+
+    def _finish_live(self) -> None:
+        """Close a DFlash generator that its consumer abandoned without closing it."""
+        live, self._live = (self._live() if self._live is not None else None), None
+        if live is not None:
+            try:
+                live.close()
+            except ValueError:   # closed from inside its own consumer: it rolls back when it ends
+                pass
+
+    def _adopt_llama_view(self) -> None:
+        """Keep only what both views agree on: llama_cpp's tokens vs the drafter's features."""
+        dec = self._decoder
+        view = self.input_ids[: self.n_tokens]
+        m = _prefix_len(dec.cache, view)
+        if m == len(dec.cache) == self.n_tokens:
+            return
+        ok = dec.target.truncate(m) and dec.drafter.truncate(m)
+        if ok:
+            dec.cache = dec.cache[:m]
+        else:
+            log.debug("partial cache removal refused at %d: clearing both caches", m)
+            dec.reset()
+            m = 0
+        self.n_tokens = m
+        self._requires_eval = True
+
+    def _publish_cache(self) -> None:
+        """Make llama_cpp's view describe the target KV the decoder left behind."""
+        cache = self._decoder.cache
+        n = len(cache)
+        if n:
+            self.input_ids[:n] = cache
+        self.n_tokens = n
+        self._requires_eval = True
+
+    # ------------------------------------------------------------------ overrides keeping views in step
+    def reset(self):
+        self._finish_live()
+        super().reset()
+
+    def load_state(self, state) -> None:
+        self._finish_live()
+        super().load_state(state)
+
+    def save_state(self):
+        self._finish_live()
+        return super().save_state()
+
+    def close(self) -> None:
+        self._close_dflash()
+        super().close()
+
+
+__all__ = ["Llama", "pair_files", "DFlashError"]

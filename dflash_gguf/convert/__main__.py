@@ -1,0 +1,3 @@
+from dflash_gguf.convert.cli import main
+
+raise SystemExit(main())

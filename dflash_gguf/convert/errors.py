@@ -1,0 +1,20 @@
+"""Typed errors of the converter. Every message says what is wrong and what to do about it."""
+from __future__ import annotations
+
+from dflash_gguf.errors import DFlashError
+
+
+class PairError(DFlashError, ValueError):
+    """The Hugging Face target and drafter folders do not make a valid DFlash pair."""
+
+
+class OutputError(DFlashError, OSError):
+    """The output directory cannot be written (not writable, exists already, disk full)."""
+
+
+class ConvertError(DFlashError):
+    """A conversion step (upstream converter, llama.cpp quantizer) failed."""
+
+
+class ManifestError(DFlashError, ValueError):
+    """A pair directory is incomplete or damaged (``pair.json`` missing, a file missing or changed)."""

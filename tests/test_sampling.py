@@ -1,0 +1,162 @@
+"""Sampling stays lossless: DFlash at temperature > 0 has the target's own output distribution.
+
+Statistical test: chi-square goodness of fit of the empirical distribution of the first three
+generated tokens against the exact distribution computed from the target's logits (top_k=2, so
+8 outcomes). Fixed seeds make the run deterministic; at alpha = 0.001 a correct sampler would be
+flagged with probability 0.1% per test (a false alarm), a wrong one (e.g. accepting drafts
+without the rejection rule, or sampling the bonus from the wrong row) fails by a wide margin.
+"""
+from __future__ import annotations
+
+import itertools
+import math
+from collections import Counter
+
+import numpy as np
+import pytest
+
+from dflash_gguf.engine import Context, ContextOptions, Model
+from dflash_gguf.sampling import SamplingParams, distribution
+from dflash_gguf.spec import DFlashDecoder, GenerationStats, SpecOptions
+
+PROMPT = b"def main(argv):\n    parser = argparse.ArgumentParser("
+ALPHA = 1e-3
+K_TOKENS = 3
+N_RUNS = 1500
+
+
+def chi2_sf(x: float, k: int) -> float:
+    """Survival function of the chi-square distribution (series for the lower incomplete gamma)."""
+    s, z = k / 2.0, x / 2.0
+    term = math.exp(-z + s * math.log(z) - math.lgamma(s + 1)) if z > 0 else 0.0
+    total, n = term, 0
+    while term > 1e-15 * total and n < 10_000:
+        n += 1
+        term *= z / (s + n)
+        total += term
+    return max(0.0, 1.0 - total)
+
+
+def chi2_pvalue(counts: Counter, exact: dict) -> float:
+    n = sum(counts.values())
+    assert set(counts) <= set(exact), f"impossible outcomes sampled: {set(counts) - set(exact)}"
+    stat = sum((counts.get(o, 0) - n * p) ** 2 / (n * p) for o, p in exact.items())
+    return chi2_sf(stat, len(exact) - 1)
+
+
+@pytest.fixture(scope="module")
+def setup(models):
+    pair = models.pair("qwen3", "dflash", 8)
+    tm, dm = Model(pair.target), Model(pair.drafter)
+    opts = ContextOptions(n_ctx=256, n_batch=64, n_ubatch=64)
+    pc = Context(tm, opts)
+    yield pair, tm, dm, pc
+    pc.close()
+    dm.close()
+    tm.close()
+
+
+def exact_distribution(ctx: Context, prompt: list[int], sp: SamplingParams) -> dict:
+    """P(t1, t2, t3) from the target's logits, one prefix at a time."""
+    def dist_after(prefix):
+        ctx.clear()
+        ctx.decode(np.array(prefix, np.int32), 0, out_row0=len(prefix) - 1)
+        ids, p = distribution(ctx.logits_row(len(prefix) - 1).copy(), sp)
+        return {int(i): float(q) for i, q in zip(ids, p)}
+
+    out = {}
+    for path in itertools.product(range(sp.top_k), repeat=K_TOKENS):
+        prob, prefix, tokens = 1.0, list(prompt), []
+        for j in path:
+            d = dist_after(prefix)
+            tok = sorted(d, key=lambda t: -d[t])[j]
+            prob *= d[tok]
+            prefix.append(tok)
+            tokens.append(tok)
+        out[tuple(tokens)] = out.get(tuple(tokens), 0.0) + prob
+    return out
+
+
+SP = SamplingParams(temperature=1.0, top_k=2, top_p=1.0, min_p=0.0)
+
+
+@pytest.mark.parametrize("proposer", ["oracle", "drafter"])
+def test_dflash_sampling_matches_target_distribution(setup, proposer):
+    pair, tm, dm, pc = setup
+    prompt = tm.tokenize(PROMPT)
+    exact = exact_distribution(pc, prompt, SP)
+    assert abs(sum(exact.values()) - 1) < 1e-6
+
+    opts = ContextOptions(n_ctx=256, n_batch=64, n_ubatch=64)
+    tc = Context(tm, opts)
+    dc = Context(dm, opts, other=tc)
+    greedy = list(DFlashDecoder(pc, None).generate(prompt, K_TOKENS, stop_tokens=[]))
+    hook = (lambda ctx, n: greedy[len(ctx) - len(prompt):][:n]) if proposer == "oracle" else None
+    dec = DFlashDecoder(tc, dc, SpecOptions(proposer=hook))
+    counts, st = Counter(), GenerationStats()
+    for seed in range(N_RUNS):
+        sp = SamplingParams(**{**SP.__dict__, "seed": seed})
+        counts[tuple(dec.generate(prompt, K_TOKENS, sampling=sp, stats=st, stop_tokens=[]))] += 1
+    dc.close()
+    tc.close()
+    if proposer == "oracle":
+        assert st.drafted > 0 and 0 < st.accepted < st.drafted   # both accept and reject paths ran
+    p = chi2_pvalue(counts, exact)
+    assert p > ALPHA, f"DFlash samples do not follow the target distribution (p={p:.2e}): {counts} vs {exact}"
+
+
+def test_plain_llama_cpp_sampler_matches_the_same_distribution(setup):
+    """Checks sampling.distribution() reproduces llama.cpp's own chain (the 'plain' side)."""
+    import llama_cpp
+
+    pair, tm, dm, pc = setup
+    prompt = tm.tokenize(PROMPT)
+    exact = exact_distribution(pc, prompt, SP)
+    llm = llama_cpp.Llama(model_path=str(pair.target), n_ctx=256, n_batch=64, verbose=False, seed=0,
+                          flash_attn=True)   # same attention kernel as our contexts (llama.cpp auto = on)
+    counts = Counter()
+    for seed in range(600):
+        llm.set_seed(seed)
+        out = []
+        for t in llm.generate(prompt, temp=1.0, top_k=2, top_p=1.0, min_p=0.0, repeat_penalty=1.0):
+            out.append(t)
+            if len(out) == K_TOKENS:
+                break
+        counts[tuple(out)] += 1
+    llm.close()
+    p = chi2_pvalue(counts, exact)
+    assert p > ALPHA, f"llama.cpp samples disagree with sampling.distribution (p={p:.2e})"
+
+
+def test_chi2_detects_a_wrong_distribution():
+    exact = {(0,): 0.5, (1,): 0.3, (2,): 0.2}
+    assert chi2_pvalue(Counter({(0,): 500, (1,): 300, (2,): 200}), exact) > 0.5
+    assert chi2_pvalue(Counter({(0,): 600, (1,): 250, (2,): 150}), exact) < ALPHA
+    assert abs(chi2_sf(24.322, 7) - 0.001) < 2e-5
+
+
+@pytest.mark.parametrize("penalties", [dict(repeat_penalty=1.3), dict(frequency_penalty=0.7, presence_penalty=0.4),
+                                       dict(repeat_penalty=1.1, frequency_penalty=0.2, presence_penalty=0.2)])
+def test_greedy_penalties_match_llama_cpp(setup, penalties):
+    import llama_cpp
+
+    pair, tm, dm, pc = setup
+    prompt = tm.tokenize(b"    for key, value in sorted(items):\n        if")
+    llm = llama_cpp.Llama(model_path=str(pair.target), n_ctx=256, n_batch=64, verbose=False, seed=0,
+                          flash_attn=True)   # same attention kernel as our contexts (llama.cpp auto = on)
+    ref = []
+    for t in llm.generate(prompt, temp=0.0, **penalties):
+        ref.append(t)
+        if len(ref) == 60:
+            break
+    llm.close()
+    opts = ContextOptions(n_ctx=256, n_batch=64, n_ubatch=64)
+    tc = Context(tm, opts)
+    dc = Context(dm, opts, other=tc)
+    sp = SamplingParams(temperature=0.0, penalty_last_n=64, **penalties)
+    st = GenerationStats()
+    out = list(DFlashDecoder(tc, dc).generate(prompt, len(ref), sampling=sp, stats=st))
+    dc.close()
+    tc.close()
+    assert out == ref
+    assert st.steps > 0
