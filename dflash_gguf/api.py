@@ -28,7 +28,7 @@ import os
 import weakref
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterator, Sequence
+from typing import Iterator, Sequence
 
 import llama_cpp
 import llama_cpp._internals as internals
@@ -37,7 +37,6 @@ import numpy as np
 
 from dflash_gguf import _bindings as B
 from dflash_gguf.engine import Context, ContextOptions, Model
-from dflash_gguf.errors import DFlashError
 from dflash_gguf.sampling import SamplingParams
 from dflash_gguf.spec import DFlashDecoder, GenerationStats, SpecOptions
 
@@ -46,49 +45,6 @@ log = logging.getLogger("dflash_gguf.api")
 _DEFAULT_SEED = llama_cpp.LLAMA_DEFAULT_SEED
 _COMPLETION_SIG = inspect.signature(llama_cpp.Llama._create_completion)
 _CHAT_SIG = inspect.signature(llama_cpp.Llama.create_chat_completion)
-
-
-# --------------------------------------------------------------------------- borrowed handles
-class _BorrowedModel(Model):
-    """A :class:`Model` view of a ``llama_model`` owned by llama_cpp (never freed here)."""
-
-    def __init__(self, ptr: int, path: str | os.PathLike):  # noqa: D401 - no super().__init__: nothing to load
-        C = llama_cpp.llama_cpp
-        self.path = Path(path)
-        self.ptr = ptr
-        self.cptr = B.as_model(ptr)
-        self.vocab = C.llama_model_get_vocab(ptr)
-        self.n_vocab = C.llama_vocab_n_tokens(self.vocab)
-        self.n_embd = C.llama_model_n_embd(ptr)
-        self.n_layer = C.llama_model_n_layer(ptr)
-        self.n_ctx_train = C.llama_model_n_ctx_train(ptr)
-        self.arch = self.meta("general.architecture") or "?"
-        self.is_recurrent = bool(C.llama_model_is_recurrent(ptr))
-        self.is_hybrid = bool(C.llama_model_is_hybrid(ptr))
-        self.eog_tokens = np.array([t for t in range(self.n_vocab) if C.llama_vocab_is_eog(self.vocab, t)],
-                                   dtype=np.int32)
-
-    def close(self) -> None:
-        self.ptr = None   # the owner (llama_cpp.Llama) frees it
-
-
-class _BorrowedContext(Context):
-    """A :class:`Context` view of a ``llama_context`` owned by llama_cpp (never freed here)."""
-
-    def __init__(self, model: Model, ptr: int, opts: ContextOptions):
-        self.model = model
-        self.opts = opts
-        self.ptr = ptr
-        self.cptr = B.as_ctx(ptr)
-        self.mem = B.lib.llama_get_memory(self.cptr)
-        self.n_ctx = B.lib.llama_n_ctx(self.cptr)
-        self.n_batch = B.lib.llama_n_batch(self.cptr)
-        self.n_ubatch = B.lib.llama_n_ubatch(self.cptr)
-        self.n_rs_seq = B.lib.llama_n_rs_seq(self.cptr)
-        self._other = None
-
-    def close(self) -> None:
-        self.ptr = None
 
 
 @dataclass
@@ -101,6 +57,15 @@ class _Request:
     stats: GenerationStats | None = None
 
 
+def check_grammar(llm: llama_cpp.Llama, grammar) -> None:
+    """Raise ValueError for a grammar llama.cpp cannot parse (llama_cpp would crash on it)."""
+    sampler = llama_cpp.llama_sampler_init_grammar(llm._model.vocab, grammar._grammar.encode("utf-8"),
+                                                   grammar._root.encode("utf-8"))
+    if not sampler:
+        raise ValueError("invalid grammar: llama.cpp could not parse it (its log says where)")
+    llama_cpp.llama_sampler_free(sampler)
+
+
 def _prefix_len(a: Sequence[int], b: Sequence[int]) -> int:
     n = min(len(a), len(b))
     if n == 0:
@@ -110,44 +75,38 @@ def _prefix_len(a: Sequence[int], b: Sequence[int]) -> int:
 
 
 def pair_files(path: str | os.PathLike) -> tuple[Path, Path]:
-    """(target.gguf, drafter.gguf) of a converted pair directory (or its ``pair.json``)."""
-    p = Path(path)
+    """(target.gguf, drafter.gguf) of a converted pair directory (or its ``pair.json``).
+
+    Reads ``pair.json`` through :func:`dflash_gguf.convert.load_manifest` (which checks the files);
+    a directory without a manifest may hold exactly one ``target*.gguf`` and one ``drafter*.gguf``.
+    """
+    p = Path(path).expanduser()
     root = p.parent if p.is_file() else p
     if not root.is_dir():
         raise FileNotFoundError(f"pair directory not found: {root}")
-    try:
-        from dflash_gguf.convert import load_manifest  # written by the converter's author
-    except ImportError:
-        load_manifest = None
-    manifest: Any = None
-    if load_manifest is not None:
+    if (root / "pair.json").is_file():
         try:
-            manifest = load_manifest(root)
-        except FileNotFoundError:
-            manifest = None
-    elif (root / "pair.json").is_file():
-        manifest = json.loads((root / "pair.json").read_text())
-    if manifest is not None:
-        return _manifest_file(root, manifest, "target"), _manifest_file(root, manifest, "drafter")
+            from dflash_gguf.convert import load_manifest
+        except ImportError:   # converter not installed: read the manifest ourselves
+            doc = json.loads((root / "pair.json").read_text(encoding="utf-8"))
+            return _manifest_file(root, doc, "target"), _manifest_file(root, doc, "drafter")
+        m = load_manifest(root)
+        return Path(m.target.path), Path(m.drafter.path)
     targets, drafters = sorted(root.glob("target*.gguf")), sorted(root.glob("drafter*.gguf"))
     if len(targets) == 1 and len(drafters) == 1:
         return targets[0], drafters[0]
     raise FileNotFoundError(f"{root} has no pair.json and not exactly one target*.gguf and drafter*.gguf "
-                            "(make one with `python -m dflash_gguf convert`)")
+                            "(make a pair with `python -m dflash_gguf convert`)")
 
 
-def _manifest_file(root: Path, manifest: Any, key: str) -> Path:
-    entry = manifest.get(key) if isinstance(manifest, dict) else getattr(manifest, key, None)
-    if isinstance(entry, dict):
-        entry = entry.get("file") or entry.get("path")
-    elif entry is not None and not isinstance(entry, (str, os.PathLike)):
-        entry = getattr(entry, "file", None) or getattr(entry, "path", None)
-    if not entry:
-        raise ValueError(f"the pair manifest in {root} names no {key} file")
-    f = Path(entry)
-    f = f if f.is_absolute() else root / f
+def _manifest_file(root: Path, doc: dict, key: str) -> Path:
+    entry = doc.get(key)
+    name = entry.get("file") if isinstance(entry, dict) else entry
+    if not name:
+        raise ValueError(f"{root / 'pair.json'} names no {key} file")
+    f = root / name
     if not f.is_file():
-        raise FileNotFoundError(f"the pair manifest names {key} {f}, which does not exist")
+        raise FileNotFoundError(f"{root / 'pair.json'} names {key} {f}, which does not exist")
     return f
 
 
@@ -169,6 +128,8 @@ class Llama(llama_cpp.Llama):
     def __init__(self, model_path: str, *, draft_model_path: str | os.PathLike | None = None,
                  draft_n_max: int | None = None, dflash: bool = True, draft_n_gpu_layers: int | None = None,
                  **kwargs):
+        if draft_n_max is not None and draft_n_max < 0:
+            raise ValueError(f"draft_n_max must be >= 0 (0: no drafting), got {draft_n_max}")
         self._decoder: DFlashDecoder | None = None
         self._request: _Request | None = None
         self._created_request: _Request | None = None
@@ -202,14 +163,17 @@ class Llama(llama_cpp.Llama):
         n_draft = info.block_size - 1 if self.draft_n_max is None else min(self.draft_n_max, info.block_size - 1)
         n_draft = max(0, min(n_draft, self.n_batch - 1, self.context_params.n_ubatch - 1))
         if (self._is_hybrid or self._is_recurrent) and n_draft > 0:
+            # rollback by recurrent snapshots: n_rs_seq >= n_draft, and llama.cpp needs n_ubatch >= n_rs_seq + 2
+            n_draft = max(0, min(n_draft, self.context_params.n_ubatch - 2))
             self._recreate_context(n_rs_seq=n_draft)
-        target = _BorrowedContext(_BorrowedModel(self._model.model, self.model_path), self._ctx.ctx,
-                                  ContextOptions(n_ctx=self._n_ctx, n_batch=self.n_batch))
+            self._stack.callback(self._close_dflash)   # again: the drafter must go before the new context
+        target = Context.borrow(Model.borrow(self._model.model, self.model_path), self._ctx.ctx,
+                                ContextOptions(n_ctx=self._n_ctx, n_batch=self.n_batch))
         flash = self.context_params.flash_attn_type == llama_cpp.LLAMA_FLASH_ATTN_TYPE_ENABLED
         opts = ContextOptions(n_ctx=self._n_ctx, n_batch=self.n_batch, n_ubatch=self.context_params.n_ubatch,
                               n_threads=self.n_threads, flash_attn=flash)
         self._draft_ctx = Context(self._draft_model, opts, other=target)
-        self._decoder = DFlashDecoder(target, self._draft_ctx, SpecOptions(n_draft=self.draft_n_max))
+        self._decoder = DFlashDecoder(target, self._draft_ctx, SpecOptions(n_draft=n_draft))
         self.n_tokens = 0   # the decoder cleared the target memory
         log.info("DFlash ready: %s drafter %s, block %d, %d drafted per step, rollback %s",
                  self._decoder.info.kind, Path(self.draft_model_path).name, self._decoder.info.block_size,
@@ -396,6 +360,8 @@ class Llama(llama_cpp.Llama):
         """
         req, self._request = self._request, None
         self._finish_live()
+        if grammar is not None:
+            check_grammar(self, grammar)
         seed = None if self._seed in (None, _DEFAULT_SEED) else int(self._seed)
         sp = SamplingParams(temperature=float(temp), top_k=int(top_k), top_p=float(top_p), min_p=float(min_p),
                             typical_p=float(typical_p), repeat_penalty=float(repeat_penalty),
@@ -424,14 +390,26 @@ class Llama(llama_cpp.Llama):
 
     def _dflash_tokens(self, prompt: list[int], sp: SamplingParams, stats: GenerationStats,
                        req: _Request | None) -> Iterator[int]:
-        room = self._n_ctx - len(prompt)
-        budget = req.max_tokens if req is not None else None
-        budget = room if budget is None or budget <= 0 else min(budget, room)
+        room = max(self._n_ctx - len(prompt), 0)
+        want = req.max_tokens if req is not None else None
+        # Draft no further than the request needs. llama_cpp reads on past max_tokens while a UTF-8
+        # character is incomplete: +3 covers one character, and a greedy run without penalties can
+        # resume exactly if it wants more. Otherwise the decoder runs unbounded and the consumer stops it.
+        resumable = sp.greedy and not sp.has_penalties
+        budget = min(want + 3, room) if (want is not None and want > 0 and resumable) else room
         self._adopt_llama_view()
+        emitted: list[int] = []
         inner = None
         try:
-            inner = self._decoder.generate(prompt, max(budget, 0), sampling=sp, stats=stats)
-            yield from inner
+            inner = self._decoder.generate(prompt, budget, sampling=sp, stats=stats)
+            for tok in inner:
+                emitted.append(tok)
+                yield tok
+            if stats.finish == "length" and budget < room:
+                head = (stats.n_prompt, stats.n_reused)
+                inner = self._decoder.generate(prompt + emitted, room - len(emitted), sampling=sp, stats=stats)
+                yield from inner
+                stats.n_prompt, stats.n_reused = head
         finally:
             if inner is not None:
                 inner.close()           # the decoder rolls both caches back to the consumed tokens
@@ -489,5 +467,26 @@ class Llama(llama_cpp.Llama):
         self._close_dflash()
         super().close()
 
+    def __del__(self) -> None:
+        try:
+            self.close()
+        except Exception:   # interpreter shutdown: the library may already be gone
+            pass
 
-__all__ = ["Llama", "pair_files", "DFlashError"]
+
+def _signature(base, **extra) -> inspect.Signature:
+    """``base``'s signature plus keyword-only ``extra`` parameters (for help() and IDEs)."""
+    sig = inspect.signature(base)
+    params = [p for p in sig.parameters.values() if p.kind is not inspect.Parameter.VAR_KEYWORD]
+    params += [inspect.Parameter(k, inspect.Parameter.KEYWORD_ONLY, default=v) for k, v in extra.items()]
+    return sig.replace(parameters=params)
+
+
+Llama.create_completion.__signature__ = _signature(llama_cpp.Llama.create_completion, dflash=None)
+Llama.__call__.__signature__ = _signature(llama_cpp.Llama.__call__, dflash=None)
+Llama.create_chat_completion.__signature__ = _signature(llama_cpp.Llama.create_chat_completion, dflash=None,
+                                                        chat_template_kwargs=None)
+Llama.__init__.__signature__ = _signature(llama_cpp.Llama.__init__, draft_model_path=None, draft_n_max=None,
+                                          dflash=True, draft_n_gpu_layers=None)
+
+__all__ = ["Llama", "check_grammar", "pair_files"]

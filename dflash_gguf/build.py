@@ -267,7 +267,7 @@ def install(wheel: Path, tree: Path, key: str) -> None:
 def build_tools(tree: Path, key: str, opts: BuildOptions) -> Path:
     """Build upstream's reference binaries from the same patched tree."""
     out = paths.cache_dir() / "tools" / key
-    bindir = out / "bin"
+    bindir = out / "build" / "bin"   # llama.cpp's CMake puts every executable there
     if all((bindir / t).exists() for t in TOOLS) and not opts.force:
         log.info("reference tools cached in %s", bindir)
         return bindir
@@ -280,7 +280,7 @@ def build_tools(tree: Path, key: str, opts: BuildOptions) -> Path:
     cfg = ["cmake", "-S", str(src), "-B", str(build), "-DCMAKE_BUILD_TYPE=Release",
            "-DLLAMA_BUILD_EXAMPLES=ON", "-DLLAMA_BUILD_TOOLS=ON", "-DLLAMA_BUILD_SERVER=ON",
            "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_USE_PREBUILT_UI=OFF", "-DLLAMA_CURL=OFF",
-           f"-DCMAKE_RUNTIME_OUTPUT_DIRECTORY={bindir}", *opts.all_cmake_args()]
+           *opts.all_cmake_args()]
     _run_logged(cfg, None, env, logfile.with_suffix(".configure.log"), "configuring reference tools")
     targets = list(TOOLS) if not opts.cross else ["llama"]
     _run_logged(["cmake", "--build", str(build), "--config", "Release", "-j", str(opts.jobs),

@@ -15,7 +15,8 @@ import llama_cpp.llama_cpp as C
 import numpy as np
 
 from dflash_gguf import _bindings as B
-from dflash_gguf.errors import DFlashError, PairMismatchError, RollbackError, UnsupportedError
+from dflash_gguf.errors import (DFlashError, InvalidArgumentError, PairMismatchError, RollbackError,
+                               UnsupportedError)
 
 log = logging.getLogger("dflash_gguf.engine")
 
@@ -36,6 +37,19 @@ class Model:
         if not ptr:
             raise DFlashError(f"llama.cpp could not load {self.path}: not a valid GGUF, truncated, or an "
                               "architecture this build does not know (see the llama.cpp log above)")
+        self._owned = True
+        self._describe(ptr)
+
+    @classmethod
+    def borrow(cls, ptr, path: str | os.PathLike) -> "Model":
+        """A view of a ``llama_model`` owned elsewhere (e.g. by ``llama_cpp.Llama``); never freed here."""
+        self = cls.__new__(cls)
+        self.path = Path(path)
+        self._owned = False
+        self._describe(ptr)
+        return self
+
+    def _describe(self, ptr) -> None:
         self.ptr = ptr
         self.cptr = B.as_model(ptr)
         self.vocab = C.llama_model_get_vocab(ptr)
@@ -75,9 +89,9 @@ class Model:
         return b"".join(self.token_bytes(int(t), special) for t in tokens)
 
     def close(self) -> None:
-        if getattr(self, "ptr", None):
+        if getattr(self, "ptr", None) and self._owned:
             C.llama_model_free(self.ptr)
-            self.ptr = None
+        self.ptr = None
 
     def __enter__(self):
         return self
@@ -151,6 +165,19 @@ class Context:
         if not ptr:
             raise DFlashError(f"llama.cpp could not create a context for {model.path.name} "
                               f"(n_ctx={opts.n_ctx}); lower n_ctx or free memory")
+        self._owned = True
+        self._describe(ptr)
+        self._other = other  # keep the target alive while the drafter borrows its tensors
+
+    @classmethod
+    def borrow(cls, model: Model, ptr, opts: ContextOptions | None = None) -> "Context":
+        """A view of a ``llama_context`` owned elsewhere (e.g. by ``llama_cpp.Llama``); never freed here."""
+        self = cls.__new__(cls)
+        self.model, self.opts, self._owned, self._other = model, opts or ContextOptions(), False, None
+        self._describe(ptr)
+        return self
+
+    def _describe(self, ptr) -> None:
         self.ptr = ptr
         self.cptr = B.as_ctx(ptr)
         self.mem = B.lib.llama_get_memory(self.cptr)
@@ -158,7 +185,12 @@ class Context:
         self.n_batch = B.lib.llama_n_batch(self.cptr)
         self.n_ubatch = B.lib.llama_n_ubatch(self.cptr)
         self.n_rs_seq = B.lib.llama_n_rs_seq(self.cptr)
-        self._other = other  # keep the target alive while the drafter borrows its tensors
+        if self.n_rs_seq and self.n_ubatch <= self.n_rs_seq + 1:
+            # llama.cpp keeps the last n_rs_seq + 1 tokens in one ubatch and aborts the process
+            # (GGML_ASSERT in split_equal) on the first decode otherwise: refuse here instead
+            self.close()
+            raise InvalidArgumentError(f"n_rs_seq={self.n_rs_seq} needs n_ubatch >= {self.n_rs_seq + 2} "
+                                       f"(and n_batch as large), got n_ubatch={self.n_ubatch}")
 
     # memory ---------------------------------------------------------------
     def clear(self) -> None:
@@ -205,9 +237,9 @@ class Context:
         return np.frombuffer(B.ffi.buffer(p, 4 * self.model.n_vocab), dtype=np.float32)
 
     def close(self) -> None:
-        if getattr(self, "ptr", None):
+        if getattr(self, "ptr", None) and self._owned:
             C.llama_free(self.ptr)
-            self.ptr = None
+        self.ptr = None
 
     def __enter__(self):
         return self

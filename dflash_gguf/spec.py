@@ -62,6 +62,7 @@ class GenerationStats:
     accepted: int = 0
     drafted_per_pos: list[int] = field(default_factory=list)
     accepted_per_pos: list[int] = field(default_factory=list)
+    accepted_per_step: list[int] = field(default_factory=list)   # histogram source
     t_prefill: float = 0.0
     t_draft: float = 0.0
     t_verify: float = 0.0
@@ -178,7 +179,10 @@ class DFlashDecoder:
                 break
             n += 1
         if n < len(self.cache):
-            ok = self.target.truncate(n)
+            # recurrent state: llama.cpp accepts any rollback within n_rs_seq, but its snapshots only
+            # cover the rows of the last decode (a 1-token step leaves the older slots stale), so a
+            # partial removal here could silently restore the wrong state: re-evaluate instead
+            ok = self.rollback == "seq_rm" and self.target.truncate(n)
             if ok and self.drafter is not None:
                 ok = self.drafter.truncate(n)
             if not ok:
@@ -311,6 +315,7 @@ class DFlashDecoder:
                     stats.steps += 1
                     stats.drafted += n
                     stats.accepted += a
+                    stats.accepted_per_step.append(a)
                     while len(stats.drafted_per_pos) < n:
                         stats.drafted_per_pos.append(0)
                         stats.accepted_per_pos.append(0)

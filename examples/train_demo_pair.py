@@ -62,6 +62,17 @@ def log(msg: str) -> None:
     print(f"[{time.strftime('%H:%M:%S')}] {msg}", flush=True)
 
 
+CLOCK = {"kind": "cpu", "threads": 2}
+
+
+def clock() -> float:
+    """Seconds on the budget clock. ``cpu``: this process's CPU time / threads, so a budget buys the
+    same training on a busy machine as on an idle one (wall time stretches instead); ``wall``: wall time."""
+    if CLOCK["kind"] == "wall":
+        return time.time()
+    return time.process_time() / CLOCK["threads"]
+
+
 def done(work: Path, stage: str) -> bool:
     return (work / f".done-{stage}").exists()
 
@@ -261,12 +272,12 @@ def train_target(work: Path, a) -> dict:
     budget = a.minutes_target * 60
     rng = np.random.default_rng(a.seed + state["step"])
     t_last_ck = t_last_log = time.time()
-    t_seg = time.time()
+    t_seg = clock()
     el0 = state["elapsed"]
     model.train()
     ema = None
     while True:
-        elapsed = el0 + time.time() - t_seg
+        elapsed = el0 + clock() - t_seg
         if elapsed >= budget:
             break
         lr = lr_at(elapsed / budget, state["step"], a.lr_target, 30)
@@ -284,15 +295,15 @@ def train_target(work: Path, a) -> dict:
         now = time.time()
         if now - t_last_log >= a.log_every or state["step"] == 1:
             t_last_log = now
-            el = el0 + now - t_seg
+            el = el0 + clock() - t_seg
             log(f"target step {state['step']:5d}  loss {ema:.3f}  lr {lr:.2e}  {state['tokens'] / el:,.0f} tok/s  "
-                f"{el / 60:.1f}/{a.minutes_target:g} min")
+                f"{el / 60:.1f}/{a.minutes_target:g} min ({CLOCK['kind']} clock)")
         if now - t_last_ck >= 60:
             t_last_ck = now
-            state["elapsed"] = el0 + now - t_seg
+            state["elapsed"] = el0 + clock() - t_seg
             state["history"].append({"step": state["step"], "loss": round(ema, 4), "min": round(state["elapsed"] / 60, 2)})
-            torch.save({"model": model.state_dict(), "opt": opt.state_dict(), "state": state}, ck)
-    state["elapsed"] = el0 + time.time() - t_seg
+            save_ckpt({"model": model.state_dict(), "opt": opt.state_dict(), "state": state}, ck)
+    state["elapsed"] = el0 + clock() - t_seg
     val = eval_target(model, va, a.seq, sp.bos_id())
     log(f"target done: {state['step']} steps, {state['tokens']:,} tokens, {state['elapsed'] / 60:.1f} min, "
         f"train loss {ema if ema is not None else float('nan'):.3f}, held-out loss {val:.3f} (ppl {math.exp(val):.1f})")
@@ -304,6 +315,15 @@ def train_target(work: Path, a) -> dict:
             "train_loss": round(float(ema or 0), 4), "val_loss": round(val, 4), "batch": a.batch, "seq": a.seq,
             "lr": a.lr_target, "history": state["history"]}
     return info
+
+
+def save_ckpt(obj, path: Path) -> None:
+    """Atomic checkpoint (a run stopped mid-write keeps the previous one)."""
+    import torch
+
+    tmp = path.with_suffix(".tmp")
+    torch.save(obj, tmp)
+    tmp.replace(path)
 
 
 def write_tokenizer_files(dst: Path, work: Path) -> None:
@@ -568,12 +588,12 @@ def train_drafter(work: Path, a, mask_id: int) -> dict:
 
     budget = a.minutes_drafter * 60
     rng = np.random.default_rng(a.seed + 7 + state["step"])
-    t_seg, el0 = time.time(), state["elapsed"]
+    t_seg, el0 = clock(), state["elapsed"]
     t_last_ck = t_last_log = t_last_eval = time.time()
     ema = emal = None
     model.train()
     while True:
-        el = el0 + time.time() - t_seg
+        el = el0 + clock() - t_seg
         if el >= budget:
             break
         lr = lr_at(el / budget, state["step"], a.lr_drafter, 30)
@@ -593,20 +613,20 @@ def train_drafter(work: Path, a, mask_id: int) -> dict:
         if now - t_last_log >= a.log_every or state["step"] == 1:
             t_last_log = now
             log(f"drafter step {state['step']:5d}  loss {ema:.3f}  train tau~{emal:.2f}  lr {lr:.2e}  "
-                f"{(el0 + now - t_seg) / 60:.1f}/{a.minutes_drafter:g} min")
+                f"{(el0 + clock() - t_seg) / 60:.1f}/{a.minutes_drafter:g} min ({CLOCK['kind']} clock)")
         if now - t_last_eval >= 180:
             t_last_eval = now
+            c0 = clock()
             vl, vt, _ = evaluate()
             log(f"drafter held-out: loss {vl:.3f}, acceptance length (teacher-forced, block {B}) {vt:.2f}")
             state["history"].append({"step": state["step"], "val_loss": round(vl, 4), "val_tau": round(vt, 3),
-                                     "min": round((el0 + now - t_seg) / 60, 2)})
-            t_seg_now = time.time()
-            t_seg += t_seg_now - now   # evaluation time does not count against the budget
+                                     "min": round((el0 + c0 - t_seg) / 60, 2)})
+            t_seg += clock() - c0   # evaluation does not count against the budget
         if now - t_last_ck >= 60:
             t_last_ck = now
-            state["elapsed"] = el0 + time.time() - t_seg
-            torch.save({"model": model.state_dict(), "opt": opt.state_dict(), "state": state}, ck)
-    state["elapsed"] = el0 + time.time() - t_seg
+            state["elapsed"] = el0 + clock() - t_seg
+            save_ckpt({"model": model.state_dict(), "opt": opt.state_dict(), "state": state}, ck)
+    state["elapsed"] = el0 + clock() - t_seg
     vl, vt, per = evaluate()
     log(f"drafter done: {state['step']} steps, {state['elapsed'] / 60:.1f} min; held-out loss {vl:.3f}, "
         f"acceptance length {vt:.2f}; per-position (cumulative) " + " ".join(f"{p:.2f}" for p in per))
@@ -650,7 +670,7 @@ def convert(work: Path, a) -> dict:
     how = None
     if importlib.util.find_spec("dflash_gguf.convert") is not None and not a.upstream_convert:
         cmd = [sys.executable, "-m", "dflash_gguf.convert", str(work / "hf-target"), str(work / "hf-drafter"),
-               "-o", str(gg)]
+               "-o", str(gg), "--force"]
         if a.outtype:
             cmd += ["--outtype", a.outtype]
         log("convert: " + " ".join(cmd))
@@ -667,38 +687,37 @@ def convert(work: Path, a) -> dict:
         script = paths.upstream_tree() / "convert_hf_to_gguf.py"
         for src, dst, extra in ((work / "hf-target", tgt, []),
                                 (work / "hf-drafter", dft, ["--target-model-dir", str(work / "hf-target")])):
-            cmd = [sys.executable, str(script), str(src), "--outfile", str(dst), "--outtype", a.outtype or "q8_0"] + extra
+            cmd = [sys.executable, str(script), str(src), "--outfile", str(dst), "--outtype", a.outtype or "f16"] + extra
             log("convert: " + " ".join(cmd[1:]))
             r = subprocess.run(cmd, capture_output=True, text=True)
             if r.returncode != 0:
                 raise SystemExit(f"conversion failed:\n{r.stderr[-3000:]}")
-        how = "upstream convert_hf_to_gguf.py (dflash_gguf.convert was not importable)"
+        how = ("upstream convert_hf_to_gguf.py (" + ("python -m dflash_gguf.convert failed" if importlib.util.find_spec(
+            "dflash_gguf.convert") is not None and not a.upstream_convert else "dflash_gguf.convert not importable or not asked for") + ")")
     else:
         _pick_pair(gg, tgt, dft)
-    info = {"how": how, "outtype": a.outtype or "q8_0", "target_bytes": tgt.stat().st_size,
+    info = {"how": how, "outtype": a.outtype or "f16", "target_bytes": tgt.stat().st_size,
             "drafter_bytes": dft.stat().st_size}
     log(f"convert: target {tgt.stat().st_size / 1e6:.2f} MB, drafter {dft.stat().st_size / 1e6:.2f} MB ({how})")
     return info
 
 
 def _pick_pair(gg: Path, tgt: Path, dft: Path) -> None:
-    """Rename the new converter's outputs to target.gguf / drafter.gguf (keeping pair.json if any)."""
-    for f in sorted(gg.glob("*.gguf")):
-        if f in (tgt, dft):
-            continue
-        head = f.read_bytes()[:1 << 16]
-        (dft if b"dflash" in head else tgt).write_bytes(f.read_bytes())
-        f.unlink()
+    """Rename the converter's outputs to target.gguf / drafter.gguf and point pair.json at them."""
     pj = gg / "pair.json"
-    if pj.exists():
-        try:
-            d = json.loads(pj.read_text())
-            for k, v in list(d.items()):
-                if isinstance(v, str) and v.endswith(".gguf"):
-                    d[k] = "drafter.gguf" if ("draft" in k) else "target.gguf"
-            pj.write_text(json.dumps(d, indent=2))
-        except Exception:  # noqa: BLE001
-            pass
+    d = json.loads(pj.read_text()) if pj.exists() else None
+    if d and isinstance(d.get("target"), dict) and isinstance(d.get("drafter"), dict):
+        for role, dst in (("target", tgt), ("drafter", dft)):
+            src = gg / d[role]["file"]
+            if src != dst:
+                src.replace(dst)
+            d[role]["file"] = dst.name
+            d[role].pop("source", None)   # a path on the training machine
+        pj.write_text(json.dumps(d, indent=2) + "\n")
+        return
+    for f in sorted(gg.glob("*.gguf")):   # no manifest: tell them apart by architecture
+        if f not in (tgt, dft):
+            f.replace(dft if b"dflash" in f.read_bytes()[:1 << 16] else tgt)
 
 
 # ----------------------------------------------------------------------------- 7 verify
@@ -746,8 +765,100 @@ def install(work: Path, dest: Path, info: dict) -> None:
         src = work / "gguf" / f
         if src.exists():
             shutil.copy(src, dest / f)
-    (dest / "training.json").write_text(json.dumps(info, indent=2))
-    log(f"installed the pair into {dest}")
+    slim = {k: v for k, v in info.items()}
+    (dest / "training.json").write_text(json.dumps(slim, indent=2) + "\n")
+    (dest / "MODEL_CARD.md").write_text(model_card(info, dest))
+    log(f"installed the pair into {dest} (target.gguf, drafter.gguf, pair.json, training.json, MODEL_CARD.md)")
+
+
+def model_card(info: dict, dest: Path) -> str:
+    a, c, t, d, v = info["args"], info["corpus"], info["target"], info["drafter"], info["verify"]
+    cv, s = info["convert"], info["samples"]
+    tb, db = (dest / "target.gguf").stat().st_size, (dest / "drafter.gguf").stat().st_size
+    per = " ".join(f"{x:.2f}" for x in d["val_per_position"])
+    wall = sum(x.get("stage_seconds", 0) for x in info.values() if isinstance(x, dict)) / 60
+    rows = "\n".join(f"| `{r['prompt'].splitlines()[0][:48]}` | {'yes' if r['equal'] else 'NO'} | {r['tau']:.2f} |"
+                     for r in v["prompts"])
+    return f"""# dflash-gguf demo pair: a tiny Python-code model and its DFlash drafter
+
+Two GGUF files for trying DFlash speculative decoding offline, on any CPU, in seconds:
+
+| file | what | size |
+|---|---|---|
+| `target.gguf` | Qwen3-architecture causal LM, {a['layers']} layers, hidden {a['hidden']}, {a['heads']} heads / {a['kv_heads']} KV heads, FFN {a['inter']}, vocab {info['tokenizer']['vocab']}, tied embeddings, {t['params'] / 1e6:.2f} M parameters, {cv['outtype'].upper()} | {tb / 1e6:.1f} MB |
+| `drafter.gguf` | DFlash drafter (z-lab layout), {a['d_layers']} layers, block size {a['block']}, taps on target layers {a['taps']} (HF `target_layer_ids`), {d['params'] / 1e6:.2f} M parameters + the target's embeddings / LM head, {cv['outtype'].upper()} | {db / 1e6:.1f} MB |
+
+It is a toy: the target writes plausible-looking Python in the style of the standard library, often
+wrong and sometimes repetitive. Its job is to make the DFlash mechanics visible (block drafting,
+one-pass verification, acceptance) with output that is recognisably code.
+
+```
+python -m dflash_gguf.demo                    # streams a completion, then plain vs DFlash tokens/s
+python -m dflash_gguf.bench --prompts code    # side by side with upstream llama.cpp
+```
+
+## How it was made
+
+Everything by `examples/train_demo_pair.py` on a CPU, from fixed seeds (seed {a['seed']}), no download:
+
+```
+python examples/train_demo_pair.py --minutes-target {a['minutes_target']:g} --minutes-drafter {a['minutes_drafter']:g} --train-seqs {a['train_seqs']}
+```
+
+Budgets count CPU time / threads ({a['threads']} threads), so a busy machine gives the same training,
+only later (this run: {wall:.0f} min of wall time for all stages on a shared 2-core machine). Versions: Python {info['versions']['python']}, torch {info['versions']['torch']}, transformers
+{info['versions']['transformers']}, sentencepiece {info['versions']['sentencepiece']}.
+
+- **Corpus**: the `*.py` files of the Python {c['python']} standard library on the training machine,
+  without test folders/files, at most {c['cap_bytes_per_file']:,} bytes from any one file (so no single
+  large module dominates); {c['files_train']} files / {c['bytes_train'] / 1e6:.2f} MB for training,
+  {c['files_val']} files held out (by a hash of the path) for validation and the check prompts.
+  The corpus is Python Software Foundation licensed source code.
+- **Tokenizer**: SentencePiece BPE, vocab {info['tokenizer']['vocab']}, byte fallback, identity
+  normalisation, whitespace kept (whitespace-only pieces allowed, digits split); BOS `<s>`, EOS `</s>`;
+  control piece `<|mask|>` = id {info['tokenizer']['mask_token_id']} is the drafter's mask token.
+- **Target**: {t['steps']} AdamW steps of {a['batch']} x {a['seq']} tokens ({t['tokens'] / 1e6:.2f} M tokens),
+  peak LR {a['lr_target']:g}, warm-up then cosine, {t['minutes']:.1f} min; final train loss {t['train_loss']:.2f},
+  held-out loss {t['val_loss']:.2f} (perplexity {math.exp(t['val_loss']):.1f}).
+- **Drafter data**: {s['train']['n']} training and {s['val']['n']} held-out sequences of a corpus prompt
+  ({s['train']['prompt_len']} tokens) plus {s['train']['gen_len']} tokens of the target's own greedy
+  continuation, with the target's hidden states at the taps (HF `hidden_states[t + 1]`, the output of
+  layer t) and its argmax at every position.
+- **Drafter training** (the DFlash recipe): {d['anchors_per_seq']} random anchors per sequence, block
+  `[anchor, <|mask|> x {a['block'] - 1}]` at positions a..a+{a['block'] - 1}; slot k predicts the target's
+  greedy token at a+k; context = `hidden_norm(fc(concat taps))` of positions strictly before the
+  anchor, injected as extra K/V in every layer (k_norm and RoPE at the true positions, no per-layer
+  input norm on the context); non-causal attention within the block; CE weighted by
+  exp(-(k-1)/{a['gamma']:g}); embeddings and LM head are the target's, frozen. {d['steps']} steps of
+  {d['batch_seqs']} sequences, {d['minutes']:.1f} min; held-out loss {d['val_loss']:.2f}, teacher-forced
+  acceptance length {d['val_tau_torch']:.2f} (per-position prefix acceptance {per}).
+- **Conversion**: {cv['how']}, `--outtype {cv['outtype']}`.
+  (Q8_0 is avoided on purpose: on CPUs with Intel AMX, ggml's AMX Q8_0 matmul crashed on this model.)
+
+## Measured
+
+llama.cpp (this package's patched build), greedy, {v['max_tokens']} tokens per prompt, DFlash output
+compared token by token with plain decoding:
+
+| prompt | DFlash == plain | acceptance length |
+|---|---|---|
+{rows}
+
+Mean acceptance length over these prompts: **{v['tau']:.2f}** tokens per target pass (block size
+{a['block']}). Re-measure (also against upstream llama.cpp's own DFlash) with
+`python -m dflash_gguf.bench --prompts code -n {v['max_tokens']}`. Speed on a 2-core CPU: see `BENCHMARKS.md` at the repository root (on such tiny models
+the fixed per-call overheads dominate; read the numbers as mechanics, not as a forecast for 4B+
+models).
+
+## Limitations
+
+- Trained for minutes on {t['tokens'] / 1e6:.1f} M tokens: it knows Python's surface syntax and stdlib idioms, not how to
+  program. Outside Python code (prose, other languages) it produces noise, and acceptance drops.
+- Greedy continuations of weak models fall into loops, which inflate acceptance; the check prompts
+  were chosen to avoid that, yours may not.
+- The files are rebuilt bit-for-bit only with the same Python (the corpus is its stdlib), library
+  versions and CPU-time budgets.
+"""
 
 
 # ----------------------------------------------------------------------------- main
@@ -758,6 +869,9 @@ def parse(argv=None):
     ap.add_argument("--minutes-target", type=float, default=15.0)
     ap.add_argument("--minutes-drafter", type=float, default=12.0)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--clock", choices=("cpu", "wall"), default="cpu",
+                    help="what the --minutes-* budgets count: CPU time / threads (default; the same training on "
+                         "a busy machine, it just takes longer) or wall time")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--vocab", type=int, default=4096)
     ap.add_argument("--cap-bytes", type=int, default=16_000, help="most bytes any one source file contributes")
@@ -782,7 +896,7 @@ def parse(argv=None):
     ap.add_argument("--gen-len", type=int, default=160)
     ap.add_argument("--train-seqs", type=int, default=768)
     ap.add_argument("--val-seqs", type=int, default=32)
-    ap.add_argument("--outtype", default="q8_0", help="GGUF weight type (f16, q8_0, f32)")
+    ap.add_argument("--outtype", default="f16", help="GGUF weight type (f16, bf16, f32; q8_0 crashes in ggml's AMX kernels on AMX CPUs)")
     ap.add_argument("--upstream-convert", action="store_true", help="use upstream's converter even if ours exists")
     ap.add_argument("--verify-tokens", type=int, default=96)
     ap.add_argument("--log-every", type=float, default=30.0, help="seconds between progress lines")
@@ -803,6 +917,7 @@ def main(argv=None) -> int:
     import torch
 
     torch.set_num_threads(a.threads)
+    CLOCK.update(kind=a.clock, threads=a.threads)
     random.seed(a.seed)
     np.random.seed(a.seed)
     torch.manual_seed(a.seed)

@@ -64,8 +64,11 @@ class TargetHF:
 class DFlashReference:
     """DFlash v1 drafter weights from the HF folder, and its block forward."""
 
-    def __init__(self, path: Path):
+    def __init__(self, path: Path, kv_dtype=None):
+        """``kv_dtype=np.float16`` rounds K and V as llama.cpp's default F16 KV cache stores them."""
         from safetensors.numpy import load_file
+
+        self.kv_dtype = kv_dtype
 
         self.cfg = json.loads((path / "config.json").read_text())
         dc = self.cfg.get("dflash_config", {})
@@ -101,11 +104,15 @@ class DFlashReference:
         v = (kv_in @ w[p + "self_attn.v_proj.weight"].T).reshape(P + B, self.n_kv, hd)
         q = rope_neox(rms_norm(q, w[p + "self_attn.q_norm.weight"], self.eps), pos[P:], self.theta)
         k = rope_neox(rms_norm(k, w[p + "self_attn.k_norm.weight"], self.eps), pos, self.theta)
+        if self.kv_dtype is not None:
+            k, v, q = (a.astype(self.kv_dtype).astype(np.float64) for a in (k, v, q))
         group = self.n_head // self.n_kv
         out = np.empty((B, self.n_head, hd))
         for head in range(self.n_head):
             kh, vh = k[:, head // group], v[:, head // group]
             att = softmax(q[:, head] @ kh.T / np.sqrt(hd))                     # non-causal: all P+B keys
+            if self.kv_dtype is not None:
+                att = att.astype(self.kv_dtype).astype(np.float64)
             out[:, head] = att @ vh
         h = h + out.reshape(B, -1) @ w[p + "self_attn.o_proj.weight"].T
         x = rms_norm(h, w[p + "post_attention_layernorm.weight"], self.eps)

@@ -87,7 +87,7 @@ def _spice_up(model, seed: int, scale: float) -> None:
 def make_target(out_dir: Path, tok_dir: Path, arch: str = "qwen3", *, hidden: int = 64, layers: int = 4,
                 heads: int = 4, kv_heads: int = 2, head_dim: int = 16, inter: int = 128, seed: int = 0,
                 scale: float = 3.0) -> Path:
-    """A random Qwen3 or Llama causal LM saved as a Hugging Face folder (hybrids: make_hybrid_target)."""
+    """A random Qwen3 or Llama causal LM saved as a Hugging Face folder."""
     if arch in HYBRID_ARCHS:
         return make_hybrid_target(out_dir, tok_dir, arch, hidden=hidden, layers=layers, heads=heads,
                                   kv_heads=kv_heads, head_dim=head_dim, inter=inter, seed=seed, scale=scale)

@@ -6,7 +6,7 @@ import logging
 import sys
 
 from dflash_gguf.convert.check import check_pair
-from dflash_gguf.convert.errors import ConvertError, OutputError, PairError
+from dflash_gguf.convert.errors import ConvertError, ManifestError, OutputError, PairError
 from dflash_gguf.convert.pipeline import DRAFTER_TYPES, convert_pair
 from dflash_gguf.convert.quantize import QTYPES
 from dflash_gguf.convert.upstream import OUTTYPES
@@ -57,7 +57,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.check:
         if args.target or args.drafter or args.out:
             ap.error("--check takes only the pair directory")
-        result = check_pair(args.check, n_tokens=args.tokens, threads=args.threads)
+        try:
+            result = check_pair(args.check, n_tokens=args.tokens, threads=args.threads)
+        except ImportError as e:        # the patched llama-cpp-python is missing or stale
+            return _fail(e)
         print(result.message)
         return 0 if result.ok else 1
     if not (args.target and args.drafter and args.out):
@@ -65,12 +68,10 @@ def main(argv: list[str] | None = None) -> int:
     try:
         convert_pair(args.target, args.drafter, args.out, outtype=args.outtype, quantize=args.quantize,
                      drafter_outtype=args.drafter_outtype, threads=args.threads, force=args.force)
-    except ValueError as e:
-        if isinstance(e, PairError):
-            return _fail(e)
-        ap.error(str(e))
-    except (OutputError, ConvertError) as e:
+    except (PairError, OutputError, ConvertError, ManifestError) as e:
         return _fail(e)
+    except ValueError as e:          # a contradictory option combination
+        ap.error(str(e))
     except KeyboardInterrupt:
         print("interrupted: nothing was written", file=sys.stderr)
         return 130

@@ -18,7 +18,7 @@ from pathlib import Path
 
 from dflash_gguf.convert import manifest as mf
 from dflash_gguf.convert import upstream
-from dflash_gguf.convert.errors import ConvertError, OutputError
+from dflash_gguf.convert.errors import OutputError
 from dflash_gguf.convert.quantize import QTYPES, quantize_file
 from dflash_gguf.convert.validate import PairSpec, validate_pair
 

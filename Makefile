@@ -1,0 +1,45 @@
+# dflash-gguf: every target sets up what it needs (venv, patched llama.cpp build) on a fresh machine.
+PY      ?= python3
+VENV    ?= .venv
+VPY      = $(VENV)/bin/python
+STAMP    = $(VENV)/.deps-installed
+
+.PHONY: demo test build tools venv clean-cache help
+
+help:
+	@echo "make demo    - set up everything, then run the offline DFlash demo on the shipped pair"
+	@echo "make test    - set up everything (incl. upstream reference tools), then run the test suite"
+	@echo "make build   - build/install the patched llama-cpp-python (cached; FORCE=1 rebuilds)"
+	@echo "make tools   - also build upstream's reference binaries (llama-speculative-simple, ...)"
+
+$(VPY):
+	$(PY) -m venv $(VENV)
+	$(VPY) -m pip install -q --upgrade pip
+
+$(STAMP): pyproject.toml | $(VPY)
+	$(VPY) -m pip install -q "numpy>=1.24" "cffi>=1.16" diskcache jinja2 typing-extensions
+	$(VPY) -m pip install -q --no-deps -e .
+	touch $(STAMP)
+
+venv: $(STAMP)
+
+build: venv
+	$(VPY) -m dflash_gguf.build $(if $(FORCE),--force,)
+
+tools: venv
+	$(VPY) -m dflash_gguf.build --with-tools $(if $(FORCE),--force,)
+
+# test dependencies: torch CPU (from this machine's disk where available), transformers, server + client
+$(VENV)/.test-deps: pyproject.toml | $(STAMP)
+	$(VPY) -m pip install -q torch==2.13.0
+	$(VPY) -m pip install -q "transformers==4.57.6" sentencepiece protobuf safetensors pytest httpx "openai>=1.0" "fastapi>=0.110" "uvicorn>=0.27" matplotlib
+	touch $@
+
+demo: build
+	$(VPY) -m dflash_gguf.demo
+
+test: tools $(VENV)/.test-deps
+	$(VPY) -m pytest -q
+
+clean-cache:
+	rm -rf $${DFLASH_GGUF_CACHE:-$$HOME/.cache/dflash-gguf}

@@ -1,0 +1,179 @@
+"""An offline DFlash demo: stream a code completion, then compare plain and DFlash decoding.
+
+    python -m dflash_gguf.demo                      # the shipped demo pair (dflash_gguf/data/demo)
+    python -m dflash_gguf.demo --prompt "def fib(n):\\n" --max-tokens 64
+    python -m dflash_gguf.demo --model target.gguf --draft drafter.gguf
+
+The shipped pair is tiny (a ~6 M-parameter Qwen3 trained on the Python standard library's
+source, and its ~2 M-parameter DFlash drafter): the point is to see the mechanics - the drafter
+proposes a block of tokens, the target checks the whole block in one pass, and the output is
+exactly what plain greedy decoding gives. Nothing here needs torch or a network.
+"""
+from __future__ import annotations
+
+import argparse
+import codecs
+import logging
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+DEMO_DIR = Path(__file__).resolve().parent / "data" / "demo"
+DEFAULT_PROMPT = "def read_lines(path):\n    \"\"\"Return the lines of a text file.\"\"\"\n"
+
+
+def demo_pair() -> tuple[Path, Path]:
+    """Paths of the shipped demo pair (target, drafter)."""
+    return DEMO_DIR / "target.gguf", DEMO_DIR / "drafter.gguf"
+
+
+def _parse(argv):
+    ap = argparse.ArgumentParser(prog="python -m dflash_gguf.demo", description=__doc__.split("\n\n")[0],
+                                 epilog="Without --model/--draft the shipped demo pair is used.")
+    ap.add_argument("--model", "-m", type=Path, help="target GGUF (default: the shipped demo target)")
+    ap.add_argument("--draft", "-md", type=Path, help="DFlash drafter GGUF for that target (default: the shipped one)")
+    ap.add_argument("--prompt", "-p", default=None, help="prompt text (default: the start of a Python function)")
+    ap.add_argument("--max-tokens", "-n", type=int, default=128, help="tokens to generate (default 128)")
+    ap.add_argument("--n-draft", type=int, default=None, help="tokens drafted per block (default: block size - 1)")
+    ap.add_argument("--threads", "-t", type=int, default=None, help="CPU threads (default: all cores, at most 8)")
+    ap.add_argument("--trials", type=int, default=3, help="timed runs of each mode; the median is shown (default 3)")
+    ap.add_argument("--no-stream", action="store_true", help="do not print the completion as it is generated")
+    ap.add_argument("-v", "--verbose", action="store_true", help="show llama.cpp's log")
+    return ap.parse_args(argv)
+
+
+def _bar(frac: float, width: int = 24) -> str:
+    n = max(0, min(width, round(frac * width)))
+    return "#" * n + "." * (width - n)
+
+
+def main(argv=None) -> int:
+    a = _parse(argv)
+    logging.basicConfig(level=logging.DEBUG if a.verbose else logging.WARNING, format="%(name)s: %(message)s")
+    if not a.verbose:
+        logging.getLogger("dflash_gguf.llama_cpp").setLevel(logging.ERROR)
+
+    target_path, draft_path = demo_pair()
+    target_path = a.model or target_path
+    draft_path = a.draft or (None if a.model else draft_path)
+    if draft_path is None:
+        print("error: --model was given without --draft: pass the DFlash drafter made for that target", file=sys.stderr)
+        return 2
+    for p, what in ((target_path, "target"), (draft_path, "drafter")):
+        if not Path(p).is_file():
+            hint = ("the demo pair is made by `python examples/train_demo_pair.py` (about 30 min on 2 cores)"
+                    if p in demo_pair() else "check the path")
+            print(f"error: {what} model not found: {p}\n       {hint}", file=sys.stderr)
+            return 2
+
+    try:
+        from dflash_gguf.engine import Context, ContextOptions, Model
+        from dflash_gguf.logs import set_log_handler
+        from dflash_gguf.spec import DFlashDecoder, GenerationStats, SpecOptions
+    except Exception as e:  # noqa: BLE001 - the most likely first-run failure; say what to do
+        print(f"error: the patched llama.cpp is not usable here ({e}).\n"
+              "       build it first: python -m dflash_gguf.build", file=sys.stderr)
+        return 2
+    set_log_handler()
+
+    threads = a.threads or min(8, os.cpu_count() or 1)
+    prompt = DEFAULT_PROMPT if a.prompt is None else a.prompt.replace("\\n", "\n")
+
+    print("DFlash speculative decoding demo")
+    print("================================")
+    print(f"target : {target_path}  ({Path(target_path).stat().st_size / 1e6:.1f} MB)")
+    print(f"drafter: {draft_path}  ({Path(draft_path).stat().st_size / 1e6:.1f} MB)")
+    t0 = time.perf_counter()
+    tm = Model(target_path)
+    dm = Model(draft_path)
+    opts = ContextOptions(n_ctx=2048, n_batch=256, n_ubatch=256, n_threads=threads)
+    tctx = Context(tm, opts)
+    dctx = Context(dm, opts, other=tctx)
+    spec = DFlashDecoder(tctx, dctx, SpecOptions(n_draft=a.n_draft))
+    info = spec.info
+    print(f"loaded in {time.perf_counter() - t0:.2f} s: {tm.arch} target ({tm.n_layer} layers, vocab {tm.n_vocab}); "
+          f"{info.kind} drafter, block size {info.block_size}, drafting {spec.n_draft} tokens per step, "
+          f"{threads} threads")
+    print()
+    print("How it works: each step the drafter guesses the next "
+          f"{spec.n_draft} tokens at once from the target's hidden states;\n"
+          "the target checks all of them in ONE batched pass and keeps the longest correct prefix,\n"
+          "plus one token of its own. The text is exactly what plain greedy decoding produces.")
+    print()
+
+    ids = tm.tokenize(prompt.encode("utf-8"))
+    n = a.max_tokens
+
+    # 1. stream the DFlash completion (also warms up both models)
+    print(f"--- completion ({n} tokens, DFlash) " + "-" * 30)
+    sys.stdout.write(prompt)
+    sys.stdout.flush()
+    dec = codecs.getincrementaldecoder("utf-8")("replace")
+    st_stream = GenerationStats()
+    spec_tokens = []
+    for tok in spec.generate(ids, n, stats=st_stream):
+        spec_tokens.append(tok)
+        if not a.no_stream:
+            sys.stdout.write(dec.decode(tm.token_bytes(tok)))
+            sys.stdout.flush()
+    if a.no_stream:
+        sys.stdout.write(tm.detokenize(spec_tokens).decode("utf-8", "replace"))
+    else:
+        sys.stdout.write(dec.decode(b"", final=True))
+    print("\n" + "-" * 66)
+
+    # 2. time both modes on the same prompt (the decoder state is reset between runs)
+    plain = DFlashDecoder(tctx, None)
+    list(plain.generate(ids, min(8, n)))      # warm-up of the one-row path
+    plain_runs, spec_runs = [], []
+    plain_tokens = None
+    for _ in range(max(1, a.trials)):
+        plain.reset()
+        st = GenerationStats()
+        plain_tokens = list(plain.generate(ids, n, stats=st))
+        plain_runs.append(st)
+        spec = DFlashDecoder(tctx, dctx, SpecOptions(n_draft=a.n_draft))
+        st = GenerationStats()
+        got = list(spec.generate(ids, n, stats=st))
+        spec_runs.append(st)
+        if got != plain_tokens:
+            print("ERROR: DFlash output differs from plain decoding - this is a bug, please report it", file=sys.stderr)
+            return 1
+        plain = DFlashDecoder(tctx, None)
+
+    def med(runs, attr):
+        return statistics.median(getattr(r, attr) for r in runs)
+
+    tps_plain = med(plain_runs, "tokens_per_second")
+    tps_spec = med(spec_runs, "tokens_per_second")
+    best = spec_runs[0]
+    speedup = tps_spec / tps_plain if tps_plain else float("nan")
+    print()
+    print(f"Results (median of {len(spec_runs)} runs, {len(plain_tokens)} tokens each, prompt {len(ids)} tokens):")
+    print(f"  plain decoding   : {tps_plain:8.1f} tokens/s   (one target pass per token)")
+    print(f"  DFlash decoding  : {tps_spec:8.1f} tokens/s   ({best.steps} target passes for {best.n_generated} tokens)")
+    print(f"  speed-up         : {speedup:8.2f} x")
+    print(f"  acceptance length: {best.tau:8.2f} tokens per target pass "
+          f"({best.accepted} of {best.drafted} drafted tokens accepted)")
+    print("  same output as plain decoding: yes (checked token by token)")
+    rates = best.acceptance_rate_per_pos
+    if rates:
+        print("  how often the drafter's k-th guess was accepted:")
+        for k, r in enumerate(rates, 1):
+            print(f"    position {k}: {_bar(r)} {r * 100:5.1f}%")
+    t = {k: med(spec_runs, f"t_{k}") for k in ("draft", "verify", "inject", "rollback", "python")}
+    tot = sum(t.values()) or 1.0
+    print("  where DFlash spends its time: " + ", ".join(f"{k} {v / tot * 100:.0f}%" for k, v in t.items()))
+    if speedup < 1.0:
+        print("  note: on this machine speculation did not pay here; on CPUs it needs high acceptance"
+              " (see BENCHMARKS.md)")
+    print()
+    print("Try: python -m dflash_gguf.demo --prompt 'class Queue:\\n    def __init__(self):\\n'")
+    print("     python -m dflash_gguf.bench   (side by side with plain and upstream llama.cpp)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

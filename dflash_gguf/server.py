@@ -1,0 +1,429 @@
+"""OpenAI-compatible HTTP server with DFlash inside: ``python -m dflash_gguf.server --pair DIR``.
+
+Endpoints
+    POST /v1/completions, POST /v1/chat/completions   OpenAI request/response shapes; ``stream: true``
+        sends server-sent events ``data: {chunk}`` ... ``data: [DONE]``. Every response (and the last
+        chunk of a stream) carries a top-level ``dflash`` object (acceptance_length, drafted, accepted,
+        steps, tokens_per_second, ...), ``null`` when the request was served by plain decoding.
+    GET /v1/models      the one model this server holds.
+    GET /health         ``{"status": "ok", "model", "dflash", "busy", "waiting"}``.
+    GET /metrics        Prometheus text format (``?format=json`` for JSON): requests by endpoint and
+        status, tokens, DFlash steps/drafted/accepted, mean acceptance length, tokens/s, fallbacks,
+        client disconnects.
+
+Concurrency: one model and one llama.cpp context per server. Generation requests are served one
+at a time in arrival order (an asyncio lock, held for the whole request including every chunk of
+a stream); llama.cpp runs on one dedicated worker thread, so /health, /metrics and /v1/models
+answer while a generation runs. A client that disconnects mid-stream stops its generation at the
+next chunk; the DFlash engine rolls both caches back and the next request is served normally.
+
+Not supported: ``n``/``best_of`` > 1 (400), ``logprobs`` (400: the model runs without
+``logits_all``), usage in streams (``stream_options`` is accepted, no usage chunk is sent). A
+non-streaming request runs to its end even if its client goes away.
+
+Errors are JSON ``{"error": {"message", "type", "param", "code"}}``: 400 for bad input (validation,
+context overflow, an unknown field), 404/405 for unknown routes, 500 only for server faults.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import time
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, Callable, Iterator
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from dflash_gguf.server_schemas import ChatRequest, CompletionRequest
+
+log = logging.getLogger("dflash_gguf.server")
+_END = object()
+
+
+# --------------------------------------------------------------------------- errors
+class BadRequest(ValueError):
+    def __init__(self, message: str, param: str | None = None):
+        super().__init__(message)
+        self.param = param
+
+
+def error_body(message: str, type_: str, param: str | None = None, code: Any = None) -> dict:
+    return {"error": {"message": message, "type": type_, "param": param, "code": code}}
+
+
+def _error_response(exc: BaseException) -> JSONResponse:
+    if isinstance(exc, ValueError):   # bad input: validation, context overflow, unknown token ids, ...
+        return JSONResponse(error_body(str(exc) or type(exc).__name__, "invalid_request_error",
+                                       getattr(exc, "param", None)), status_code=400)
+    log.exception("request failed", exc_info=exc)
+    return JSONResponse(error_body(f"internal error: {type(exc).__name__}: {exc}", "server_error"), status_code=500)
+
+
+def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
+    parts, param = [], None
+    for err in exc.errors():
+        loc = [str(x) for x in err.get("loc", ()) if x != "body"]
+        where = ".".join(loc)
+        param = param or (where or None)
+        msg = err.get("msg", "invalid value")
+        if err.get("type") == "json_invalid":
+            error = (err.get("ctx") or {}).get("error", "")
+            parts.append(f"the body is not valid JSON ({error} at character {where})")
+            return "; ".join(parts), None
+        if err.get("type") == "extra_forbidden":
+            msg = "unknown field (not supported by this server)"
+        parts.append(f"{where}: {msg}" if where else msg)
+    return "; ".join(parts) or "invalid request", param
+
+
+# --------------------------------------------------------------------------- metrics
+class Metrics:
+    """Counters since start; rendered as Prometheus text or JSON."""
+
+    def __init__(self):
+        self.started = time.time()
+        self.requests: dict[tuple[str, int], int] = {}
+        self.prompt_tokens = self.completion_tokens = 0
+        self.steps = self.drafted = self.accepted = self.dflash_tokens = 0
+        self.dflash_seconds = 0.0
+        self.dflash_requests = self.plain_requests = self.disconnects = 0
+        self.last_tokens_per_second = 0.0
+        self.in_flight = 0
+
+    def request(self, endpoint: str, status: int) -> None:
+        self.requests[(endpoint, status)] = self.requests.get((endpoint, status), 0) + 1
+
+    def generation(self, dflash: dict | None, usage: dict | None) -> None:
+        if usage:
+            self.prompt_tokens += int(usage.get("prompt_tokens", 0))
+            self.completion_tokens += int(usage.get("completion_tokens", 0))
+        if dflash is None:
+            self.plain_requests += 1
+            return
+        self.dflash_requests += 1
+        self.steps += dflash["steps"]
+        self.drafted += dflash["drafted"]
+        self.accepted += dflash["accepted"]
+        self.dflash_tokens += dflash.get("n_generated", 0)
+        t = dflash.get("time", {})
+        self.dflash_seconds += max(0.0, t.get("total", 0.0) - t.get("prefill", 0.0))
+        self.last_tokens_per_second = dflash["tokens_per_second"]
+        if not usage:
+            self.completion_tokens += dflash.get("n_generated", 0)
+            self.prompt_tokens += dflash.get("n_prompt", 0)
+
+    def as_dict(self) -> dict:
+        return {
+            "uptime_seconds": round(time.time() - self.started, 3),
+            "requests": [{"endpoint": e, "status": s, "count": n} for (e, s), n in sorted(self.requests.items())],
+            "requests_in_flight": self.in_flight,
+            "prompt_tokens": self.prompt_tokens, "completion_tokens": self.completion_tokens,
+            "dflash_requests": self.dflash_requests, "plain_requests": self.plain_requests,
+            "dflash_steps": self.steps, "dflash_drafted": self.drafted, "dflash_accepted": self.accepted,
+            "acceptance_length": round((self.accepted + self.steps) / self.steps, 4) if self.steps else None,
+            "acceptance_rate": round(self.accepted / self.drafted, 4) if self.drafted else None,
+            "dflash_tokens_per_second": round(self.dflash_tokens / self.dflash_seconds, 2) if self.dflash_seconds else None,
+            "last_tokens_per_second": self.last_tokens_per_second,
+            "client_disconnects": self.disconnects,
+        }
+
+    def prometheus(self) -> str:
+        d = self.as_dict()
+        out = []
+
+        def metric(name, kind, help_, value, labels=""):
+            if f"# TYPE dflash_{name} " not in "".join(out):
+                out.append(f"# HELP dflash_{name} {help_}\n# TYPE dflash_{name} {kind}\n")
+            out.append(f"dflash_{name}{labels} {0 if value is None else value}\n")
+
+        for r in d["requests"]:
+            metric("requests_total", "counter", "HTTP requests by endpoint and status", r["count"],
+                   f'{{endpoint="{r["endpoint"]}",status="{r["status"]}"}}')
+        metric("requests_in_flight", "gauge", "generation requests running or waiting", d["requests_in_flight"])
+        metric("prompt_tokens_total", "counter", "prompt tokens of served requests", d["prompt_tokens"])
+        metric("completion_tokens_total", "counter", "generated tokens", d["completion_tokens"])
+        help_ = "generations by decoding path: dflash, or plain (a fallback, or dflash off)"
+        metric("generations_total", "counter", help_, d["dflash_requests"], '{path="dflash"}')
+        metric("generations_total", "counter", help_, d["plain_requests"], '{path="plain"}')
+        metric("steps_total", "counter", "DFlash draft-verify steps", d["dflash_steps"])
+        metric("drafted_tokens_total", "counter", "tokens proposed by the drafter", d["dflash_drafted"])
+        metric("accepted_tokens_total", "counter", "drafted tokens accepted by the target", d["dflash_accepted"])
+        metric("acceptance_length", "gauge", "mean tokens committed per DFlash step since start", d["acceptance_length"])
+        metric("tokens_per_second", "gauge", "DFlash decode speed since start (after prefill)",
+               d["dflash_tokens_per_second"])
+        metric("client_disconnects_total", "counter", "streams stopped because the client went away",
+               d["client_disconnects"])
+        metric("uptime_seconds", "gauge", "seconds since the server started", d["uptime_seconds"])
+        return "".join(out)
+
+
+# --------------------------------------------------------------------------- serving state
+class _Lease:
+    """A running stream's claim on the model: closing it (once) ends the generation and frees the lock."""
+
+    def __init__(self, server: "_Server", it: Iterator | None):
+        self.server, self.it, self.done = server, it, False
+
+    def release(self) -> None:
+        if self.done:
+            return
+        self.done = True
+        self.server.metrics.in_flight -= 1
+        self.server.release(self.it)
+
+
+class _Server:
+    def __init__(self, llm, model_id: str):
+        self.llm = llm
+        self.model_id = model_id
+        self.created = int(time.time())
+        self.lock = asyncio.Lock()
+        self.worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="llama")   # the only thread touching llm
+        self.metrics = Metrics()
+        self.waiting = 0
+
+    async def run(self, fn: Callable, *args):
+        return await asyncio.wrap_future(self.worker.submit(fn, *args))
+
+    async def acquire(self) -> None:
+        self.waiting += 1
+        try:
+            await self.lock.acquire()
+        finally:
+            self.waiting -= 1
+
+    def release(self, it: Iterator | None = None) -> None:
+        """Close ``it`` on the worker (after any call still running there), then free the lock."""
+        loop = asyncio.get_running_loop()
+
+        def job():
+            try:
+                if it is not None and hasattr(it, "close"):
+                    it.close()        # the DFlash engine rolls its caches back to the consumed tokens
+            except Exception:
+                log.exception("closing a generation failed")
+            finally:
+                loop.call_soon_threadsafe(self.lock.release)
+
+        self.worker.submit(job)
+
+    # ------------------------------------------------------------------ generation
+    async def generate(self, request: Request, endpoint: str, call: Callable[[], Any], stream: bool):
+        """Run ``call`` (a create_* call of the Llama) with the model to itself; JSON or an SSE stream."""
+        self.metrics.in_flight += 1
+        leased = False
+        try:
+            await self.acquire()
+            if not stream:
+                try:
+                    result = await self.run(call)
+                finally:
+                    self.release()
+                self.metrics.generation(result.get("dflash"), result.get("usage"))
+                self.metrics.request(endpoint, 200)
+                return JSONResponse(result)
+            it = None
+            try:
+                it = await self.run(call)
+                first = await self.run(next, it, _END)   # errors before the first chunk are HTTP errors
+            except BaseException:
+                self.release(it)
+                raise
+            lease, leased = _Lease(self, it), True
+            self.metrics.request(endpoint, 200)
+            return _SSEResponse(self._events(request, lease, first), lease)
+        except Exception as e:
+            resp = _error_response(e)
+            self.metrics.request(endpoint, resp.status_code)
+            return resp
+        finally:
+            if not leased:
+                self.metrics.in_flight -= 1
+
+    async def _events(self, request: Request, lease: _Lease, first):
+        chunk = first
+        try:
+            while chunk is not _END:
+                if chunk.get("choices") and chunk["choices"][0].get("finish_reason") is not None:
+                    self.metrics.generation(chunk.get("dflash"), chunk.get("usage"))
+                yield f"data: {json.dumps(chunk)}\n\n"
+                if await request.is_disconnected():
+                    self.metrics.disconnects += 1
+                    log.info("client disconnected: generation stopped")
+                    return
+                chunk = await self.run(next, lease.it, _END)
+            yield "data: [DONE]\n\n"
+        except asyncio.CancelledError:   # Starlette saw the disconnect first and cancelled the stream
+            self.metrics.disconnects += 1
+            raise
+        except Exception as e:   # after the first chunk the status line is sent: report in the stream
+            log.exception("stream failed")
+            yield f"data: {json.dumps(error_body(str(e), 'server_error'))}\n\n"
+        finally:
+            lease.release()
+
+
+class _SSEResponse(StreamingResponse):
+    """Server-sent events whose lease is released even if the body is never iterated."""
+
+    def __init__(self, content, lease: _Lease):
+        super().__init__(content, media_type="text/event-stream",
+                         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        self._lease = lease
+
+    async def __call__(self, scope, receive, send):
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self._lease.release()
+
+
+# --------------------------------------------------------------------------- app
+def _grammar(llm, text: str | None):
+    if text is None:
+        return None
+    from llama_cpp import LlamaGrammar
+
+    from dflash_gguf.api import check_grammar
+
+    grammar = LlamaGrammar.from_string(text, verbose=False)
+    try:
+        check_grammar(llm, grammar)   # llama_cpp would crash the process on a grammar it cannot parse
+    except ValueError as e:
+        raise BadRequest(f"{e}", "grammar") from e
+    return grammar
+
+
+def create_app(llm, model_id: str | None = None) -> FastAPI:
+    """A FastAPI app serving ``llm`` (a :class:`dflash_gguf.Llama`, or any ``llama_cpp.Llama``)."""
+    from pathlib import Path
+
+    model_id = model_id or Path(llm.model_path).stem
+    srv = _Server(llm, model_id)
+    app = FastAPI(title="dflash-gguf", version="0.1.0",
+                  description="OpenAI-compatible server with lossless DFlash speculative decoding")
+    app.state.server = srv
+
+    @app.exception_handler(RequestValidationError)
+    async def _invalid(request: Request, exc: RequestValidationError):
+        msg, param = _validation_message(exc)
+        srv.metrics.request(request.url.path, 400)
+        return JSONResponse(error_body(msg, "invalid_request_error", param), status_code=400)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(request: Request, exc: StarletteHTTPException):
+        kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
+        return JSONResponse(error_body(str(exc.detail), kind), status_code=exc.status_code)
+
+    @app.exception_handler(ValueError)
+    async def _bad_value(request: Request, exc: ValueError):
+        srv.metrics.request(request.url.path, 400)
+        return _error_response(exc)
+
+    @app.exception_handler(Exception)
+    async def _crash(request: Request, exc: Exception):
+        return _error_response(exc)
+
+    @app.get("/health")
+    async def health():
+        return {"status": "ok", "model": model_id, "dflash": _dflash_info(llm), "busy": srv.lock.locked(),
+                "waiting": srv.waiting}
+
+    @app.get("/v1/models")
+    async def models():
+        return {"object": "list", "data": [{"id": model_id, "object": "model", "created": srv.created,
+                                            "owned_by": "dflash-gguf", "dflash": _dflash_info(llm)}]}
+
+    @app.get("/metrics")
+    async def metrics(format: str = "prometheus"):
+        if format == "json":
+            return srv.metrics.as_dict()
+        return PlainTextResponse(srv.metrics.prometheus(), media_type="text/plain; version=0.0.4")
+
+    @app.post("/v1/completions")
+    async def completions(body: CompletionRequest, request: Request):
+        kw = body.sampling_kwargs()
+        kw.update(max_tokens=body.max_tokens if body.max_tokens is not None else 16, echo=body.echo,
+                  logprobs=body.logprobs, suffix=body.suffix, stream=body.stream, model=model_id)
+        grammar = _grammar(llm, body.grammar)
+        if grammar is not None:
+            kw["grammar"] = grammar
+        prompt = body.prompt
+        _check_prompt(llm, prompt)
+        return await srv.generate(request, "/v1/completions", lambda: llm.create_completion(prompt, **kw), body.stream)
+
+    @app.post("/v1/chat/completions")
+    async def chat(body: ChatRequest, request: Request):
+        kw = body.sampling_kwargs()
+        messages = [m.as_dict() for m in body.messages]
+        kw.update(max_tokens=body.max_completion_tokens or body.max_tokens, stream=body.stream, model=model_id,
+                  logprobs=body.logprobs, top_logprobs=body.top_logprobs, response_format=body.response_format,
+                  tools=body.tools, tool_choice=body.tool_choice)
+        grammar = _grammar(llm, body.grammar)
+        if grammar is not None:
+            kw["grammar"] = grammar
+        if body.chat_template_kwargs:
+            if not hasattr(llm, "dflash_info"):
+                raise BadRequest("chat_template_kwargs needs a dflash_gguf.Llama", "chat_template_kwargs")
+            kw["chat_template_kwargs"] = body.chat_template_kwargs
+        return await srv.generate(request, "/v1/chat/completions",
+                                  lambda: llm.create_chat_completion(messages, **kw), body.stream)
+
+    return app
+
+
+def _dflash_info(llm) -> dict | None:
+    return getattr(llm, "dflash_info", None)
+
+
+def _check_prompt(llm, prompt) -> None:
+    """Token ids must be in the vocabulary (llama.cpp would abort on a bad id)."""
+    if isinstance(prompt, list):
+        n_vocab = llm.n_vocab()
+        bad = [t for t in prompt if t >= n_vocab]
+        if bad:
+            raise BadRequest(f"token id {bad[0]} is outside the vocabulary (0..{n_vocab - 1})", "prompt")
+
+
+# --------------------------------------------------------------------------- command line
+def parser(prog: str = "python -m dflash_gguf.server") -> argparse.ArgumentParser:
+    from dflash_gguf.cli import add_model_args
+
+    ap = argparse.ArgumentParser(
+        prog=prog, formatter_class=argparse.RawDescriptionHelpFormatter,
+        description="OpenAI-compatible server (/v1/completions, /v1/chat/completions, /v1/models, /health, "
+                    "/metrics) with lossless DFlash speculative decoding. One model; requests are served one "
+                    "at a time in arrival order.",
+        epilog="example:\n  python -m dflash_gguf.server --pair qwen3-8b-dflash --port 8000\n"
+               "  curl localhost:8000/v1/chat/completions -H 'content-type: application/json' \\\n"
+               "       -d '{\"messages\": [{\"role\": \"user\", \"content\": \"hi\"}], "
+               "\"chat_template_kwargs\": {\"enable_thinking\": false}}'\n\n"
+               "Thinking models: chat_template_kwargs {\"enable_thinking\": false} raises DFlash acceptance a lot.")
+    g = ap.add_argument_group("server")
+    g.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1; 0.0.0.0: all)")
+    g.add_argument("--port", type=int, default=8000, help="port (default 8000)")
+    g.add_argument("--model-alias", default=None, help="model id shown by /v1/models (default: the target's name)")
+    add_model_args(ap)
+    return ap
+
+
+def main(argv: list[str] | None = None, prog: str = "python -m dflash_gguf.server") -> int:
+    import uvicorn
+
+    from dflash_gguf.cli import load_llama, setup_logging
+
+    args = parser(prog).parse_args(argv)
+    setup_logging(args.verbose, logging.INFO)
+    llm = load_llama(args)
+    app = create_app(llm, args.model_alias)
+    uvicorn.run(app, host=args.host, port=args.port, log_level="debug" if args.verbose else "info")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,412 @@
+"""dflash_gguf.Llama against llama_cpp.Llama: same text on every entry point, stats, fallbacks, state."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import llama_cpp
+import pytest
+from llama_cpp.llama_chat_format import Jinja2ChatFormatter
+
+from dflash_gguf import Llama
+
+KW = dict(n_ctx=512, n_threads=1, n_threads_batch=1, seed=0, verbose=False, chat_format="chatml")
+PROMPTS = ["def main(", "import os\n", "class Foo:\n    def"]
+
+
+class Oracle:
+    """A test proposer that drafts what plain decoding produced before (with planted mistakes).
+
+    The random tiny drafter almost never agrees with the random target, so every block would commit
+    one token. Proposing the known continuation makes blocks commit several tokens, which is what
+    stop strings, max_tokens and streaming across block boundaries need to be tested against.
+    """
+
+    def __init__(self):
+        self.known: list[list[int]] = []
+        self.calls = 0
+
+    def learn(self, llm: llama_cpp.Llama) -> None:
+        self.known.append(llm.input_ids[: llm.n_tokens].tolist())
+
+    def __call__(self, ctx: list[int], n: int) -> list[int]:
+        self.calls += 1
+        out = [0] * n
+        for seq in self.known:
+            if len(seq) > len(ctx) and seq[: len(ctx)] == ctx:
+                got = seq[len(ctx): len(ctx) + n]
+                out[: len(got)] = got
+                break
+        if self.calls % 4 == 0 and n > 3:      # a rejection in the middle of the block now and then
+            out[3] = (out[3] + 1) % 512
+        return out
+
+
+@pytest.fixture(scope="module")
+def pair(models):
+    return models.pair("qwen3", "dflash", 8)
+
+
+@pytest.fixture(scope="module")
+def plain(pair):
+    llm = llama_cpp.Llama(str(pair.target), **KW)
+    yield llm
+    llm.close()
+
+
+@pytest.fixture(scope="module")
+def oracle():
+    return Oracle()
+
+
+@pytest.fixture(scope="module")
+def fast(pair, oracle):
+    llm = Llama(str(pair.target), draft_model_path=str(pair.drafter), **KW)
+    llm.decoder.opts.proposer = oracle
+    yield llm
+    llm.close()
+
+
+def both(plain, fast, oracle, method: str, *args, **kwargs):
+    a = getattr(plain, method)(*args, **kwargs)
+    if kwargs.get("stream"):
+        a = list(a)
+    oracle.learn(plain)
+    b = getattr(fast, method)(*args, **kwargs)
+    if kwargs.get("stream"):
+        b = list(b)
+    return a, b
+
+
+def assert_consistent(llm: Llama) -> None:
+    """llama_cpp's view of the context equals the decoder's."""
+    assert llm.n_tokens == len(llm.decoder.cache)
+    assert llm.input_ids[: llm.n_tokens].tolist() == llm.decoder.cache
+
+
+def assert_sane(stats: dict | None, n_generated: int) -> None:
+    assert stats is not None
+    assert stats["steps"] > 0 or n_generated <= 1
+    assert stats["drafted"] >= stats["accepted"] >= 0
+    assert stats["acceptance_length"] >= 1.0 or stats["steps"] == 0
+    assert stats["tokens_per_second"] >= 0
+    json.dumps(stats)
+
+
+@pytest.mark.parametrize("prompt", PROMPTS)
+@pytest.mark.parametrize("max_tokens", [1, 6, 13, 40])
+def test_completion_matches_plain(plain, fast, oracle, prompt, max_tokens):
+    a, b = both(plain, fast, oracle, "create_completion", prompt, max_tokens=max_tokens, temperature=0)
+    assert b["choices"][0]["text"] == a["choices"][0]["text"]
+    assert b["choices"][0]["finish_reason"] == a["choices"][0]["finish_reason"]
+    assert b["usage"] == a["usage"]
+    assert_sane(b["dflash"], max_tokens)
+    assert fast.last_dflash_stats is not None
+    assert_consistent(fast)
+
+
+def test_blocks_commit_several_tokens(plain, fast, oracle):
+    a, b = both(plain, fast, oracle, "__call__", "def main(", max_tokens=48, temperature=0)
+    assert b["choices"][0]["text"] == a["choices"][0]["text"]
+    st = b["dflash"]
+    assert st["accepted"] > st["steps"], st          # the oracle makes most blocks commit > 2 tokens
+    assert 0 < st["accepted"] < st["drafted"], st     # ...and plants rejections
+    assert st["acceptance_length"] > 2.0
+
+
+@pytest.mark.parametrize("offset", [3, 9, 17, 30])
+def test_stop_string_mid_block(plain, fast, oracle, offset):
+    full = plain("import os\n", max_tokens=40, temperature=0)["choices"][0]["text"]
+    stop = full[offset: offset + 2]
+    if not stop.strip():
+        stop = full[offset: offset + 3]
+    a, b = both(plain, fast, oracle, "create_completion", "import os\n", max_tokens=40, temperature=0, stop=[stop])
+    assert b["choices"][0]["text"] == a["choices"][0]["text"]
+    assert b["choices"][0]["finish_reason"] == a["choices"][0]["finish_reason"] == "stop"
+    assert b["dflash"]["finish"] == "stop"
+    assert_consistent(fast)
+
+
+@pytest.mark.parametrize("prompt", PROMPTS[:2])
+def test_streaming_matches(plain, fast, oracle, prompt):
+    kw = dict(max_tokens=33, temperature=0, stop=["xyz"])
+    a, b = both(plain, fast, oracle, "create_completion", prompt, stream=True, **kw)
+    text_a = "".join(c["choices"][0]["text"] for c in a)
+    text_b = "".join(c["choices"][0]["text"] for c in b)
+    assert text_b == text_a
+    assert text_b == fast.create_completion(prompt, **kw)["choices"][0]["text"]
+    assert b[-1]["choices"][0]["finish_reason"] == a[-1]["choices"][0]["finish_reason"]
+    assert_sane(b[-1]["dflash"], 33)
+    assert all("dflash" not in c for c in b[:-1])
+    assert all(c["object"] == "text_completion" for c in b)
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_chat_matches(plain, fast, oracle, stream):
+    msgs = [{"role": "system", "content": "You write Python."}, {"role": "user", "content": "def add(a, b):"}]
+    a, b = both(plain, fast, oracle, "create_chat_completion", msgs, max_tokens=30, temperature=0, stream=stream)
+    if stream:
+        ca = "".join(c["choices"][0]["delta"].get("content", "") for c in a)
+        cb = "".join(c["choices"][0]["delta"].get("content", "") for c in b)
+        assert cb == ca
+        assert [c["object"] for c in b] == [c["object"] for c in a]
+        assert b[0]["choices"][0]["delta"] == {"role": "assistant"}
+        assert_sane(b[-1]["dflash"], 30)
+        assert b[-1]["choices"][0]["finish_reason"] == a[-1]["choices"][0]["finish_reason"]
+    else:
+        assert b["choices"][0]["message"] == a["choices"][0]["message"]
+        assert b["object"] == "chat.completion"
+        assert b["usage"] == a["usage"]
+        assert_sane(b["dflash"], 30)
+
+
+def test_chat_openai_v1_shape(fast):
+    out = fast.create_chat_completion_openai_v1(messages=[{"role": "user", "content": "x = "}], max_tokens=5,
+                                                temperature=0)
+    assert out.choices[0].message.role == "assistant"
+
+
+def test_chat_template_kwargs(pair):
+    template = ("{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+                "{% if enable_thinking is defined and not enable_thinking %}/no_think\n{% endif %}assistant:")
+    handler = Jinja2ChatFormatter(template=template, eos_token="</s>", bos_token="<s>").to_chat_handler()
+    llm = Llama(str(pair.target), draft_model_path=str(pair.drafter), **{**KW, "chat_format": None},
+                chat_handler=handler)
+    msgs = [{"role": "user", "content": "def f():"}]
+    on = llm.create_chat_completion(msgs, max_tokens=8, temperature=0)
+    off = llm.create_chat_completion(msgs, max_tokens=8, temperature=0, chat_template_kwargs={"enable_thinking": False})
+    assert off["usage"]["prompt_tokens"] > on["usage"]["prompt_tokens"]
+    assert off["dflash"] is not None
+    with pytest.raises(ValueError, match="repeat request parameters"):
+        llm.create_chat_completion(msgs, chat_template_kwargs={"temperature": 1})
+    llm.close()
+
+
+@pytest.mark.parametrize("how", ["grammar", "logits_processor", "logit_bias", "per_call_off", "mirostat"])
+def test_fallback_is_plain_then_dflash_resumes(plain, fast, oracle, how):
+    kw: dict = dict(max_tokens=20, temperature=0)
+    if how == "grammar":
+        kw["grammar"] = llama_cpp.LlamaGrammar.from_string('root ::= [a-z ]+', verbose=False)
+    elif how == "logits_processor":
+        kw["logits_processor"] = llama_cpp.LogitsProcessorList([lambda ids, scores: scores])
+    elif how == "logit_bias":
+        kw["logit_bias"] = {5: 1.0}
+    elif how == "mirostat":
+        kw.update(mirostat_mode=2, temperature=0.7, seed=3)
+    a = plain("def main(", **kw)
+    b = fast("def main(", dflash=False, **kw) if how == "per_call_off" else fast("def main(", **kw)
+    if how != "mirostat":
+        assert b["choices"][0]["text"] == a["choices"][0]["text"]
+    assert b["dflash"] is None
+    assert fast.last_dflash_stats is None
+    # the plain path evaluated tokens the drafter never saw: the next DFlash call must still be exact
+    prompt = "def main(" + b["choices"][0]["text"][:5]
+    a2, b2 = both(plain, fast, oracle, "create_completion", prompt, max_tokens=20, temperature=0)
+    assert b2["choices"][0]["text"] == a2["choices"][0]["text"]
+    assert b2["dflash"] is not None
+    assert_consistent(fast)
+
+
+def test_second_call_reuses_prefix(plain, fast, oracle):
+    a1, b1 = both(plain, fast, oracle, "create_completion", "class Foo:\n", max_tokens=20, temperature=0)
+    assert b1["choices"][0]["text"] == a1["choices"][0]["text"]
+    prompt = "class Foo:\n" + a1["choices"][0]["text"] + "\n"
+    a2, b2 = both(plain, fast, oracle, "create_completion", prompt, max_tokens=20, temperature=0)
+    assert b2["choices"][0]["text"] == a2["choices"][0]["text"]
+    assert b2["dflash"]["n_reused"] > 10
+    assert_consistent(fast)
+
+
+def test_plain_call_after_dflash_reuses_llama_state(plain, fast):
+    """llama_cpp's own path (here: a grammar) must see a correct n_tokens/input_ids after DFlash."""
+    fast("import os\n", max_tokens=25, temperature=0)
+    n_before = fast.n_tokens
+    assert n_before > 0
+    g = llama_cpp.LlamaGrammar.from_string('root ::= [a-z]+', verbose=False)
+    a = plain("import os\n", max_tokens=10, temperature=0, grammar=g)
+    b = fast("import os\n", max_tokens=10, temperature=0, grammar=g)
+    assert b["choices"][0]["text"] == a["choices"][0]["text"]
+
+
+def test_abandoned_stream_leaves_state_consistent(plain, fast, oracle):
+    plain("def main(", max_tokens=40, temperature=0)
+    oracle.learn(plain)
+    stream = fast.create_completion("def main(", max_tokens=40, temperature=0, stream=True)
+    next(stream), next(stream)
+    del stream                       # abandoned mid-block: the generator is closed and rolls back
+    assert_consistent(fast)
+    a, b = both(plain, fast, oracle, "create_completion", "def main(", max_tokens=25, temperature=0)
+    assert b["choices"][0]["text"] == a["choices"][0]["text"]
+
+
+def test_generate_directly(plain, fast):
+    toks = plain.tokenize(b"def main(")
+    ga, gb = plain.generate(toks, temp=0), fast.generate(toks, temp=0)
+    a = [next(ga) for _ in range(15)]
+    b = [next(gb) for _ in range(15)]
+    ga.close(), gb.close()
+    assert a == b
+    assert_consistent(fast)
+    assert fast.n_tokens == len(toks) + 14
+
+
+def test_greedy_with_penalties_matches(plain, fast, oracle):
+    kw = dict(max_tokens=30, temperature=0, repeat_penalty=1.3, frequency_penalty=0.2, presence_penalty=0.1)
+    a, b = both(plain, fast, oracle, "create_completion", "def main(", **kw)
+    assert b["choices"][0]["text"] == a["choices"][0]["text"]
+    assert b["dflash"] is not None
+
+
+def test_sampling_is_seeded(fast):
+    kw = dict(max_tokens=20, temperature=0.8, top_k=20, seed=1234)
+    t1 = fast("def main(", **kw)
+    t2 = fast("def main(", **kw)
+    assert t1["choices"][0]["text"] == t2["choices"][0]["text"]
+    assert t1["dflash"] is not None
+
+
+def test_save_and_load_state(plain, fast, oracle):
+    fast("class Foo:\n", max_tokens=10, temperature=0)
+    state = fast.save_state()
+    fast("import os\n", max_tokens=10, temperature=0)
+    fast.load_state(state)
+    a, b = both(plain, fast, oracle, "create_completion", "class Foo:\n", max_tokens=15, temperature=0)
+    assert b["choices"][0]["text"] == a["choices"][0]["text"]
+    fast.reset()
+    a, b = both(plain, fast, oracle, "create_completion", "def main(", max_tokens=15, temperature=0)
+    assert b["choices"][0]["text"] == a["choices"][0]["text"]
+    assert b["dflash"]["n_reused"] == 0
+
+
+def test_tokenize_detokenize_match(plain, fast):
+    t = fast.tokenize(b"def f(x):\n    return x")
+    assert t == plain.tokenize(b"def f(x):\n    return x")
+    assert fast.detokenize(t) == plain.detokenize(t)
+
+
+def test_context_overflow_is_value_error(fast):
+    with pytest.raises(ValueError):
+        fast("x " * 600, max_tokens=4)
+    b = fast("def main(", max_tokens=4, temperature=0)
+    assert b["dflash"] is not None
+
+
+def test_draft_n_max_is_clamped(pair):
+    llm = Llama(str(pair.target), draft_model_path=str(pair.drafter), draft_n_max=100, **KW)
+    assert llm.dflash_info["n_draft"] == llm.dflash_info["block_size"] - 1 == 7
+    llm.close()
+    llm = Llama(str(pair.target), draft_model_path=str(pair.drafter), draft_n_max=3, **KW)
+    assert llm.dflash_info["n_draft"] == 3
+    out = llm("def main(", max_tokens=12, temperature=0)
+    assert out["dflash"]["drafted"] <= 3 * out["dflash"]["steps"]
+    llm.close()
+
+
+def test_without_drafter_is_plain_llama(pair, plain):
+    llm = Llama(str(pair.target), **KW)
+    assert llm.decoder is None and llm.dflash_info is None
+    out = llm("def main(", max_tokens=10, temperature=0)
+    assert out["dflash"] is None
+    assert out["choices"][0]["text"] == plain("def main(", max_tokens=10, temperature=0)["choices"][0]["text"]
+    llm.close()
+
+
+def test_dflash_off_by_default_flag(pair):
+    llm = Llama(str(pair.target), draft_model_path=str(pair.drafter), dflash=False, **KW)
+    assert llm("def main(", max_tokens=5, temperature=0)["dflash"] is None
+    assert llm("def main(", max_tokens=5, temperature=0, dflash=True)["dflash"] is not None
+    llm.close()
+
+
+def test_context_rebuilt_with_rs_snapshots(pair, plain):
+    """The hybrid-target path (target context re-made with n_rs_seq) on a plain target."""
+    class Hybridish(Llama):
+        def _open_drafter(self):
+            self._is_hybrid = True           # pretend: exercises _recreate_context
+            super()._open_drafter()
+
+    llm = Hybridish(str(pair.target), draft_model_path=str(pair.drafter), **KW)
+    out = llm("def main(", max_tokens=12, temperature=0)
+    assert out["choices"][0]["text"] == plain("def main(", max_tokens=12, temperature=0)["choices"][0]["text"]
+    llm.close()
+
+
+def test_from_pair(pair, plain, tmp_path):
+    d = tmp_path / "pair"
+    d.mkdir()
+    (d / "target-q.gguf").symlink_to(pair.target)
+    (d / "drafter-q.gguf").symlink_to(pair.drafter)
+    llm = Llama.from_pair(d, **KW)     # no manifest: the single target*/drafter* files
+    assert llm.decoder is not None
+    llm.close()
+    doc = {"format": "dflash-gguf-pair", "format_version": 1, "kind": "dflash", "block_size": 8, "mask_token_id": 3,
+           "target_layers": [1, 3],
+           "target": {"file": "target-q.gguf", "size": pair.target.stat().st_size, "sha256": "-", "type": "F32"},
+           "drafter": {"file": "drafter-q.gguf", "size": pair.drafter.stat().st_size, "sha256": "-", "type": "F32"}}
+    (d / "pair.json").write_text(json.dumps(doc))
+    llm = Llama.from_pair(d / "pair.json", **KW)
+    out = llm("def main(", max_tokens=8, temperature=0)
+    assert out["choices"][0]["text"] == plain("def main(", max_tokens=8, temperature=0)["choices"][0]["text"]
+    llm.close()
+    with pytest.raises(FileNotFoundError):
+        Llama.from_pair(tmp_path / "missing")
+
+
+def test_import_is_light():
+    code = ("import sys, dflash_gguf; assert 'llama_cpp' not in sys.modules; from dflash_gguf import Llama; "
+            "bad = [m for m in ('fastapi', 'torch', 'uvicorn') if m in sys.modules]; assert not bad, bad")
+    subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_multibyte_text_across_blocks(plain, fast, oracle):
+    """Multi-byte characters made of byte-fallback tokens split across blocks: same chunks as plain.
+
+    (llama_cpp's own streaming drops such characters when they end a stream of single-byte
+    tokens; the DFlash path reproduces llama_cpp exactly, chunk for chunk.)
+    """
+    for prompt in ["x = '\u00fc", "s = '\u00e9\u00e8\u4e2d\u6587' + '", "caf\u00e9 "]:
+        if any(ord(ch) > 127 for ch in plain(prompt, max_tokens=90, temperature=0)["choices"][0]["text"]):
+            break
+    else:
+        pytest.skip("the tiny target emits no multi-byte characters for these prompts")
+    a, b = both(plain, fast, oracle, "create_completion", prompt, max_tokens=90, temperature=0)
+    assert b["choices"][0]["text"] == a["choices"][0]["text"]
+    assert any(ord(ch) > 127 for ch in b["choices"][0]["text"])
+    assert b["dflash"]["accepted"] > 0
+    a, b = both(plain, fast, oracle, "create_completion", prompt, max_tokens=90, temperature=0, stream=True)
+    assert [c["choices"][0]["text"] for c in b] == [c["choices"][0]["text"] for c in a]
+
+
+def test_invalid_grammar_is_value_error_not_a_crash(fast):
+    bad = llama_cpp.LlamaGrammar.from_string("root ::= (", verbose=False)
+    with pytest.raises(ValueError, match="invalid grammar"):
+        fast("def main(", max_tokens=4, grammar=bad)
+    assert fast("def main(", max_tokens=4, temperature=0)["dflash"] is not None
+
+
+def test_resumes_when_llama_cpp_reads_past_max_tokens(plain, fast, oracle):
+    """llama_cpp keeps reading past max_tokens while a UTF-8 character is incomplete."""
+    for prompt in PROMPTS + ["x = '\u00fc", "caf\u00e9 "]:
+        for n in (1, 2, 3, 5):
+            a = plain(prompt, max_tokens=n, temperature=0)
+            if a["usage"]["completion_tokens"] > n:
+                oracle.learn(plain)
+                b = fast(prompt, max_tokens=n, temperature=0)
+                assert b["choices"][0]["text"] == a["choices"][0]["text"]
+                assert b["usage"] == a["usage"]
+                assert_consistent(fast)
+                return
+    pytest.skip("no prompt here makes the tiny target end max_tokens inside a UTF-8 character")
+
+
+def test_pickle_round_trip(pair, plain):
+    import pickle
+
+    llm = Llama(str(pair.target), draft_model_path=str(pair.drafter), draft_n_max=5, **KW)
+    copy = pickle.loads(pickle.dumps(llm))
+    assert copy.dflash_info["n_draft"] == 5 and copy.draft_model_path == llm.draft_model_path
+    want = plain("def main(", max_tokens=10, temperature=0)["choices"][0]["text"]
+    assert copy("def main(", max_tokens=10, temperature=0)["choices"][0]["text"] == want
+    copy.close()
+    llm.close()

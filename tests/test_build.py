@@ -1,0 +1,89 @@
+"""The build's guard rails: patches apply in order or the build stops naming the patch; the
+sdist is verified; the cache key follows sdist, patch series and flags."""
+from __future__ import annotations
+
+import shutil
+import tarfile
+from pathlib import Path
+
+import pytest
+
+from dflash_gguf import build, paths
+
+SDIST = paths.cache_dir() / "sdist" / build.SDIST_FILE
+pytestmark = pytest.mark.skipif(not SDIST.exists(), reason="the pinned sdist is not in the build cache "
+                                "(python -m dflash_gguf.build fetches it; make test runs the build first)")
+
+TOUCHED = ("vendor/llama.cpp/CMakeLists.txt", "vendor/llama.cpp/src/CMakeLists.txt",
+           "vendor/llama.cpp/src/llama-context.h", "vendor/llama.cpp/src/llama-context.cpp")
+
+
+@pytest.fixture(scope="module")
+def pristine(tmp_path_factory) -> Path:
+    """Only the files the patch series touches, from the pinned sdist (fast to copy per test)."""
+    root = tmp_path_factory.mktemp("pristine")
+    prefix = f"llama_cpp_python-{build.SDIST_VERSION}/"
+    with tarfile.open(SDIST) as tf:
+        members = [m for m in tf.getmembers() if m.name[len(prefix):] in TOUCHED]
+        assert len(members) == len(TOUCHED)
+        tf.extractall(root, members=members, filter="data")
+    return root / prefix.rstrip("/")
+
+
+def fresh(pristine: Path, tmp_path: Path) -> Path:
+    dst = tmp_path / "tree"
+    shutil.copytree(pristine, dst)
+    return dst
+
+
+def test_series_applies_in_order(pristine, tmp_path):
+    tree = fresh(pristine, tmp_path)
+    build.apply_patches(tree, paths.patch_files())
+    assert (tree / "vendor/llama.cpp/include/llama-dflash.h").exists()
+    assert "llama_dflash_draft" in (tree / "vendor/llama.cpp/src/llama-dflash.cpp").read_text()
+    assert "llama-dflash.cpp" in (tree / "vendor/llama.cpp/src/CMakeLists.txt").read_text()
+
+
+def test_every_patch_has_a_header():
+    for p in paths.patch_files():
+        head = p.read_text().split("\n--- ", 1)[0]
+        assert head.startswith(f"dflash-gguf patch {p.name[:4]}:"), p.name
+        assert "What it changes" in head and "Why" in head, p.name
+
+
+def test_tampered_patch_fails_naming_it(pristine, tmp_path):
+    tree = fresh(pristine, tmp_path)
+    patches = paths.patch_files()
+    bad = tmp_path / patches[0].name
+    text = patches[0].read_text()
+    # corrupt a context line of the llama-context.cpp hunk
+    bad.write_text(text.replace(" int llama_context::decode(const llama_batch_ext & batch_inp) {",
+                                " int llama_context::decode(const llama_batch_ext & tampered) {", 1))
+    with pytest.raises(build.BuildError, match=patches[0].name):
+        build.apply_patches(tree, [bad, *patches[1:]])
+
+
+def test_missing_patch_fails_naming_the_next(pristine, tmp_path):
+    tree = fresh(pristine, tmp_path)
+    patches = paths.patch_files()
+    with pytest.raises(build.BuildError, match=patches[1].name):
+        build.apply_patches(tree, patches[1:])
+
+
+def test_corrupt_sdist_is_refused(tmp_path, monkeypatch):
+    monkeypatch.setenv("DFLASH_GGUF_CACHE", str(tmp_path / "cache"))
+    fake = tmp_path / build.SDIST_FILE
+    fake.write_bytes(b"not the release")
+    with pytest.raises(build.BuildError, match="sha256"):
+        build.fetch_sdist(build.BuildOptions(sdist=str(fake)))
+    assert not (tmp_path / "cache" / "sdist" / build.SDIST_FILE).exists()
+
+
+def test_cache_key_follows_series_and_flags():
+    cpu = build.BuildOptions()
+    k = build.build_key("a" * 64, cpu)
+    assert k == build.build_key("a" * 64, build.BuildOptions())
+    assert k != build.build_key("b" * 64, cpu)
+    assert k != build.build_key("a" * 64, build.BuildOptions(cmake_args=["-DGGML_AVX512=OFF"]))
+    with pytest.raises(build.BuildError, match="kleidiai-src"):
+        build.BuildOptions(platform="kleidiai").all_cmake_args()
