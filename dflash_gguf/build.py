@@ -86,9 +86,9 @@ def cross_cmake_args(triple: str) -> list[str]:
         raise BuildError(f"cross compiler {cc}/{cxx} not found: install gcc-{triple.replace('_', '-')} "
                          f"and g++-{triple.replace('_', '-')} (Debian: apt-get install g++-aarch64-linux-gnu)")
     proc = triple.split("-")[0]
-    return [f"-DCMAKE_SYSTEM_NAME=Linux", f"-DCMAKE_SYSTEM_PROCESSOR={proc}",
+    return ["-DCMAKE_SYSTEM_NAME=Linux", f"-DCMAKE_SYSTEM_PROCESSOR={proc}",
             f"-DCMAKE_C_COMPILER={cc}", f"-DCMAKE_CXX_COMPILER={cxx}", "-DGGML_NATIVE=OFF",
-            "-DGGML_OPENMP=OFF"]
+            "-DGGML_OPENMP=OFF", "-DLLAMA_OPENSSL=OFF"]
 
 
 # --------------------------------------------------------------------------- hashing
@@ -268,7 +268,9 @@ def build_tools(tree: Path, key: str, opts: BuildOptions) -> Path:
     """Build upstream's reference binaries from the same patched tree."""
     out = paths.cache_dir() / "tools" / key
     bindir = out / "build" / "bin"   # llama.cpp's CMake puts every executable there
-    if all((bindir / t).exists() for t in TOOLS) and not opts.force:
+    # cross builds: the library plus the reference loop, which runs under qemu-user for a check
+    targets = list(TOOLS) if not opts.cross else ["llama", "llama-speculative-simple"]
+    if all((bindir / t).exists() for t in targets if t != "llama") and not opts.force:
         log.info("reference tools cached in %s", bindir)
         return bindir
     build = out / "build"
@@ -282,7 +284,6 @@ def build_tools(tree: Path, key: str, opts: BuildOptions) -> Path:
            "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_USE_PREBUILT_UI=OFF", "-DLLAMA_CURL=OFF",
            *opts.all_cmake_args()]
     _run_logged(cfg, None, env, logfile.with_suffix(".configure.log"), "configuring reference tools")
-    targets = list(TOOLS) if not opts.cross else ["llama"]
     _run_logged(["cmake", "--build", str(build), "--config", "Release", "-j", str(opts.jobs),
                  "--target", *targets], None, env, logfile,
                 f"building {', '.join(targets)} (about 7 minutes on 2 cores)")

@@ -23,7 +23,36 @@ log = logging.getLogger("dflash_gguf.engine")
 PARTIAL_ONLY = 1  # LLAMA_STATE_SEQ_FLAGS_PARTIAL_ONLY
 
 
-class Model:
+class _Handle:
+    """Owner of one native pointer: ``close()`` (or leaving a ``with`` block) frees it once.
+
+    A borrowed handle (``_owned = False``) only forgets the pointer; its owner frees it.
+    """
+    ptr = None
+    _owned = False
+
+    def _free(self, ptr) -> None:
+        raise NotImplementedError
+
+    def close(self) -> None:
+        if self.ptr and self._owned:
+            self._free(self.ptr)
+        self.ptr = None
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    def __del__(self):
+        try:
+            self.close()
+        except Exception:
+            pass
+
+
+class Model(_Handle):
     """A GGUF model loaded by llama.cpp. Free it with :meth:`close` (or a ``with`` block)."""
 
     def __init__(self, path: str | os.PathLike, *, n_gpu_layers: int = 0, use_mmap: bool = True):
@@ -88,22 +117,8 @@ class Model:
     def detokenize(self, tokens, special: bool = False) -> bytes:
         return b"".join(self.token_bytes(int(t), special) for t in tokens)
 
-    def close(self) -> None:
-        if getattr(self, "ptr", None) and self._owned:
-            C.llama_model_free(self.ptr)
-        self.ptr = None
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        self.close()
-
-    def __del__(self):
-        try:
-            self.close()
-        except Exception:
-            pass
+    def _free(self, ptr) -> None:
+        C.llama_model_free(ptr)
 
 
 TAPPABLE_ARCHS = ("llama", "qwen3", "qwen3moe", "qwen3next", "qwen35", "qwen35moe")
@@ -138,7 +153,7 @@ class ContextOptions:
     flash_attn: bool | None = None    # None: llama.cpp's auto
 
 
-class Context:
+class Context(_Handle):
     """A llama.cpp context on a :class:`Model` (one sequence, id 0)."""
 
     def __init__(self, model: Model, opts: ContextOptions | None = None, *, other: "Context | None" = None):
@@ -236,19 +251,5 @@ class Context:
             raise DFlashError(f"no logits for batch row {i}")
         return np.frombuffer(B.ffi.buffer(p, 4 * self.model.n_vocab), dtype=np.float32)
 
-    def close(self) -> None:
-        if getattr(self, "ptr", None) and self._owned:
-            C.llama_free(self.ptr)
-        self.ptr = None
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        self.close()
-
-    def __del__(self):
-        try:
-            self.close()
-        except Exception:
-            pass
+    def _free(self, ptr) -> None:
+        C.llama_free(ptr)

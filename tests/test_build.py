@@ -14,8 +14,18 @@ SDIST = paths.cache_dir() / "sdist" / build.SDIST_FILE
 pytestmark = pytest.mark.skipif(not SDIST.exists(), reason="the pinned sdist is not in the build cache "
                                 "(python -m dflash_gguf.build fetches it; make test runs the build first)")
 
-TOUCHED = ("vendor/llama.cpp/CMakeLists.txt", "vendor/llama.cpp/src/CMakeLists.txt",
-           "vendor/llama.cpp/src/llama-context.h", "vendor/llama.cpp/src/llama-context.cpp")
+def _sdist_files_touched() -> list[str]:
+    """Files of the sdist the series modifies (a file created by an earlier patch is not one)."""
+    first: dict[str, bool] = {}
+    for p in paths.patch_files():
+        lines = p.read_text().splitlines()
+        for old, new in zip(lines, lines[1:]):
+            if old.startswith("--- ") and new.startswith("+++ b/"):
+                first.setdefault(new[6:].strip(), old.startswith("--- a/"))
+    return sorted(f for f, from_sdist in first.items() if from_sdist)
+
+
+TOUCHED = _sdist_files_touched()
 
 
 @pytest.fixture(scope="module")

@@ -10,7 +10,7 @@ from pathlib import Path
 import llama_cpp
 import pytest
 
-from test_api import KW
+from support import KW, pair, plain  # noqa: F401 (fixtures)
 
 PY = [sys.executable, "-m", "dflash_gguf"]
 SMALL = ["--n-ctx", "512", "--threads", "1"]
@@ -21,16 +21,6 @@ def run(args, stdin: str | None = None, timeout: float = 120) -> subprocess.Comp
     return subprocess.run(PY + args, input=stdin, capture_output=True, text=True, timeout=timeout, env=env)
 
 
-@pytest.fixture(scope="module")
-def pair(models):
-    return models.pair("qwen3", "dflash", 8)
-
-
-@pytest.fixture(scope="module")
-def plain(pair):
-    llm = llama_cpp.Llama(str(pair.target), **KW)
-    yield llm
-    llm.close()
 
 
 def model_args(pair) -> list[str]:

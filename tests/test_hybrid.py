@@ -19,6 +19,7 @@ import pytest
 from dflash_gguf.engine import Context, ContextOptions, Model
 from dflash_gguf.errors import InvalidArgumentError
 from dflash_gguf.spec import DFlashDecoder, GenerationStats, SpecOptions
+from support import llama_cpp_greedy
 
 PROMPTS = [b"def main(argv):\n    parser = argparse.ArgumentParser(",
            b"    for key, value in sorted(items):\n        if"]
@@ -114,18 +115,6 @@ def assert_state_close(got: bytes, want: bytes):
     assert err <= STATE_RTOL * scale, f"recurrent state differs by {err} (scale {scale})"
 
 
-def llama_cpp_greedy(path, prompt_tokens, n):
-    import llama_cpp
-
-    llm = llama_cpp.Llama(model_path=str(path), n_ctx=N_CTX, n_batch=64, n_threads=1, n_threads_batch=1,
-                          verbose=False, seed=0)
-    out = []
-    for t in llm.generate(prompt_tokens, temp=0.0, top_k=1, top_p=1.0, min_p=0.0, repeat_penalty=1.0):
-        out.append(t)
-        if len(out) == n:
-            break
-    llm.close()
-    return out
 
 
 @pytest.fixture

@@ -14,34 +14,11 @@ import uvicorn
 
 from dflash_gguf import Llama
 from dflash_gguf.server import create_app
-from test_api import KW, Oracle
+from support import KW, Oracle, fast, oracle, pair, plain  # noqa: F401 (fixtures)
 
 MODEL_ID = "tiny-qwen3"
 
 
-@pytest.fixture(scope="module")
-def pair(models):
-    return models.pair("qwen3", "dflash", 8)
-
-
-@pytest.fixture(scope="module")
-def plain(pair):
-    llm = llama_cpp.Llama(str(pair.target), **KW)
-    yield llm
-    llm.close()
-
-
-@pytest.fixture(scope="module")
-def oracle():
-    return Oracle()
-
-
-@pytest.fixture(scope="module")
-def fast(pair, oracle):
-    llm = Llama(str(pair.target), draft_model_path=str(pair.drafter), **KW)
-    llm.decoder.opts.proposer = oracle
-    yield llm
-    llm.close()
 
 
 @pytest.fixture(scope="module")

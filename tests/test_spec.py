@@ -11,6 +11,7 @@ import pytest
 from dflash_gguf.engine import Context, ContextOptions, Model
 from dflash_gguf.errors import ContextOverflowError, InvalidArgumentError
 from dflash_gguf.spec import DFlashDecoder, GenerationStats, SpecOptions
+from support import llama_cpp_greedy
 
 PROMPTS = [b"def main(argv):\n    parser = argparse.ArgumentParser(",
            b"    for key, value in sorted(items):\n        if"]
@@ -41,18 +42,6 @@ class Rig:
         self.tm.close()
 
 
-def llama_cpp_greedy(path, prompt_tokens, n):
-    import llama_cpp
-
-    llm = llama_cpp.Llama(model_path=str(path), n_ctx=N_CTX, n_batch=64, verbose=False, seed=0,
-                          flash_attn=True)   # same attention kernel as our contexts (llama.cpp auto = on)
-    out = []
-    for t in llm.generate(prompt_tokens, temp=0.0, top_k=1, top_p=1.0, min_p=0.0, repeat_penalty=1.0):
-        out.append(t)
-        if len(out) == n:
-            break
-    llm.close()
-    return out
 
 
 @pytest.mark.parametrize("arch", ["qwen3", "llama"])

@@ -1,0 +1,76 @@
+"""Shared test support: llama-cpp-python settings, an oracle proposer, plain references, fixtures."""
+from __future__ import annotations
+
+import llama_cpp
+import pytest
+
+from dflash_gguf import Llama
+
+# one thread: on a busy 2-core machine llama.cpp's spinning thread pool slows down badly
+KW = dict(n_ctx=512, n_threads=1, n_threads_batch=1, seed=0, verbose=False, chat_format="chatml")
+
+
+def llama_cpp_greedy(path, prompt_tokens, n, n_ctx=512):
+    """Plain greedy decoding by llama-cpp-python itself (flash attention on, like our contexts)."""
+    llm = llama_cpp.Llama(model_path=str(path), n_ctx=n_ctx, n_batch=64, n_threads=1, n_threads_batch=1,
+                          verbose=False, seed=0, flash_attn=True)
+    out = []
+    for t in llm.generate(prompt_tokens, temp=0.0, top_k=1, top_p=1.0, min_p=0.0, repeat_penalty=1.0):
+        out.append(t)
+        if len(out) == n:
+            break
+    llm.close()
+    return out
+
+
+class Oracle:
+    """A test proposer that drafts what plain decoding produced before (with planted mistakes).
+
+    The random tiny drafter almost never agrees with the random target, so every block would commit
+    one token. Proposing the known continuation makes blocks commit several tokens, which is what
+    stop strings, max_tokens and streaming across block boundaries need to be tested against.
+    """
+
+    def __init__(self):
+        self.known: list[list[int]] = []
+        self.calls = 0
+
+    def learn(self, llm: llama_cpp.Llama) -> None:
+        self.known.append(llm.input_ids[: llm.n_tokens].tolist())
+
+    def __call__(self, ctx: list[int], n: int) -> list[int]:
+        self.calls += 1
+        out = [0] * n
+        for seq in self.known:
+            if len(seq) > len(ctx) and seq[: len(ctx)] == ctx:
+                got = seq[len(ctx): len(ctx) + n]
+                out[: len(got)] = got
+                break
+        if self.calls % 4 == 0 and n > 3:      # a rejection in the middle of the block now and then
+            out[3] = (out[3] + 1) % 512
+        return out
+
+
+@pytest.fixture(scope="module")
+def pair(models):
+    return models.pair("qwen3", "dflash", 8)
+
+
+@pytest.fixture(scope="module")
+def plain(pair):
+    llm = llama_cpp.Llama(str(pair.target), **KW)
+    yield llm
+    llm.close()
+
+
+@pytest.fixture(scope="module")
+def oracle():
+    return Oracle()
+
+
+@pytest.fixture(scope="module")
+def fast(pair, oracle):
+    llm = Llama(str(pair.target), draft_model_path=str(pair.drafter), **KW)
+    llm.decoder.opts.proposer = oracle
+    yield llm
+    llm.close()
