@@ -41,7 +41,7 @@ TOOLS = ("llama-speculative-simple", "llama-completion", "llama-server")
 STAMP_HEADER = "vendor/llama.cpp/src/llama-dflash-stamp.h"
 # llava/mtmd is not needed by DFlash and costs ~2 of the ~10 build minutes on 2 cores
 DEFAULT_CMAKE_ARGS = ("-DLLAVA_BUILD=OFF",)
-_PROGRESS = re.compile(r"^\[\s*(\d+)/(\d+)\]")  # ninja: [12/141]
+_PROGRESS = re.compile(r"^\[\s*(\d+)(?:/(\d+)|%)\]")  # ninja: [12/141], make: [ 45%]
 
 
 class BuildError(RuntimeError):
@@ -197,7 +197,8 @@ def _run_logged(cmd: list[str], cwd: Path | None, env: dict, logfile: Path, what
             m = _PROGRESS.match(line.strip())
             if m and time.time() - last > 15:
                 last = time.time()
-                log.info("  step %s/%s  (%.0f s)", m.group(1), m.group(2), last - t0)
+                done = f"{m.group(1)}/{m.group(2)}" if m.group(2) else f"{m.group(1)}%"
+                log.info("  %s  (%.0f s)", done, last - t0)
         rc = proc.wait()
     if rc != 0:
         tail = "".join(open(logfile).readlines()[-30:])
