@@ -4,13 +4,16 @@ VENV    ?= .venv
 VPY      = $(VENV)/bin/python
 STAMP    = $(VENV)/.deps-installed
 
-.PHONY: demo test build tools venv clean-cache help
+CROSS   ?= aarch64-linux-gnu
+
+.PHONY: demo test build tools cross venv clean-cache help
 
 help:
 	@echo "make demo    - set up everything, then run the offline DFlash demo on the shipped pair"
 	@echo "make test    - set up everything (incl. upstream reference tools), then run the test suite"
 	@echo "make build   - build/install the patched llama-cpp-python (cached; FORCE=1 rebuilds)"
 	@echo "make tools   - also build upstream's reference binaries (llama-speculative-simple, ...)"
+	@echo "make cross   - cross-build the patched library + reference loop for $(CROSS) (needs its g++)"
 
 $(VPY):
 	$(PY) -m venv $(VENV)
@@ -35,10 +38,16 @@ $(VENV)/.test-deps: pyproject.toml | $(STAMP)
 	$(VPY) -m pip install -q "transformers==4.57.6" sentencepiece protobuf safetensors pytest httpx "openai>=1.0" "fastapi>=0.110" "uvicorn>=0.27" matplotlib
 	touch $@
 
+cross: venv
+	$(VPY) -m dflash_gguf.build --cross $(CROSS)
+
 demo: build
 	$(VPY) -m dflash_gguf.demo
 
 test: tools $(VENV)/.test-deps
+	@if command -v $(CROSS)-g++ >/dev/null && command -v qemu-aarch64-static >/dev/null; then \
+		$(MAKE) cross; \
+	else echo "no $(CROSS)-g++ or qemu-aarch64-static: the arm64 check will be skipped"; fi
 	$(VPY) -m pytest -q
 
 clean-cache:

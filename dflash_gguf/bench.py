@@ -273,6 +273,34 @@ def parse_upstream(stderr: str) -> dict:
     return out
 
 
+def _run_watch_rss(cmd: list[str], tmp: Path, timeout: float) -> tuple[int, str, str, float | None]:
+    """Run ``cmd``, polling its VmHWM (peak RSS) from /proc; returns (rc, stdout, stderr, peak MB).
+
+    getrusage(RUSAGE_CHILDREN) would report this Python process's own peak: the child inherits it
+    across fork/exec on Linux."""
+    fo, fe = tmp / "stdout", tmp / "stderr"
+    hwm = None
+    with open(fo, "wb") as o, open(fe, "wb") as e:
+        p = subprocess.Popen(cmd, stdout=o, stderr=e)
+        t_end = time.monotonic() + timeout
+        status = Path(f"/proc/{p.pid}/status")
+        while p.poll() is None:
+            try:
+                for line in status.read_text().splitlines():
+                    if line.startswith("VmHWM:"):
+                        hwm = max(hwm or 0.0, int(line.split()[1]) / 1024)
+                        break
+            except (OSError, ValueError):
+                pass
+            if time.monotonic() > t_end:
+                p.kill()
+                p.wait()
+                raise RuntimeError(f"llama-speculative-simple ran past {timeout:.0f} s")
+            time.sleep(0.005)
+    return (p.returncode, fo.read_text(encoding="utf-8", errors="replace"),
+            fe.read_text(encoding="utf-8", errors="replace"), hwm)
+
+
 def run_upstream_one(exe: Path, target: Path, draft: Path, prompt: str, n: int, n_draft: int,
                      threads: int, timeout: float = 600) -> tuple[dict, str]:
     """Run llama-speculative-simple once; returns (parsed numbers, generated text).
@@ -288,11 +316,11 @@ def run_upstream_one(exe: Path, target: Path, draft: Path, prompt: str, n: int, 
            "--top-k", "1", "--seed", "42", "-lv", "4", "-t", str(threads), "-c", "2048"]
     with tempfile.TemporaryDirectory(prefix="dflash-bench-") as tmp:
         for attempt in range(5):
-            r = subprocess.run(cmd + ["--log-file", str(Path(tmp) / "log.txt")], capture_output=True, timeout=timeout)
-            err = r.stderr.decode("utf-8", "replace")
-            if r.returncode != 0:
-                raise RuntimeError(f"llama-speculative-simple exited with {r.returncode}: {err[-1500:]}")
+            rc, out, err, hwm = _run_watch_rss(cmd + ["--log-file", str(Path(tmp) / "log.txt")], Path(tmp), timeout)
+            if rc != 0:
+                raise RuntimeError(f"llama-speculative-simple exited with {rc}: {err[-1500:]}")
             got = parse_upstream(err)
+            got["peak_rss_mb"] = hwm
             if "tps" in got and "n_accept" in got:
                 break
             log.debug("upstream log incomplete (attempt %d), retrying", attempt + 1)
@@ -301,7 +329,7 @@ def run_upstream_one(exe: Path, target: Path, draft: Path, prompt: str, n: int, 
                                f"(5 attempts); last stderr: {err[-800:]}")
     got["attempts"] = attempt + 1
     got["cmd"] = cmd
-    return got, r.stdout.decode("utf-8", "replace")
+    return got, out
 
 
 def upstream_generated(stdout: str, echo: str) -> str:
@@ -321,6 +349,8 @@ def run_upstream(exe, target, draft, prompts, echoes, max_tokens, n_draft, threa
         n_tok += got["n_decoded"]
         t_dec += got["t_decode"]
         res.n_generated += got["n_decoded"]
+        if got.get("peak_rss_mb"):
+            res.extra["peak_rss_mb"] = _r(max(res.extra.get("peak_rss_mb") or 0.0, got["peak_rss_mb"]), 1)
         if "gen_drafts" in got:
             res.steps += got["gen_drafts"]
             res.drafted += got["gen_tokens"]
@@ -581,7 +611,6 @@ def main(argv=None) -> int:
     summ["plain"]["peak_rss_mb"] = _r(_peak_rss_mb(), 1)   # whole process: both models loaded
     summ["dflash"]["peak_rss_mb"] = summ["plain"]["peak_rss_mb"]
     if exe is not None:
-        summ["upstream"]["peak_rss_mb"] = _r(_peak_rss_mb(resource.RUSAGE_CHILDREN), 1)
         summ["upstream"]["binary"] = str(exe)
     else:
         summ["upstream"] = {"skipped": True, "reason": why}
@@ -609,8 +638,8 @@ def main(argv=None) -> int:
                                      "over all prompts; median/min/max across trials",
                 "acceptance_length": "tokens committed per target verify pass = 1 + accepted drafts per step",
                 "per_position_acceptance": "share of drafts whose k-th token was accepted (prefix acceptance)",
-                "peak_rss_mb": "plain/dflash: peak RSS of this process (both models loaded); upstream: peak "
-                               "RSS of the largest llama-speculative-simple child",
+                "peak_rss_mb": "plain/dflash: peak RSS of this process (Python + both models loaded); "
+                               "upstream: largest VmHWM of a llama-speculative-simple run (sampled every 5 ms)",
             },
         },
         "prompts": [{"set": p["set"], "name": p["name"], "n_tokens": len(i)} for p, i in zip(prompts, ids)],

@@ -306,8 +306,7 @@ def build(opts: BuildOptions) -> dict:
         summary["wheel"] = str(wheel)
     if opts.with_tools or opts.cross:
         summary["tools"] = str(build_tools(tree, key, opts))
-        if not opts.cross:
-            paths.tools_pointer().write_text(summary["tools"])
+        paths.tools_pointer(opts.cross).write_text(summary["tools"])
     summary["seconds"] = round(time.time() - t0, 1)
     log.info("build ready in %.1f s", summary["seconds"])
     return summary

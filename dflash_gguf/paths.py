@@ -47,8 +47,8 @@ def upstream_pointer() -> Path:
     return cache_dir() / "upstream-tree"
 
 
-def tools_pointer() -> Path:
-    return cache_dir() / "tools-dir"
+def tools_pointer(cross: str | None = None) -> Path:
+    return cache_dir() / ("tools-dir" if not cross else f"tools-dir-{cross}")
 
 
 def upstream_tree() -> Path:
@@ -59,12 +59,12 @@ def upstream_tree() -> Path:
     return Path(p.read_text().strip())
 
 
-def tools_dir() -> Path | None:
-    """Folder of upstream's reference binaries, if the build made them (``--with-tools``)."""
+def tools_dir(cross: str | None = None) -> Path | None:
+    """Folder of upstream's reference binaries, if the build made them (``--with-tools``, ``--cross``)."""
     env = os.environ.get("DFLASH_GGUF_TOOLS")
-    if env:
+    if env and not cross:
         return Path(env)
-    p = tools_pointer()
+    p = tools_pointer(cross)
     if p.exists() and Path(p.read_text().strip()).is_dir():
         return Path(p.read_text().strip())
     return None
