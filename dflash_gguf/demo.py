@@ -35,7 +35,7 @@ def _parse(argv):
     ap.add_argument("--model", "-m", type=Path, help="target GGUF (default: the shipped demo target)")
     ap.add_argument("--draft", "-md", type=Path, help="DFlash drafter GGUF for that target (default: the shipped one)")
     ap.add_argument("--prompt", "-p", default=None, help="prompt text (default: the start of a Python function)")
-    ap.add_argument("--max-tokens", "-n", type=int, default=128, help="tokens to generate (default 128)")
+    ap.add_argument("--max-tokens", "-n", type=int, default=96, help="tokens to generate (default 96)")
     ap.add_argument("--n-draft", type=int, default=None, help="tokens drafted per block (default: block size - 1)")
     ap.add_argument("--threads", "-t", type=int, default=None, help="CPU threads (default: all cores, at most 8)")
     ap.add_argument("--trials", type=int, default=3, help="timed runs of each mode; the median is shown (default 3)")

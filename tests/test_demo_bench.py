@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from dflash_gguf import bench
+from dflash_gguf import bench, bench_upstream
 from dflash_gguf.demo import DEFAULT_PROMPT, demo_pair
 
 REPO = Path(__file__).resolve().parents[1]
@@ -89,12 +89,12 @@ def test_parse_upstream_log():
 #acc drafts =     5, #gen tokens =     35, #acc tokens =    30, #mean acc len = 7.00, #acc rate/pos = (1.000, 1.000, \
 0.800, 0.800, 0.800, 0.800, 0.800), dur(b,g,a) = 0.002, 463.051, 0.006 ms
 """
-    got = bench.parse_upstream(err)
+    got = bench_upstream.parse_upstream(err)
     assert got["n_decoded"] == 40 and got["tps"] == pytest.approx(47.335)
     assert got["n_drafted"] == 35 and got["n_accept"] == 30
     assert got["gen_drafts"] == 5 and got["acc_tokens"] == 30 and got["mean_acc_len"] == 7.0
     assert got["rate_pos"][2] == pytest.approx(0.8) and got["t_draft_ms"] == pytest.approx(463.051)
-    assert bench.upstream_generated("\n\n<s> def f():\n    return 1\n\n\n", "<s> def f():\n") == "    return 1\n"
+    assert bench_upstream.upstream_generated(b"\n\n<s> def f():\n    return 1\n\n\n", b"<s> def f():\n") == b"    return 1\n"
 
 
 def test_bench_writes_json(tmp_path):
@@ -119,7 +119,7 @@ def test_bench_writes_json(tmp_path):
     assert set(d["time_s"]) >= {"prefill", "draft", "verify", "inject", "rollback", "python"}
     assert res["outputs_equal"]["dflash_vs_plain"] is True
     assert res["speedup"]["dflash_over_plain"] > 0
-    exe, why = bench.upstream_binary()
+    exe, why = bench_upstream.upstream_binary()
     if exe is None:
         # the only accepted reason to lack the upstream column: the tools were not built here
         assert m["upstream"]["skipped"] and m["upstream"]["reason"] == why
