@@ -25,7 +25,7 @@ PROMPTS = [b"def main(argv):\n    parser = argparse.ArgumentParser(",
            b"    for key, value in sorted(items):\n        if"]
 N_CTX = 512
 # (arch, rollback mode): Qwen3-Next is not on llama.cpp's rollback list, so it only has checkpoints
-CASES = [("qwen35", "snapshot"), ("qwen35", "checkpoint"), ("qwen3next", "checkpoint")]
+CASES = [("qwen35", "snapshot"), ("qwen35", "checkpoint"), ("qwen3next", "snapshot"), ("qwen3next", "checkpoint")]
 # acceptance lengths the oracle proposer cycles through (clipped to n: >= n means a full block)
 PATTERN = [0, 3, 99, 1, 5, 2, 6, 4]
 # relative tolerance for recurrent states: replaying k rows as their own batch sums in another
@@ -195,19 +195,23 @@ def test_rollback_kind_selection(models):
         tm.close()
 
 
-def test_qwen3next_takes_checkpoint_path(hybrid):
-    """Qwen3-Next (MoE + gated delta-net) is not on llama.cpp's partial-rollback list: n_rs_seq is
-    clamped to 0 and the decoder picks host checkpoints."""
+def test_qwen3next_gets_snapshot_rollback(hybrid):
+    """Qwen3-Next (MoE + gated delta-net) keeps n_rs_seq snapshots with patches/0005 (upstream clamps
+    it to 0), so the decoder rolls back in place; without snapshots it takes host checkpoints."""
     h = hybrid("qwen3next", "checkpoint")
     assert (h.tm.arch, h.tm.is_hybrid, h.tm.n_layer) == ("qwen3next", True, 4)
     tc = h._ctx(opts(7))
     dc = h._ctx(opts(), h.dm, other=tc)
-    assert tc.n_rs_seq == 0
-    assert DFlashDecoder(tc, dc).rollback == "checkpoint"
-    with pytest.raises(InvalidArgumentError):
-        DFlashDecoder(tc, dc, SpecOptions(rollback="snapshot"))
+    assert tc.n_rs_seq == 7
+    assert DFlashDecoder(tc, dc).rollback == "snapshot"
     with pytest.raises(InvalidArgumentError):
         DFlashDecoder(tc, dc, SpecOptions(rollback="seq_rm"))
+    t0 = h._ctx(opts(0))
+    d0 = h._ctx(opts(), h.dm, other=t0)
+    assert t0.n_rs_seq == 0
+    assert DFlashDecoder(t0, d0).rollback == "checkpoint"
+    with pytest.raises(InvalidArgumentError):
+        DFlashDecoder(t0, d0, SpecOptions(rollback="snapshot"))
     prompt = h.tm.tokenize(PROMPTS[0])
     ref = h.plain(prompt, 48, stop_tokens=[])
     assert len(set(ref)) >= 24, "random target collapsed into repetition"
