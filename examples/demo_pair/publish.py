@@ -1,0 +1,279 @@
+"""Stages 6-7: GGUF conversion, verification against plain decoding, the torch/llama.cpp alignment
+check, installation and the model card."""
+from __future__ import annotations
+
+import json
+import math
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+
+from .common import CHECK_PROMPTS, REPO, log
+from .corpus import sp_model
+from .drafter import build_drafter_module
+from .target import load_target
+
+
+# ----------------------------------------------------------------------------- 6 convert
+def convert(work: Path, a) -> dict:
+    import importlib.util
+
+    gg = work / "gguf"
+    gg.mkdir(exist_ok=True)
+    tgt, dft = gg / "target.gguf", gg / "drafter.gguf"
+    for f in (tgt, dft):
+        f.unlink(missing_ok=True)
+    how = None
+    if importlib.util.find_spec("dflash_gguf.convert") is not None and not a.upstream_convert:
+        cmd = [sys.executable, "-m", "dflash_gguf.convert", str(work / "hf-target"), str(work / "hf-drafter"),
+               "-o", str(gg), "--force"]
+        if a.outtype:
+            cmd += ["--outtype", a.outtype]
+        log("convert: " + " ".join(cmd))
+        r = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO)
+        if r.returncode == 0:
+            how = "python -m dflash_gguf.convert"
+        else:
+            log("dflash_gguf.convert failed, falling back to upstream's converter:\n" + r.stderr[-2000:])
+            for f in gg.glob("*"):
+                f.unlink()
+    if how is None:
+        from dflash_gguf import paths
+
+        script = paths.upstream_tree() / "convert_hf_to_gguf.py"
+        for src, dst, extra in ((work / "hf-target", tgt, []),
+                                (work / "hf-drafter", dft, ["--target-model-dir", str(work / "hf-target")])):
+            cmd = [sys.executable, str(script), str(src), "--outfile", str(dst), "--outtype", a.outtype or "f16"] + extra
+            log("convert: " + " ".join(cmd[1:]))
+            r = subprocess.run(cmd, capture_output=True, text=True)
+            if r.returncode != 0:
+                raise SystemExit(f"conversion failed:\n{r.stderr[-3000:]}")
+        how = ("upstream convert_hf_to_gguf.py (" + ("python -m dflash_gguf.convert failed" if importlib.util.find_spec(
+            "dflash_gguf.convert") is not None and not a.upstream_convert else "dflash_gguf.convert not importable or not asked for") + ")")
+    else:
+        _pick_pair(gg, tgt, dft)
+    info = {"how": how, "outtype": a.outtype or "f16", "target_bytes": tgt.stat().st_size,
+            "drafter_bytes": dft.stat().st_size}
+    log(f"convert: target {tgt.stat().st_size / 1e6:.2f} MB, drafter {dft.stat().st_size / 1e6:.2f} MB ({how})")
+    return info
+
+
+def _pick_pair(gg: Path, tgt: Path, dft: Path) -> None:
+    """Rename the converter's outputs to target.gguf / drafter.gguf and point pair.json at them."""
+    pj = gg / "pair.json"
+    d = json.loads(pj.read_text()) if pj.exists() else None
+    if d and isinstance(d.get("target"), dict) and isinstance(d.get("drafter"), dict):
+        for role, dst in (("target", tgt), ("drafter", dft)):
+            src = gg / d[role]["file"]
+            if src != dst:
+                src.replace(dst)
+            d[role]["file"] = dst.name
+            d[role].pop("source", None)   # a path on the training machine
+        pj.write_text(json.dumps(d, indent=2) + "\n")
+        return
+    for f in sorted(gg.glob("*.gguf")):   # no manifest: tell them apart by architecture
+        if f not in (tgt, dft):
+            f.replace(dft if b"dflash" in f.read_bytes()[:1 << 16] else tgt)
+
+
+# ----------------------------------------------------------------------------- 7 verify
+def verify(work: Path, a) -> dict:
+    sys.path.insert(0, str(REPO))
+    from dflash_gguf.engine import Context, ContextOptions, Model
+    from dflash_gguf.logs import set_log_handler
+    from dflash_gguf.spec import DFlashDecoder, GenerationStats, SpecOptions
+
+    set_log_handler()
+    sp = sp_model(work)
+    gg = work / "gguf"
+    tm = Model(gg / "target.gguf")
+    dm = Model(gg / "drafter.gguf")
+    opts = ContextOptions(n_ctx=1024, n_batch=64, n_ubatch=64, n_threads=a.threads)
+    tctx = Context(tm, opts)
+    dctx = Context(dm, opts, other=tctx)
+    plain = DFlashDecoder(tctx, None)
+    results, tot = [], GenerationStats()
+    tok_mismatch = 0
+    for p in CHECK_PROMPTS:
+        ids = tm.tokenize(p.encode())
+        if ids[1:] != sp.encode(p):
+            tok_mismatch += 1
+        ref = list(plain.generate(ids, a.verify_tokens))
+        spec = DFlashDecoder(tctx, dctx, SpecOptions(n_draft=a.block - 1))
+        st = GenerationStats()
+        got = list(spec.generate(ids, a.verify_tokens, stats=st))
+        same = got == ref
+        for k in ("steps", "drafted", "accepted"):
+            setattr(tot, k, getattr(tot, k) + getattr(st, k))
+        results.append({"prompt": p, "equal": same, "tau": round(st.tau, 3), "n": len(got)})
+        log(f"verify: {'OK ' if same else 'DIFF'} tau {st.tau:.2f}  {p[:40]!r} -> {tm.detokenize(got)[:60]!r}")
+        plain = DFlashDecoder(tctx, None)
+    ok = all(r["equal"] for r in results)
+    log(f"verify: DFlash == plain on {sum(r['equal'] for r in results)}/{len(results)} prompts; "
+        f"mean acceptance length {tot.tau:.2f}; tokenizer mismatches vs SentencePiece: {tok_mismatch}")
+    return {"all_equal": ok, "tau": round(tot.tau, 3), "prompts": results, "tokenizer_mismatch": tok_mismatch,
+            "max_tokens": a.verify_tokens}
+
+
+def align_check(work: Path, a, mask_id: int) -> dict:
+    """Same drafter, same held-out greedy sequences, two implementations: the torch drafter replayed
+    the way the runtime drafts (anchor after each accepted prefix) and llama.cpp's DFlash. An
+    alignment error (a tap, a position, a norm off by one) shows as a gap between the two."""
+    import torch
+    from safetensors.torch import load_file
+
+    target = load_target(work)
+    W = target.model.embed_tokens.weight
+    dr = build_drafter_module(a, W.shape[0])
+    dr.load_state_dict(load_file(work / "hf-drafter" / "model.safetensors"))
+    dr.eval()
+    z = np.load(work / "samples-val.npz")
+    feats, toks, amax, P = torch.from_numpy(z["feats"]).float(), z["toks"], z["amax"], int(z["prompt_len"])
+    B, L = a.block, toks.shape[1]
+    steps = acc = 0
+    with torch.no_grad():
+        for i in range(len(toks)):
+            pos = P - 1
+            while pos + B <= L:
+                ids = torch.tensor([[int(toks[i, pos])] + [mask_id] * (B - 1)])
+                h = dr(feats[i:i + 1, :pos], torch.arange(pos)[None], target.model.embed_tokens(ids),
+                       (pos + torch.arange(B))[None], torch.ones(1, 1, B, pos + B, dtype=torch.bool))
+                ok = ((h[0, 1:] @ W.T).argmax(-1).numpy() == amax[i, pos:pos + B - 1]).astype(int)
+                k = int(np.cumprod(ok).sum())
+                steps, acc = steps + 1, acc + k
+                pos += k + 1
+    tau_torch = (acc + steps) / steps
+
+    sys.path.insert(0, str(REPO))
+    from dflash_gguf.engine import Context, ContextOptions, Model
+    from dflash_gguf.logs import set_log_handler
+    from dflash_gguf.spec import DFlashDecoder, GenerationStats
+
+    set_log_handler()
+    tm, dm = Model(work / "gguf" / "target.gguf"), Model(work / "gguf" / "drafter.gguf")
+    opts = ContextOptions(n_ctx=1024, n_batch=256, n_ubatch=256, n_threads=a.threads)
+    tctx = Context(tm, opts)
+    dctx = Context(dm, opts, other=tctx)
+    spec = DFlashDecoder(tctx, dctx)
+    tot, same = GenerationStats(), 0
+    for i in range(len(toks)):
+        st = GenerationStats()
+        got = list(spec.generate(toks[i, :P].tolist(), L - P, stats=st))
+        same += got == toks[i, P:].tolist()
+        for k in ("steps", "drafted", "accepted"):
+            setattr(tot, k, getattr(tot, k) + getattr(st, k))
+    log(f"align: acceptance length on {len(toks)} held-out greedy sequences: torch replay {tau_torch:.2f}, "
+        f"llama.cpp {tot.tau:.2f}; llama.cpp greedy == torch greedy on {same}/{len(toks)} sequences")
+    return {"tau_torch_replay": round(tau_torch, 3), "tau_llama_cpp": round(tot.tau, 3),
+            "greedy_equal_torch": f"{same}/{len(toks)}", "sequences": len(toks), "tokens_each": L - P}
+
+
+def install(work: Path, dest: Path, info: dict) -> None:
+    dest.mkdir(parents=True, exist_ok=True)
+    for f in ("target.gguf", "drafter.gguf", "pair.json"):
+        src = work / "gguf" / f
+        if src.exists():
+            shutil.copy(src, dest / f)
+    slim = {k: v for k, v in info.items()}
+    (dest / "training.json").write_text(json.dumps(slim, indent=2) + "\n")
+    (dest / "MODEL_CARD.md").write_text(model_card(info, dest))
+    log(f"installed the pair into {dest} (target.gguf, drafter.gguf, pair.json, training.json, MODEL_CARD.md)")
+
+
+def model_card(info: dict, dest: Path) -> str:
+    a, c, t, d, v = info["args"], info["corpus"], info["target"], info["drafter"], info["verify"]
+    cv, s, al = info["convert"], info["samples"], info["align"]
+    tb, db = (dest / "target.gguf").stat().st_size, (dest / "drafter.gguf").stat().st_size
+    per = " ".join(f"{x:.2f}" for x in d["val_per_position"])
+    wall = sum(x.get("stage_seconds", 0) for x in info.values() if isinstance(x, dict)) / 60
+    rows = "\n".join(f"| `{r['prompt'].splitlines()[0][:48]}` | {'yes' if r['equal'] else 'NO'} | {r['tau']:.2f} |"
+                     for r in v["prompts"])
+    return f"""# dflash-gguf demo pair: a tiny Python-code model and its DFlash drafter
+
+Two GGUF files for trying DFlash speculative decoding offline, on any CPU, in seconds:
+
+| file | what | size |
+|---|---|---|
+| `target.gguf` | Qwen3-architecture causal LM, {a['layers']} layers, hidden {a['hidden']}, {a['heads']} heads / {a['kv_heads']} KV heads, FFN {a['inter']}, vocab {info['tokenizer']['vocab']}, tied embeddings, {t['params'] / 1e6:.2f} M parameters, {cv['outtype'].upper()} | {tb / 1e6:.1f} MB |
+| `drafter.gguf` | DFlash drafter (z-lab layout), {a['d_layers']} layers, block size {a['block']}, taps on target layers {a['taps']} (HF `target_layer_ids`), {d['params'] / 1e6:.2f} M parameters + the target's embeddings / LM head, {cv['outtype'].upper()} | {db / 1e6:.1f} MB |
+
+It is a toy: the target writes plausible-looking Python in the style of the standard library, often
+wrong and sometimes repetitive. Its job is to make the DFlash mechanics visible (block drafting,
+one-pass verification, acceptance) with output that is recognisably code.
+
+```
+python -m dflash_gguf.demo                    # streams a completion, then plain vs DFlash tokens/s
+python -m dflash_gguf.bench --prompts code    # side by side with upstream llama.cpp
+```
+
+## How it was made
+
+Everything by `examples/train_demo_pair.py` on a CPU, from fixed seeds (seed {a['seed']}), no download:
+
+```
+python examples/train_demo_pair.py --minutes-target {a['minutes_target']:g} --minutes-drafter {a['minutes_drafter']:g} --train-seqs {a['train_seqs']}
+```
+
+Budgets count CPU time / threads ({a['threads']} threads), so a busy machine gives the same training,
+only later (this run: {wall:.0f} min of wall time for all stages on a shared 2-core machine). Versions: Python {info['versions']['python']}, torch {info['versions']['torch']}, transformers
+{info['versions']['transformers']}, sentencepiece {info['versions']['sentencepiece']}.
+
+- **Corpus**: the `*.py` files of the Python {c['python']} standard library on the training machine,
+  without test folders/files, at most {c['cap_bytes_per_file']:,} bytes from any one file (so no single
+  large module dominates); {c['files_train']} files / {c['bytes_train'] / 1e6:.2f} MB for training,
+  {c['files_val']} files held out (by a hash of the path) for validation and the check prompts.
+  The corpus is Python Software Foundation licensed source code.
+- **Tokenizer**: SentencePiece BPE, vocab {info['tokenizer']['vocab']}, byte fallback, identity
+  normalisation, whitespace kept (whitespace-only pieces allowed, digits split); BOS `<s>`, EOS `</s>`;
+  control piece `<|mask|>` = id {info['tokenizer']['mask_token_id']} is the drafter's mask token.
+- **Target**: {t['steps']} AdamW steps of {a['batch']} x {a['seq']} tokens ({t['tokens'] / 1e6:.2f} M tokens),
+  peak LR {a['lr_target']:g}, warm-up then cosine, {t['minutes']:.1f} min; final train loss {t['train_loss']:.2f},
+  held-out loss {t['val_loss']:.2f} (perplexity {math.exp(t['val_loss']):.1f}).
+- **Drafter data**: {s['train']['n']} training and {s['val']['n']} held-out sequences of a corpus prompt
+  ({s['train']['prompt_len']} tokens) plus {s['train']['gen_len']} tokens of the target's own greedy
+  continuation, with the target's hidden states at the taps (HF `hidden_states[t + 1]`, the output of
+  layer t) and its argmax at every position.
+- **Drafter training** (the DFlash recipe): {d['anchors_per_seq']} random anchors per sequence, block
+  `[anchor, <|mask|> x {a['block'] - 1}]` at positions a..a+{a['block'] - 1}; slot k predicts the target's
+  greedy token at a+k; context = `hidden_norm(fc(concat taps))` of positions strictly before the
+  anchor, injected as extra K/V in every layer (k_norm and RoPE at the true positions, no per-layer
+  input norm on the context); non-causal attention within the block; CE weighted by
+  exp(-(k-1)/{a['gamma']:g}); embeddings and LM head are the target's, frozen. {d['steps']} steps of
+  {d['batch_seqs']} sequences, {d['minutes']:.1f} min; held-out loss {d['val_loss']:.2f}, teacher-forced
+  acceptance length {d['val_tau_torch']:.2f} (per-position prefix acceptance {per}).
+- **Conversion**: {cv['how']}, `--outtype {cv['outtype']}`.
+  (Q8_0 is avoided on purpose: on CPUs with Intel AMX, ggml's AMX Q8_0 matmul crashed on this model.)
+
+## Measured
+
+llama.cpp (this package's patched build), greedy, {v['max_tokens']} tokens per prompt, DFlash output
+compared token by token with plain decoding:
+
+| prompt | DFlash == plain | acceptance length |
+|---|---|---|
+{rows}
+
+Alignment cross-check on the {al['sequences']} held-out greedy sequences ({al['tokens_each']} tokens each): the
+torch drafter replayed the way the runtime drafts reaches an acceptance length of {al['tau_torch_replay']:.2f},
+llama.cpp's DFlash {al['tau_llama_cpp']:.2f} (llama.cpp's F16 greedy text equals torch's F32 greedy text on
+{al['greedy_equal_torch']} of them). The teacher-forced figure at random anchors above ({d['val_tau_torch']:.2f}) is
+higher because at run time a block starts right after a rejected, i.e. hard, token.
+
+Mean acceptance length over the check prompts: **{v['tau']:.2f}** tokens per target pass (block size
+{a['block']}). Re-measure (also against upstream llama.cpp's own DFlash) with
+`python -m dflash_gguf.bench --prompts code -n {v['max_tokens']}`. Speed on a 2-core CPU: see `BENCHMARKS.md` at the repository root (on such tiny models
+the fixed per-call overheads dominate; read the numbers as mechanics, not as a forecast for 4B+
+models).
+
+## Limitations
+
+- Trained for minutes on {t['tokens'] / 1e6:.1f} M tokens: it knows Python's surface syntax and stdlib idioms, not how to
+  program. Outside Python code (prose, other languages) it produces noise, and acceptance drops.
+- Greedy continuations of weak models fall into loops, which inflate acceptance; the check prompts
+  were chosen to avoid that, yours may not.
+- The files are rebuilt bit-for-bit only with the same Python (the corpus is its stdlib), library
+  versions and CPU-time budgets.
+"""
