@@ -118,6 +118,8 @@ class Llama(llama_cpp.Llama):
         draft_model_path: the drafter GGUF (converted against this target). Without it this
             class behaves exactly like ``llama_cpp.Llama``.
         draft_n_max: tokens drafted per block (default and maximum: the drafter's block size - 1).
+        draft_adaptive: speed gate: draft per step as many tokens as currently pays (at most
+            draft_n_max), from measured step costs and acceptance (see dflash_gguf.gate).
         dflash: default for every call; each call can override it with ``dflash=True/False``.
         draft_n_gpu_layers: layers of the drafter to offload (default: as the target).
 
@@ -126,7 +128,8 @@ class Llama(llama_cpp.Llama):
     """
 
     def __init__(self, model_path: str, *, draft_model_path: str | os.PathLike | None = None,
-                 draft_n_max: int | None = None, dflash: bool = True, draft_n_gpu_layers: int | None = None,
+                 draft_n_max: int | None = None, draft_adaptive: bool = False, dflash: bool = True,
+                 draft_n_gpu_layers: int | None = None,
                  **kwargs):
         if draft_n_max is not None and draft_n_max < 0:
             raise ValueError(f"draft_n_max must be >= 0 (0: no drafting), got {draft_n_max}")
@@ -139,6 +142,7 @@ class Llama(llama_cpp.Llama):
         self.dflash = dflash
         self.draft_model_path = str(draft_model_path) if draft_model_path else None
         self.draft_n_max = draft_n_max
+        self.draft_adaptive = draft_adaptive
         self.draft_n_gpu_layers = draft_n_gpu_layers
         super().__init__(model_path, **kwargs)
         if self.draft_model_path:
@@ -173,7 +177,8 @@ class Llama(llama_cpp.Llama):
         opts = ContextOptions(n_ctx=self._n_ctx, n_batch=self.n_batch, n_ubatch=self.context_params.n_ubatch,
                               n_threads=self.n_threads, flash_attn=flash)
         self._draft_ctx = Context(self._draft_model, opts, other=target)
-        self._decoder = DFlashDecoder(target, self._draft_ctx, SpecOptions(n_draft=n_draft))
+        self._decoder = DFlashDecoder(target, self._draft_ctx,
+                                      SpecOptions(n_draft=n_draft, adaptive=self.draft_adaptive))
         self.n_tokens = 0   # the decoder cleared the target memory
         log.info("DFlash ready: %s drafter %s, block %d, %d drafted per step, rollback %s",
                  self._decoder.info.kind, Path(self.draft_model_path).name, self._decoder.info.block_size,
@@ -209,7 +214,7 @@ class Llama(llama_cpp.Llama):
     def __getstate__(self):
         state = super().__getstate__()
         state.update(draft_model_path=self.draft_model_path, draft_n_max=self.draft_n_max, dflash=self.dflash,
-                     draft_n_gpu_layers=self.draft_n_gpu_layers)
+                     draft_n_gpu_layers=self.draft_n_gpu_layers, draft_adaptive=self.draft_adaptive)
         return state
 
     # ------------------------------------------------------------------ introspection
@@ -487,6 +492,6 @@ Llama.__call__.__signature__ = _signature(llama_cpp.Llama.__call__, dflash=None)
 Llama.create_chat_completion.__signature__ = _signature(llama_cpp.Llama.create_chat_completion, dflash=None,
                                                         chat_template_kwargs=None)
 Llama.__init__.__signature__ = _signature(llama_cpp.Llama.__init__, draft_model_path=None, draft_n_max=None,
-                                          dflash=True, draft_n_gpu_layers=None)
+                                          draft_adaptive=False, dflash=True, draft_n_gpu_layers=None)
 
 __all__ = ["Llama", "check_grammar", "pair_files"]

@@ -344,6 +344,8 @@ def _parse(argv):
     ap.add_argument("--trials", type=int, default=3, help="timed trials; each runs every prompt (default 3)")
     ap.add_argument("--warmup", type=int, default=1, help="untimed warm-up runs of each mode (default 1)")
     ap.add_argument("--n-draft", type=int, default=None, help="tokens drafted per block (default: block size - 1)")
+    ap.add_argument("--adaptive", action="store_true",
+                    help="speed gate: draft per step as many tokens as pays (at most --n-draft)")
     ap.add_argument("--threads", "-t", type=int, default=None, help="CPU threads for every column (default: cores, max 8)")
     ap.add_argument("--no-upstream", action="store_true", help="skip the upstream llama.cpp column")
     ap.add_argument("--sweep-block", action="store_true", help="also run n_draft = 1 .. block_size - 1")
@@ -387,7 +389,7 @@ def main(argv=None) -> int:
     dctx = Context(dm, opts, other=tctx)
     rss_d = _rss_mb()
     plain = DFlashDecoder(tctx, None)
-    spec = DFlashDecoder(tctx, dctx, SpecOptions(n_draft=a.n_draft))
+    spec = DFlashDecoder(tctx, dctx, SpecOptions(n_draft=a.n_draft, adaptive=a.adaptive))
     n_draft = spec.n_draft
     ids = [tm.tokenize(p["text"].encode("utf-8")) for p in prompts]
     echoes = [tm.detokenize(i, special=True) for i in ids]

@@ -57,6 +57,8 @@ def add_model_args(ap: argparse.ArgumentParser) -> None:
     g.add_argument("-t", "--threads", type=int, default=None, help="CPU threads (default: llama_cpp's choice)")
     g.add_argument("--draft-n-max", type=int, default=None,
                    help="tokens drafted per block (default and maximum: the drafter's block size - 1)")
+    g.add_argument("--draft-adaptive", action="store_true",
+                   help="speed gate: draft per step as many tokens as currently pays (at most --draft-n-max)")
     g.add_argument("--no-dflash", action="store_true", help="load the drafter but decode plainly (for comparison)")
     g.add_argument("--chat-format", default=None,
                    help="llama_cpp chat format (chatml, llama-3, ...); default: the GGUF's chat template")
@@ -93,6 +95,7 @@ def load_llama(args: argparse.Namespace):
     if n_ctx is None:
         n_ctx = min(DEFAULT_N_CTX, _train_ctx(target) or DEFAULT_N_CTX)
     kw = dict(n_ctx=n_ctx, n_gpu_layers=args.n_gpu_layers, draft_n_max=args.draft_n_max,
+              draft_adaptive=args.draft_adaptive,
               dflash=not args.no_dflash, chat_format=args.chat_format, verbose=args.verbose)
     if args.threads:
         kw.update(n_threads=args.threads, n_threads_batch=args.threads)

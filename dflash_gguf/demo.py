@@ -37,6 +37,8 @@ def _parse(argv):
     ap.add_argument("--prompt", "-p", default=None, help="prompt text (default: the start of a Python function)")
     ap.add_argument("--max-tokens", "-n", type=int, default=96, help="tokens to generate (default 96)")
     ap.add_argument("--n-draft", type=int, default=None, help="tokens drafted per block (default: block size - 1)")
+    ap.add_argument("--adaptive", action="store_true",
+                    help="speed gate: draft per step as many tokens as pays (at most --n-draft)")
     ap.add_argument("--threads", "-t", type=int, default=None, help="CPU threads (default: all cores, at most 8)")
     ap.add_argument("--trials", type=int, default=3, help="timed runs of each mode; the median is shown (default 3)")
     ap.add_argument("--no-stream", action="store_true", help="do not print the completion as it is generated")
@@ -91,7 +93,7 @@ def main(argv=None) -> int:
     opts = ContextOptions(n_ctx=2048, n_batch=256, n_ubatch=256, n_threads=threads)
     tctx = Context(tm, opts)
     dctx = Context(dm, opts, other=tctx)
-    spec = DFlashDecoder(tctx, dctx, SpecOptions(n_draft=a.n_draft))
+    spec = DFlashDecoder(tctx, dctx, SpecOptions(n_draft=a.n_draft, adaptive=a.adaptive))
     info = spec.info
     print(f"loaded in {time.perf_counter() - t0:.2f} s: {tm.arch} target ({tm.n_layer} layers, vocab {tm.n_vocab}); "
           f"{info.kind} drafter, block size {info.block_size}, drafting {spec.n_draft} tokens per step, "
@@ -134,7 +136,7 @@ def main(argv=None) -> int:
         st = GenerationStats()
         plain_tokens = list(plain.generate(ids, n, stats=st))
         plain_runs.append(st)
-        spec = DFlashDecoder(tctx, dctx, SpecOptions(n_draft=a.n_draft))
+        spec = DFlashDecoder(tctx, dctx, SpecOptions(n_draft=a.n_draft, adaptive=a.adaptive))
         st = GenerationStats()
         got = list(spec.generate(ids, n, stats=st))
         spec_runs.append(st)

@@ -28,6 +28,7 @@ import numpy as np
 from dflash_gguf import _bindings as B
 from dflash_gguf.engine import Context
 from dflash_gguf.errors import ContextOverflowError, InvalidArgumentError, RollbackError
+from dflash_gguf.gate import DraftLength
 from dflash_gguf.sampling import SamplingParams, TokenChooser
 
 log = logging.getLogger("dflash_gguf.spec")
@@ -104,6 +105,7 @@ class GenerationStats:
 class SpecOptions:
     n_draft: int | None = None   # tokens drafted per block; default and maximum: block_size - 1
     rollback: str = "auto"       # auto | seq_rm | snapshot | checkpoint
+    adaptive: bool = False       # speed gate: draft per step as many tokens as pays (gate.DraftLength)
     # test hook: replaces the drafter's proposal (context tokens, n) -> n token ids; the drafter
     # still receives every feature injection, so its cache stays exactly as without the hook
     proposer: Callable[[list[int], int], Sequence[int]] | None = None
@@ -136,6 +138,7 @@ class DFlashDecoder:
                 log.info("n_draft %d clamped to %d (block size %d)", want, limit, self.info.block_size)
             self.n_draft = min(want, limit)
         self.rollback = self._rollback_kind()
+        self.gate = DraftLength(self.n_draft) if (self.opts.adaptive and self.n_draft > 0) else None
         if self.rollback == "snapshot" and target.n_rs_seq < self.n_draft:
             raise InvalidArgumentError(f"snapshot rollback needs n_rs_seq >= {self.n_draft}, target has {target.n_rs_seq}")
         self.cache: list[int] = []     # tokens whose KV is in the target (and features in the drafter)
@@ -269,7 +272,9 @@ class DFlashDecoder:
                 if pos >= self.target.n_ctx:
                     stats.finish = "context"
                     return
-                n = min(n_draft, max_tokens - produced - 1, self.target.n_ctx - pos - 1)
+                want = self.gate.choose() if (self.gate is not None and n_draft) else n_draft
+                n = min(want, max_tokens - produced - 1, self.target.n_ctx - pos - 1)
+                t_step = stats.t_draft + stats.t_verify
                 # ---- draft
                 if n > 0:
                     t0 = time.perf_counter()
@@ -311,6 +316,8 @@ class DFlashDecoder:
                         if not ok:
                             break
                     a = len(commit) - 1
+                if self.gate is not None and n_draft:
+                    self.gate.record(n, a, stats.t_draft + stats.t_verify - t_step)
                 if n:
                     stats.steps += 1
                     stats.drafted += n

@@ -1,0 +1,71 @@
+"""A speed gate for the draft length: draft as many tokens per step as currently pays.
+
+On a CPU the target's verify pass costs more with every row, and the drafter's cost grows with the
+block too, so drafting the whole block is not always fastest (and drafting nothing, plain decoding,
+wins when the drafter is rarely right). :class:`DraftLength` keeps decayed per-position acceptance
+counts and the measured cost of a step for each draft length it has tried, fits a line through
+those costs for the lengths it has not, and picks the length with the most expected tokens per
+second: ``(1 + sum of P(accepted >= i) for i <= n)`` over ``cost(n)``. It only changes speed:
+the decoder's output is the target's whatever length is drafted.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+
+class DraftLength:
+    WARMUP = (None, None, None, 0, "half", None, 1, None)   # None = n_max
+    PROBE_EVERY = 24                                         # re-measure n_max and plain now and then
+    DECAY = 0.97                                             # acceptance memory, per drafting step
+    COST_EMA = 0.2
+
+    def __init__(self, n_max: int):
+        self.n_max = n_max
+        self.hits = np.zeros(n_max)                 # position i accepted (decayed count)
+        self.tries = np.zeros(n_max)                # position i drafted (decayed count)
+        self.cost = np.full(n_max + 1, np.nan)      # seconds of one step drafting n tokens
+        self.steps = 0
+        self.last = n_max
+
+    def _scheduled(self) -> int | None:
+        if self.steps <= len(self.WARMUP):
+            w = self.WARMUP[self.steps - 1]
+        elif self.steps % self.PROBE_EVERY == 0:
+            w = None if (self.steps // self.PROBE_EVERY) % 2 else 0
+        else:
+            return None
+        if w is None:
+            return self.n_max
+        return max(1, self.n_max // 2) if w == "half" else min(int(w), self.n_max)
+
+    def expected_tokens(self) -> np.ndarray:
+        """Expected tokens per step for n = 0..n_max drafted tokens."""
+        rate = np.divide(self.hits, self.tries, out=np.zeros_like(self.hits), where=self.tries > 0)
+        return 1.0 + np.concatenate([[0.0], np.cumsum(rate)])
+
+    def step_cost(self) -> np.ndarray:
+        known = ~np.isnan(self.cost)
+        ns = np.arange(self.n_max + 1)
+        if known.sum() >= 2:
+            slope, icpt = np.polyfit(ns[known], self.cost[known], 1)
+            model = np.maximum(icpt + slope * ns, 1e-9)
+        else:
+            model = np.full(self.n_max + 1, np.nanmax(self.cost) if known.any() else 1.0)
+        return np.where(known, self.cost, model)
+
+    def choose(self) -> int:
+        self.steps += 1
+        n = self._scheduled()
+        if n is None:
+            n = int(np.argmax(self.expected_tokens() / self.step_cost()))
+        self.last = n
+        return n
+
+    def record(self, n: int, accepted: int, seconds: float) -> None:
+        if n > 0:
+            self.hits *= self.DECAY
+            self.tries *= self.DECAY
+            self.tries[:n] += 1
+            self.hits[:accepted] += 1
+        c = self.cost[n]
+        self.cost[n] = seconds if np.isnan(c) else (1 - self.COST_EMA) * c + self.COST_EMA * seconds

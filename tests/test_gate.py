@@ -1,0 +1,81 @@
+"""The speed gate picks the draft length with the most expected tokens per second, and the
+decoder stays lossless whatever length it drafts."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from dflash_gguf.engine import Context, ContextOptions, Model
+from dflash_gguf.gate import DraftLength
+from dflash_gguf.spec import DFlashDecoder, GenerationStats, SpecOptions
+
+PROMPT = b"def main(argv):\n    parser = argparse.ArgumentParser("
+
+
+def feed(gate: DraftLength, steps: int, accept, cost) -> list[int]:
+    """Drive the gate with a synthetic drafter (accept(n) -> accepted) and cost(n) -> seconds."""
+    chosen = []
+    for _ in range(steps):
+        n = gate.choose()
+        chosen.append(n)
+        gate.record(n, accept(n), cost(n))
+    return chosen
+
+
+def test_always_right_drafter_with_cheap_rows_drafts_the_whole_block():
+    g = DraftLength(7)
+    chosen = feed(g, 60, accept=lambda n: n, cost=lambda n: 1.0 + 0.05 * n)
+    assert chosen[-20:].count(7) >= 18          # all but the scheduled plain probe
+
+
+def test_never_right_drafter_turns_drafting_off():
+    g = DraftLength(7)
+    chosen = feed(g, 60, accept=lambda n: 0, cost=lambda n: 1.0 + 0.3 * n)
+    tail = chosen[len(DraftLength.WARMUP):]
+    assert tail.count(0) >= len(tail) - 3       # plain decoding except the n_max probes
+    np.testing.assert_allclose(g.expected_tokens(), 1.0)
+
+
+def test_costly_rows_pick_a_middle_length():
+    # acceptance of position i (1-based) is 0.9**i: long blocks are rarely fully right
+    rng = np.random.default_rng(0)
+
+    def accept(n):
+        a = 0
+        while a < n and rng.random() < 0.9 ** (a + 1):
+            a += 1
+        return a
+
+    g = DraftLength(7)
+    chosen = feed(g, 400, accept=accept, cost=lambda n: 1.0 + 0.35 * n)
+    gain, cost = g.expected_tokens(), 1.0 + 0.35 * np.arange(8)
+    best = int(np.argmax(gain / cost))
+    assert 1 <= best <= 5
+    assert max(set(chosen[-100:]), key=chosen[-100:].count) == best
+
+
+@pytest.mark.parametrize("proposer", ["oracle", "wrong", "drafter"])
+def test_adaptive_decoder_is_lossless(models, proposer):
+    pair = models.pair("qwen3", "dflash", 8)
+    tm, dm = Model(pair.target), Model(pair.drafter)
+    opts = ContextOptions(n_ctx=512, n_batch=64, n_ubatch=64, n_threads=1)
+    pc = Context(tm, opts)
+    prompt = tm.tokenize(PROMPT)
+    ref = list(DFlashDecoder(pc, None).generate(prompt, 120, stop_tokens=[]))
+    full = prompt + ref
+    hooks = {"oracle": lambda ctx, n: full[len(ctx):len(ctx) + n],
+             "wrong": lambda ctx, n: [(t + 1) % 512 for t in full[len(ctx):len(ctx) + n]],
+             "drafter": None}
+    tc = Context(tm, opts)
+    dc = Context(dm, opts, other=tc)
+    dec = DFlashDecoder(tc, dc, SpecOptions(adaptive=True, proposer=hooks[proposer]))
+    st = GenerationStats()
+    out = list(dec.generate(prompt, 120, stats=st, stop_tokens=[]))
+    assert out == ref
+    assert dec.gate is not None and dec.gate.steps > len(DraftLength.WARMUP)
+    if proposer == "oracle":
+        assert st.tau > 4            # full blocks pay even when rows are costly
+    for c in (dc, tc, pc):
+        c.close()
+    dm.close()
+    tm.close()
