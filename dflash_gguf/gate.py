@@ -16,6 +16,7 @@ import numpy as np
 class DraftLength:
     WARMUP = (None, None, None, 0, "half", None, 1, None)   # None = n_max
     PROBE_EVERY = 24                                         # re-measure n_max and plain now and then
+    REPLAN_EVERY = 8                                         # steps between re-evaluations of the choice
     DECAY = 0.97                                             # acceptance memory, per drafting step
     COST_EMA = 0.2
 
@@ -26,6 +27,7 @@ class DraftLength:
         self.cost = np.full(n_max + 1, np.nan)      # seconds of one step drafting n tokens
         self.steps = 0
         self.last = n_max
+        self._plan: int | None = None
 
     def _scheduled(self) -> int | None:
         if self.steps <= len(self.WARMUP):
@@ -46,9 +48,10 @@ class DraftLength:
     def step_cost(self) -> np.ndarray:
         known = ~np.isnan(self.cost)
         ns = np.arange(self.n_max + 1)
-        if known.sum() >= 2:
-            slope, icpt = np.polyfit(ns[known], self.cost[known], 1)
-            model = np.maximum(icpt + slope * ns, 1e-9)
+        if known.sum() >= 2:   # least-squares line through the measured costs
+            x, y = ns[known], self.cost[known]
+            slope = float(np.cov(x, y, bias=True)[0, 1] / np.var(x))
+            model = np.maximum(y.mean() + slope * (ns - x.mean()), 1e-9)
         else:
             model = np.full(self.n_max + 1, np.nanmax(self.cost) if known.any() else 1.0)
         return np.where(known, self.cost, model)
@@ -57,7 +60,9 @@ class DraftLength:
         self.steps += 1
         n = self._scheduled()
         if n is None:
-            n = int(np.argmax(self.expected_tokens() / self.step_cost()))
+            if self._plan is None or self.steps % self.REPLAN_EVERY == 0:
+                self._plan = int(np.argmax(self.expected_tokens() / self.step_cost()))
+            n = self._plan
         self.last = n
         return n
 
