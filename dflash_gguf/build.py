@@ -224,7 +224,7 @@ def build_wheel(tree: Path, key: str, opts: BuildOptions) -> Path:
     try:
         _run_logged([sys.executable, "-m", "pip", "wheel", "--no-deps", "--disable-pip-version-check",
                      "-v", "-w", str(tmp_dir), str(tree)], None, env, logfile,
-                    "building the patched llama-cpp-python wheel (about 8 minutes on 2 cores)")
+                    "building the patched llama-cpp-python wheel (about 3 minutes on 2 cores)")
         built = sorted(tmp_dir.glob("llama_cpp_python-*.whl"))
         if not built:
             raise BuildError(f"pip wheel produced no wheel; see {logfile}")
@@ -287,7 +287,7 @@ def build_tools(tree: Path, key: str, opts: BuildOptions) -> Path:
     _run_logged(cfg, None, env, logfile.with_suffix(".configure.log"), "configuring reference tools")
     _run_logged(["cmake", "--build", str(build), "--config", "Release", "-j", str(opts.jobs),
                  "--target", *targets], None, env, logfile,
-                f"building {', '.join(targets)} (about 7 minutes on 2 cores)")
+                f"building {', '.join(targets)} (about 3-6 minutes on 2 cores)")
     return bindir
 
 
