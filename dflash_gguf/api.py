@@ -33,12 +33,11 @@ from typing import Iterator, Sequence
 import llama_cpp
 import llama_cpp._internals as internals
 import llama_cpp.llama_chat_format as llama_chat_format
-import numpy as np
 
 from dflash_gguf import _bindings as B
 from dflash_gguf.engine import Context, ContextOptions, Model
 from dflash_gguf.sampling import SamplingParams
-from dflash_gguf.spec import DFlashDecoder, GenerationStats, SpecOptions
+from dflash_gguf.spec import DFlashDecoder, GenerationStats, SpecOptions, common_prefix_len
 
 log = logging.getLogger("dflash_gguf.api")
 
@@ -64,14 +63,6 @@ def check_grammar(llm: llama_cpp.Llama, grammar) -> None:
     if not sampler:
         raise ValueError("invalid grammar: llama.cpp could not parse it (its log says where)")
     llama_cpp.llama_sampler_free(sampler)
-
-
-def _prefix_len(a: Sequence[int], b: Sequence[int]) -> int:
-    n = min(len(a), len(b))
-    if n == 0:
-        return 0
-    eq = np.asarray(a[:n], dtype=np.int64) == np.asarray(b[:n], dtype=np.int64)
-    return n if eq.all() else int(np.argmin(eq))
 
 
 def pair_files(path: str | os.PathLike) -> tuple[Path, Path]:
@@ -433,17 +424,10 @@ class Llama(llama_cpp.Llama):
         """Keep only what both views agree on: llama_cpp's tokens vs the drafter's features."""
         dec = self._decoder
         view = self.input_ids[: self.n_tokens]
-        m = _prefix_len(dec.cache, view)
+        m = common_prefix_len(dec.cache, view)
         if m == len(dec.cache) == self.n_tokens:
             return
-        ok = dec.target.truncate(m) and dec.drafter.truncate(m)
-        if ok:
-            dec.cache = dec.cache[:m]
-        else:
-            log.debug("partial cache removal refused at %d: clearing both caches", m)
-            dec.reset()
-            m = 0
-        self.n_tokens = m
+        self.n_tokens = dec.keep_prefix(m)
         self._requires_eval = True
 
     def _publish_cache(self) -> None:

@@ -36,6 +36,15 @@ log = logging.getLogger("dflash_gguf.spec")
 KIND_NAMES = {1: "dflash", 2: "dflash2", 3: "dspark"}
 
 
+def common_prefix_len(a: Sequence[int], b: Sequence[int]) -> int:
+    """Length of the longest common prefix of two token sequences."""
+    n = min(len(a), len(b))
+    if n == 0:
+        return 0
+    eq = np.asarray(a[:n], dtype=np.int64) == np.asarray(b[:n], dtype=np.int64)
+    return n if eq.all() else int(np.argmin(eq))
+
+
 @dataclass
 class DrafterInfo:
     kind: str
@@ -173,27 +182,30 @@ class DFlashDecoder:
         self.cache = []
 
     # ------------------------------------------------------------------ phases
+    def keep_prefix(self, n: int) -> int:
+        """Cut both caches back to the first ``n`` cached tokens; returns how many are kept.
+
+        Recurrent state: llama.cpp accepts any rollback within n_rs_seq, but its snapshots only cover
+        the rows of the last decode (a 1-token step leaves the older slots stale), so a partial
+        removal could silently restore the wrong state: both caches are cleared instead (0 kept)
+        and the caller re-evaluates.
+        """
+        n = min(n, len(self.cache))
+        if n == len(self.cache) and self.target.pos_max() < n:
+            return n                      # nothing beyond the prefix to remove
+        ok = self.rollback == "seq_rm" and self.target.truncate(n)
+        if ok and self.drafter is not None:
+            ok = self.drafter.truncate(n)
+        if not ok:
+            log.debug("partial cache removal refused at %d; re-evaluating", n)
+            self.reset()
+            return 0
+        self.cache = self.cache[:n]
+        return n
+
     def _sync_prefix(self, prompt: Sequence[int]) -> int:
         """Keep the longest cached prefix usable for ``prompt`` (at least one token stays to decode)."""
-        limit = len(prompt) - 1
-        n = 0
-        for a, b in zip(self.cache, prompt[:limit]):
-            if a != b:
-                break
-            n += 1
-        if n < len(self.cache):
-            # recurrent state: llama.cpp accepts any rollback within n_rs_seq, but its snapshots only
-            # cover the rows of the last decode (a 1-token step leaves the older slots stale), so a
-            # partial removal here could silently restore the wrong state: re-evaluate instead
-            ok = self.rollback == "seq_rm" and self.target.truncate(n)
-            if ok and self.drafter is not None:
-                ok = self.drafter.truncate(n)
-            if not ok:
-                log.debug("partial cache removal refused at %d; re-evaluating the prompt", n)
-                self.reset()
-                return 0
-            self.cache = self.cache[:n]
-        return n
+        return self.keep_prefix(common_prefix_len(self.cache, prompt[:len(prompt) - 1]))
 
     def _prefill(self, tokens: np.ndarray, pos0: int, stats: GenerationStats) -> None:
         t0 = time.perf_counter()
