@@ -9,7 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from dflash_gguf import bench, bench_upstream
+from dflash_gguf.bench import prompts as bench
+from dflash_gguf.bench import upstream as bench_upstream
 from dflash_gguf.demo import DEFAULT_PROMPT, demo_pair
 
 REPO = Path(__file__).resolve().parents[1]

@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from dflash_gguf.bench import ModeResult
+    from dflash_gguf.bench.results import ModeResult
 
 log = logging.getLogger("dflash_gguf.bench")
 

@@ -26,7 +26,6 @@ context overflow, an unknown field), 404/405 for unknown routes, 500 only for se
 """
 from __future__ import annotations
 
-import argparse
 import asyncio
 import json
 import logging
@@ -39,7 +38,8 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from dflash_gguf.server_schemas import ChatRequest, CompletionRequest
+from dflash_gguf.server.metrics import Metrics
+from dflash_gguf.server.schemas import ChatRequest, CompletionRequest
 
 log = logging.getLogger("dflash_gguf.server")
 _END = object()
@@ -79,87 +79,6 @@ def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
             msg = "unknown field (not supported by this server)"
         parts.append(f"{where}: {msg}" if where else msg)
     return "; ".join(parts) or "invalid request", param
-
-
-# --------------------------------------------------------------------------- metrics
-class Metrics:
-    """Counters since start; rendered as Prometheus text or JSON."""
-
-    def __init__(self):
-        self.started = time.time()
-        self.requests: dict[tuple[str, int], int] = {}
-        self.prompt_tokens = self.completion_tokens = 0
-        self.steps = self.drafted = self.accepted = self.dflash_tokens = 0
-        self.dflash_seconds = 0.0
-        self.dflash_requests = self.plain_requests = self.disconnects = 0
-        self.last_tokens_per_second = 0.0
-        self.in_flight = 0
-
-    def request(self, endpoint: str, status: int) -> None:
-        self.requests[(endpoint, status)] = self.requests.get((endpoint, status), 0) + 1
-
-    def generation(self, dflash: dict | None, usage: dict | None) -> None:
-        if usage:
-            self.prompt_tokens += int(usage.get("prompt_tokens", 0))
-            self.completion_tokens += int(usage.get("completion_tokens", 0))
-        if dflash is None:
-            self.plain_requests += 1
-            return
-        self.dflash_requests += 1
-        self.steps += dflash["steps"]
-        self.drafted += dflash["drafted"]
-        self.accepted += dflash["accepted"]
-        self.dflash_tokens += dflash.get("n_generated", 0)
-        t = dflash.get("time", {})
-        self.dflash_seconds += max(0.0, t.get("total", 0.0) - t.get("prefill", 0.0))
-        self.last_tokens_per_second = dflash["tokens_per_second"]
-        if not usage:
-            self.completion_tokens += dflash.get("n_generated", 0)
-            self.prompt_tokens += dflash.get("n_prompt", 0)
-
-    def as_dict(self) -> dict:
-        return {
-            "uptime_seconds": round(time.time() - self.started, 3),
-            "requests": [{"endpoint": e, "status": s, "count": n} for (e, s), n in sorted(self.requests.items())],
-            "requests_in_flight": self.in_flight,
-            "prompt_tokens": self.prompt_tokens, "completion_tokens": self.completion_tokens,
-            "dflash_requests": self.dflash_requests, "plain_requests": self.plain_requests,
-            "dflash_steps": self.steps, "dflash_drafted": self.drafted, "dflash_accepted": self.accepted,
-            "acceptance_length": round((self.accepted + self.steps) / self.steps, 4) if self.steps else None,
-            "acceptance_rate": round(self.accepted / self.drafted, 4) if self.drafted else None,
-            "dflash_tokens_per_second": round(self.dflash_tokens / self.dflash_seconds, 2) if self.dflash_seconds else None,
-            "last_tokens_per_second": self.last_tokens_per_second,
-            "client_disconnects": self.disconnects,
-        }
-
-    def prometheus(self) -> str:
-        d = self.as_dict()
-        out = []
-
-        def metric(name, kind, help_, value, labels=""):
-            if f"# TYPE dflash_{name} " not in "".join(out):
-                out.append(f"# HELP dflash_{name} {help_}\n# TYPE dflash_{name} {kind}\n")
-            out.append(f"dflash_{name}{labels} {0 if value is None else value}\n")
-
-        for r in d["requests"]:
-            metric("requests_total", "counter", "HTTP requests by endpoint and status", r["count"],
-                   f'{{endpoint="{r["endpoint"]}",status="{r["status"]}"}}')
-        metric("requests_in_flight", "gauge", "generation requests running or waiting", d["requests_in_flight"])
-        metric("prompt_tokens_total", "counter", "prompt tokens of served requests", d["prompt_tokens"])
-        metric("completion_tokens_total", "counter", "generated tokens", d["completion_tokens"])
-        help_ = "generations by decoding path: dflash, or plain (a fallback, or dflash off)"
-        metric("generations_total", "counter", help_, d["dflash_requests"], '{path="dflash"}')
-        metric("generations_total", "counter", help_, d["plain_requests"], '{path="plain"}')
-        metric("steps_total", "counter", "DFlash draft-verify steps", d["dflash_steps"])
-        metric("drafted_tokens_total", "counter", "tokens proposed by the drafter", d["dflash_drafted"])
-        metric("accepted_tokens_total", "counter", "drafted tokens accepted by the target", d["dflash_accepted"])
-        metric("acceptance_length", "gauge", "mean tokens committed per DFlash step since start", d["acceptance_length"])
-        metric("tokens_per_second", "gauge", "DFlash decode speed since start (after prefill)",
-               d["dflash_tokens_per_second"])
-        metric("client_disconnects_total", "counter", "streams stopped because the client went away",
-               d["client_disconnects"])
-        metric("uptime_seconds", "gauge", "seconds since the server started", d["uptime_seconds"])
-        return "".join(out)
 
 
 # --------------------------------------------------------------------------- serving state
@@ -388,42 +307,3 @@ def _check_prompt(llm, prompt) -> None:
         bad = [t for t in prompt if t >= n_vocab]
         if bad:
             raise BadRequest(f"token id {bad[0]} is outside the vocabulary (0..{n_vocab - 1})", "prompt")
-
-
-# --------------------------------------------------------------------------- command line
-def parser(prog: str = "python -m dflash_gguf.server") -> argparse.ArgumentParser:
-    from dflash_gguf.cli import add_model_args
-
-    ap = argparse.ArgumentParser(
-        prog=prog, formatter_class=argparse.RawDescriptionHelpFormatter,
-        description="OpenAI-compatible server (/v1/completions, /v1/chat/completions, /v1/models, /health, "
-                    "/metrics) with lossless DFlash speculative decoding. One model; requests are served one "
-                    "at a time in arrival order.",
-        epilog="example:\n  python -m dflash_gguf.server --pair qwen3-8b-dflash --port 8000\n"
-               "  curl localhost:8000/v1/chat/completions -H 'content-type: application/json' \\\n"
-               "       -d '{\"messages\": [{\"role\": \"user\", \"content\": \"hi\"}], "
-               "\"chat_template_kwargs\": {\"enable_thinking\": false}}'\n\n"
-               "Thinking models: chat_template_kwargs {\"enable_thinking\": false} raises DFlash acceptance a lot.")
-    g = ap.add_argument_group("server")
-    g.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1; 0.0.0.0: all)")
-    g.add_argument("--port", type=int, default=8000, help="port (default 8000)")
-    g.add_argument("--model-alias", default=None, help="model id shown by /v1/models (default: the target's name)")
-    add_model_args(ap)
-    return ap
-
-
-def main(argv: list[str] | None = None, prog: str = "python -m dflash_gguf.server") -> int:
-    import uvicorn
-
-    from dflash_gguf.cli import load_llama, setup_logging
-
-    args = parser(prog).parse_args(argv)
-    setup_logging(args.verbose, logging.INFO)
-    llm = load_llama(args)
-    app = create_app(llm, args.model_alias)
-    uvicorn.run(app, host=args.host, port=args.port, log_level="debug" if args.verbose else "info")
-    return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

@@ -1,0 +1,131 @@
+"""Benchmark records: one mode's results over all trials, machine facts, versions, peak memory."""
+from __future__ import annotations
+
+import os
+import platform
+import re
+import resource
+import statistics
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+
+
+# --------------------------------------------------------------------------- machine facts
+def _rss_mb() -> float:
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
+    except OSError:
+        return float("nan")
+
+
+def _peak_rss_mb(who=resource.RUSAGE_SELF) -> float:
+    r = resource.getrusage(who).ru_maxrss
+    return r / 2**20 if sys.platform == "darwin" else r / 1024
+
+
+def machine_info() -> dict:
+    cpu = platform.processor() or platform.machine()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    flags = []
+    try:
+        txt = Path("/proc/cpuinfo").read_text()
+        flags = sorted({f for f in ("avx2", "avx512f", "amx_int8", "amx_bf16", "fma", "f16c")
+                        if re.search(rf"\b{f}\b", txt)})
+    except OSError:
+        pass
+    mem = None
+    try:
+        mem = int(Path("/proc/meminfo").read_text().split()[1]) / 2**20
+    except (OSError, ValueError, IndexError):
+        pass
+    return {"platform": platform.platform(), "machine": platform.machine(), "cpu": cpu, "cpu_flags": flags,
+            "cores": os.cpu_count(), "mem_gb": round(mem, 1) if mem else None, "gpu": None,
+            "python": platform.python_version()}
+
+
+def versions() -> dict:
+    v = {"dflash_gguf": None, "llama_cpp_python": None, "patch_series": None}
+    try:
+        import dflash_gguf
+        v["dflash_gguf"] = dflash_gguf.__version__
+    except Exception:  # noqa: BLE001
+        pass
+    try:
+        import llama_cpp
+        v["llama_cpp_python"] = getattr(llama_cpp, "__version__", None)
+    except Exception:  # noqa: BLE001
+        pass
+    try:
+        from dflash_gguf import paths
+        v["patch_series"] = paths.patch_series_hash()[:16]
+    except Exception:  # noqa: BLE001
+        pass
+    return v
+
+
+# --------------------------------------------------------------------------- our columns
+@dataclass
+class ModeResult:
+    """One mode over all trials. A trial runs every prompt once."""
+    name: str
+    trial_tps: list[float] = field(default_factory=list)     # tokens / decode seconds, per trial
+    tokens: dict[str, list[int]] = field(default_factory=dict)  # per prompt, from the first trial
+    texts: dict[str, str] = field(default_factory=dict)
+    raw: dict[str, bytes] = field(default_factory=dict)        # pieces as upstream prints them (special=True)
+    n_generated: int = 0
+    steps: int = 0
+    drafted: int = 0
+    accepted: int = 0
+    drafted_pos: list[int] = field(default_factory=list)
+    accepted_pos: list[int] = field(default_factory=list)
+    phase: dict[str, float] = field(default_factory=dict)    # seconds, summed over all trials
+    per_prompt: dict[str, dict] = field(default_factory=dict)
+    extra: dict = field(default_factory=dict)
+
+    def summary(self) -> dict:
+        tps = self.trial_tps
+        d = {"tokens_per_second": {"median": _r(statistics.median(tps)) if tps else None,
+                                   "min": _r(min(tps)) if tps else None, "max": _r(max(tps)) if tps else None,
+                                   "trials": [_r(x) for x in tps]},
+             "n_generated": self.n_generated}
+        if self.steps:
+            d["acceptance_length"] = _r((self.accepted + self.steps) / self.steps, 4)
+            d["accept_rate"] = _r(self.accepted / self.drafted, 4) if self.drafted else None
+            d["steps"], d["drafted"], d["accepted"] = self.steps, self.drafted, self.accepted
+            d["per_position_acceptance"] = [_r(a / n, 4) if n else None
+                                            for a, n in zip(self.accepted_pos, self.drafted_pos)]
+        if self.phase:
+            tot = sum(self.phase.values()) or 1.0
+            d["time_s"] = {k: _r(v, 4) for k, v in self.phase.items()}
+            d["time_share"] = {k: _r(v / tot, 4) for k, v in self.phase.items()}
+        d["per_prompt"] = self.per_prompt
+        d.update(self.extra)
+        return d
+
+
+def _r(x, nd: int = 2):
+    return None if x is None else round(float(x), nd)
+
+
+def _add_stats(res: ModeResult, st) -> None:
+    res.n_generated += st.n_generated
+    res.steps += st.steps
+    res.drafted += st.drafted
+    res.accepted += st.accepted
+    while len(res.drafted_pos) < len(st.drafted_per_pos):
+        res.drafted_pos.append(0)
+        res.accepted_pos.append(0)
+    for i, (d, a) in enumerate(zip(st.drafted_per_pos, st.accepted_per_pos)):
+        res.drafted_pos[i] += d
+        res.accepted_pos[i] += a
+    for k in ("prefill", "draft", "verify", "inject", "rollback", "python"):
+        res.phase[k] = res.phase.get(k, 0.0) + getattr(st, f"t_{k}")
+

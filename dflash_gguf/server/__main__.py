@@ -1,0 +1,3 @@
+from dflash_gguf.server.cli import main
+
+raise SystemExit(main())

@@ -1,0 +1,45 @@
+"""``python -m dflash_gguf.server``: load a model (or pair) and serve it with uvicorn."""
+from __future__ import annotations
+
+import argparse
+import logging
+
+from dflash_gguf.server.app import create_app
+
+
+def parser(prog: str = "python -m dflash_gguf.server") -> argparse.ArgumentParser:
+    from dflash_gguf.options import add_model_args
+
+    ap = argparse.ArgumentParser(
+        prog=prog, formatter_class=argparse.RawDescriptionHelpFormatter,
+        description="OpenAI-compatible server (/v1/completions, /v1/chat/completions, /v1/models, /health, "
+                    "/metrics) with lossless DFlash speculative decoding. One model; requests are served one "
+                    "at a time in arrival order.",
+        epilog="example:\n  python -m dflash_gguf.server --pair qwen3-8b-dflash --port 8000\n"
+               "  curl localhost:8000/v1/chat/completions -H 'content-type: application/json' \\\n"
+               "       -d '{\"messages\": [{\"role\": \"user\", \"content\": \"hi\"}], "
+               "\"chat_template_kwargs\": {\"enable_thinking\": false}}'\n\n"
+               "Thinking models: chat_template_kwargs {\"enable_thinking\": false} raises DFlash acceptance a lot.")
+    g = ap.add_argument_group("server")
+    g.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1; 0.0.0.0: all)")
+    g.add_argument("--port", type=int, default=8000, help="port (default 8000)")
+    g.add_argument("--model-alias", default=None, help="model id shown by /v1/models (default: the target's name)")
+    add_model_args(ap)
+    return ap
+
+
+def main(argv: list[str] | None = None, prog: str = "python -m dflash_gguf.server") -> int:
+    import uvicorn
+
+    from dflash_gguf.options import load_llama, setup_logging
+
+    args = parser(prog).parse_args(argv)
+    setup_logging(args.verbose, logging.INFO)
+    llm = load_llama(args)
+    app = create_app(llm, args.model_alias)
+    uvicorn.run(app, host=args.host, port=args.port, log_level="debug" if args.verbose else "info")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

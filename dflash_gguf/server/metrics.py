@@ -1,0 +1,84 @@
+"""Server counters since start, rendered as Prometheus text or JSON (``GET /metrics``)."""
+from __future__ import annotations
+
+import time
+
+
+class Metrics:
+    """Counters since start; rendered as Prometheus text or JSON."""
+
+    def __init__(self):
+        self.started = time.time()
+        self.requests: dict[tuple[str, int], int] = {}
+        self.prompt_tokens = self.completion_tokens = 0
+        self.steps = self.drafted = self.accepted = self.dflash_tokens = 0
+        self.dflash_seconds = 0.0
+        self.dflash_requests = self.plain_requests = self.disconnects = 0
+        self.last_tokens_per_second = 0.0
+        self.in_flight = 0
+
+    def request(self, endpoint: str, status: int) -> None:
+        self.requests[(endpoint, status)] = self.requests.get((endpoint, status), 0) + 1
+
+    def generation(self, dflash: dict | None, usage: dict | None) -> None:
+        if usage:
+            self.prompt_tokens += int(usage.get("prompt_tokens", 0))
+            self.completion_tokens += int(usage.get("completion_tokens", 0))
+        if dflash is None:
+            self.plain_requests += 1
+            return
+        self.dflash_requests += 1
+        self.steps += dflash["steps"]
+        self.drafted += dflash["drafted"]
+        self.accepted += dflash["accepted"]
+        self.dflash_tokens += dflash.get("n_generated", 0)
+        t = dflash.get("time", {})
+        self.dflash_seconds += max(0.0, t.get("total", 0.0) - t.get("prefill", 0.0))
+        self.last_tokens_per_second = dflash["tokens_per_second"]
+        if not usage:
+            self.completion_tokens += dflash.get("n_generated", 0)
+            self.prompt_tokens += dflash.get("n_prompt", 0)
+
+    def as_dict(self) -> dict:
+        return {
+            "uptime_seconds": round(time.time() - self.started, 3),
+            "requests": [{"endpoint": e, "status": s, "count": n} for (e, s), n in sorted(self.requests.items())],
+            "requests_in_flight": self.in_flight,
+            "prompt_tokens": self.prompt_tokens, "completion_tokens": self.completion_tokens,
+            "dflash_requests": self.dflash_requests, "plain_requests": self.plain_requests,
+            "dflash_steps": self.steps, "dflash_drafted": self.drafted, "dflash_accepted": self.accepted,
+            "acceptance_length": round((self.accepted + self.steps) / self.steps, 4) if self.steps else None,
+            "acceptance_rate": round(self.accepted / self.drafted, 4) if self.drafted else None,
+            "dflash_tokens_per_second": round(self.dflash_tokens / self.dflash_seconds, 2) if self.dflash_seconds else None,
+            "last_tokens_per_second": self.last_tokens_per_second,
+            "client_disconnects": self.disconnects,
+        }
+
+    def prometheus(self) -> str:
+        d = self.as_dict()
+        out = []
+
+        def metric(name, kind, help_, value, labels=""):
+            if f"# TYPE dflash_{name} " not in "".join(out):
+                out.append(f"# HELP dflash_{name} {help_}\n# TYPE dflash_{name} {kind}\n")
+            out.append(f"dflash_{name}{labels} {0 if value is None else value}\n")
+
+        for r in d["requests"]:
+            metric("requests_total", "counter", "HTTP requests by endpoint and status", r["count"],
+                   f'{{endpoint="{r["endpoint"]}",status="{r["status"]}"}}')
+        metric("requests_in_flight", "gauge", "generation requests running or waiting", d["requests_in_flight"])
+        metric("prompt_tokens_total", "counter", "prompt tokens of served requests", d["prompt_tokens"])
+        metric("completion_tokens_total", "counter", "generated tokens", d["completion_tokens"])
+        help_ = "generations by decoding path: dflash, or plain (a fallback, or dflash off)"
+        metric("generations_total", "counter", help_, d["dflash_requests"], '{path="dflash"}')
+        metric("generations_total", "counter", help_, d["plain_requests"], '{path="plain"}')
+        metric("steps_total", "counter", "DFlash draft-verify steps", d["dflash_steps"])
+        metric("drafted_tokens_total", "counter", "tokens proposed by the drafter", d["dflash_drafted"])
+        metric("accepted_tokens_total", "counter", "drafted tokens accepted by the target", d["dflash_accepted"])
+        metric("acceptance_length", "gauge", "mean tokens committed per DFlash step since start", d["acceptance_length"])
+        metric("tokens_per_second", "gauge", "DFlash decode speed since start (after prefill)",
+               d["dflash_tokens_per_second"])
+        metric("client_disconnects_total", "counter", "streams stopped because the client went away",
+               d["client_disconnects"])
+        metric("uptime_seconds", "gauge", "seconds since the server started", d["uptime_seconds"])
+        return "".join(out)
