@@ -122,12 +122,52 @@ class Model(_Handle):
 
 
 TAPPABLE_ARCHS = ("llama", "qwen3", "qwen3moe", "qwen3next", "qwen35", "qwen35moe")
+KIND_NAMES = {1: "dflash", 2: "dflash2", 3: "dspark"}
 
 
-def check_pair(target: Model, drafter: Model) -> None:
+@dataclass
+class DrafterInfo:
+    """What a drafter GGUF says about itself (``llama_dflash_get_drafter_info``)."""
+    kind: str
+    block_size: int
+    mask_token: int
+    selector_top_k: int
+    causal: bool
+    target_layers: list[int]
+    n_embd: int
+    n_vocab: int
+
+    @classmethod
+    def from_c(cls, info) -> "DrafterInfo":
+        return cls(kind=KIND_NAMES.get(info.kind, "?"), block_size=info.block_size, mask_token=info.mask_token,
+                   selector_top_k=info.selector_top_k, causal=bool(info.causal),
+                   target_layers=[info.target_layers[i] for i in range(info.n_target_layers)],
+                   n_embd=info.n_embd, n_vocab=info.n_vocab)
+
+    @classmethod
+    def read(cls, drafter: Model) -> "DrafterInfo":
+        info = B.ffi.new("struct llama_dflash_drafter_info *")
+        B.check(B.lib.llama_dflash_get_drafter_info(drafter.cptr, info), f"reading drafter {drafter.path.name}")
+        return cls.from_c(info)
+
+
+def clamp_n_draft(info: DrafterInfo, want: int | None, *, n_batch: int, n_ubatch: int, hybrid: bool = False) -> int:
+    """Tokens drafted per step: ``want`` (None: the most) within the block and the batch sizes.
+
+    Hybrid targets roll back by recurrent snapshots, for which llama.cpp needs n_ubatch >= n_rs_seq + 2.
+    """
+    if want is not None and want < 0:
+        raise InvalidArgumentError(f"n_draft must be >= 0 (0: no drafting), got {want}")
+    limit = max(0, min(info.block_size - 1, n_batch - 1, n_ubatch - (2 if hybrid else 1)))
+    n = limit if want is None else min(want, limit)
+    if want is not None and want > limit:
+        log.info("n_draft %d clamped to %d (block size %d)", want, limit, info.block_size)
+    return n
+
+
+def check_compatible(target: Model, drafter: Model) -> None:
     """Refuse a target/drafter pair llama.cpp cannot run together (before any context exists)."""
-    info = B.ffi.new("struct llama_dflash_drafter_info *")
-    B.check(B.lib.llama_dflash_get_drafter_info(drafter.cptr, info), f"reading drafter {drafter.path.name}")
+    info = DrafterInfo.read(drafter)
     fix = "convert the drafter against this target: python -m dflash_gguf.convert TARGET_DIR DRAFTER_DIR -o OUT"
     if target.arch not in TAPPABLE_ARCHS:
         raise UnsupportedError(f"target architecture {target.arch!r} exposes no layer taps; "
@@ -137,7 +177,7 @@ def check_pair(target: Model, drafter: Model) -> None:
                                 f"{target.path.name} has {target.n_embd}; {fix}")
     if info.n_vocab != target.n_vocab:
         raise PairMismatchError(f"drafter vocabulary ({info.n_vocab}) differs from the target's ({target.n_vocab}); {fix}")
-    taps = [info.target_layers[i] for i in range(info.n_target_layers)]
+    taps = info.target_layers
     if any(not 0 <= t < target.n_layer for t in taps):
         raise PairMismatchError(f"drafter taps target layers {taps} but the target has {target.n_layer} layers "
                                 f"(GGUF tap ids are HF target_layer_ids + 1, at most n_layer - 1); {fix}")
@@ -174,7 +214,7 @@ class Context(_Handle):
             p.flash_attn_type = 1 if opts.flash_attn else 0
         if other is not None:
             if model.arch == "dflash":
-                check_pair(other.model, model)   # llama.cpp aborts on a mismatched pair: refuse first
+                check_compatible(other.model, model)   # llama.cpp aborts on a mismatched pair: refuse first
             p.ctx_other = other.ptr
         ptr = C.llama_init_from_model(model.ptr, p)
         if not ptr:

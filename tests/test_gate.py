@@ -7,7 +7,7 @@ import pytest
 
 from dflash_gguf.engine import Context, ContextOptions, Model
 from dflash_gguf.gate import DraftLength
-from dflash_gguf.spec import DFlashDecoder, GenerationStats, SpecOptions
+from dflash_gguf.spec import DFlashDecoder, GenerationStats, OverrideProposer, SpecOptions
 
 PROMPT = b"def main(argv):\n    parser = argparse.ArgumentParser("
 
@@ -68,7 +68,8 @@ def test_adaptive_decoder_is_lossless(models, proposer):
              "drafter": None}
     tc = Context(tm, opts)
     dc = Context(dm, opts, other=tc)
-    dec = DFlashDecoder(tc, dc, SpecOptions(adaptive=True, proposer=hooks[proposer]))
+    hook = hooks[proposer]
+    dec = DFlashDecoder(tc, dc, SpecOptions(adaptive=True), OverrideProposer(hook) if hook else None)
     st = GenerationStats()
     out = list(dec.generate(prompt, 120, stats=st, stop_tokens=[]))
     assert out == ref

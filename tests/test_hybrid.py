@@ -18,7 +18,7 @@ import pytest
 
 from dflash_gguf.engine import Context, ContextOptions, Model
 from dflash_gguf.errors import InvalidArgumentError
-from dflash_gguf.spec import DFlashDecoder, GenerationStats, SpecOptions
+from dflash_gguf.spec import DFlashDecoder, GenerationStats, OverrideProposer, SpecOptions
 from support import llama_cpp_greedy
 
 PROMPTS = [b"def main(argv):\n    parser = argparse.ArgumentParser(",
@@ -57,7 +57,7 @@ class Hybrid:
         """A decoder in this mode; ``drafter=False``: plain decoding on the same kind of target context."""
         tc = self._ctx(opts(self.block - 1 if self.mode == "snapshot" else 0))
         dc = self._ctx(opts(), self.dm, other=tc) if drafter else None
-        dec = DFlashDecoder(tc, dc, SpecOptions(rollback=self.mode, proposer=proposer))
+        dec = DFlashDecoder(tc, dc, SpecOptions(rollback=self.mode), OverrideProposer(proposer) if proposer else None)
         assert dec.rollback == self.mode
         if self.mode == "snapshot":
             assert tc.n_rs_seq == self.block - 1 > 0

@@ -17,7 +17,7 @@ import pytest
 
 from dflash_gguf.engine import Context, ContextOptions, Model
 from dflash_gguf.sampling import SamplingParams, distribution
-from dflash_gguf.spec import DFlashDecoder, GenerationStats, SpecOptions
+from dflash_gguf.spec import DFlashDecoder, GenerationStats, OverrideProposer, SpecOptions
 
 PROMPT = b"def main(argv):\n    parser = argparse.ArgumentParser("
 ALPHA = 1e-3
@@ -92,7 +92,7 @@ def test_dflash_sampling_matches_target_distribution(setup, proposer):
     dc = Context(dm, opts, other=tc)
     greedy = list(DFlashDecoder(pc, None).generate(prompt, K_TOKENS, stop_tokens=[]))
     hook = (lambda ctx, n: greedy[len(ctx) - len(prompt):][:n]) if proposer == "oracle" else None
-    dec = DFlashDecoder(tc, dc, SpecOptions(proposer=hook))
+    dec = DFlashDecoder(tc, dc, SpecOptions(), OverrideProposer(hook) if hook else None)
     counts, st = Counter(), GenerationStats()
     for seed in range(N_RUNS):
         sp = SamplingParams(**{**SP.__dict__, "seed": seed})

@@ -5,12 +5,11 @@ drafter (one token per step through the same C helpers).
 """
 from __future__ import annotations
 
-import numpy as np
 import pytest
 
 from dflash_gguf.engine import Context, ContextOptions, Model
 from dflash_gguf.errors import ContextOverflowError, InvalidArgumentError
-from dflash_gguf.spec import DFlashDecoder, GenerationStats, SpecOptions
+from dflash_gguf.spec import DFlashDecoder, GenerationStats, OverrideProposer, SpecOptions
 from support import llama_cpp_greedy
 
 PROMPTS = [b"def main(argv):\n    parser = argparse.ArgumentParser(",
@@ -21,12 +20,13 @@ N_CTX = 512
 class Rig:
     """A target + drafter pair with one DFlash decoder and one plain decoder (own contexts)."""
 
-    def __init__(self, pair, n_draft=None, **spec):
+    def __init__(self, pair, n_draft=None, proposer=None, **spec):
         self.tm, self.dm = Model(pair.target), Model(pair.drafter)
         opts = ContextOptions(n_ctx=N_CTX, n_batch=64, n_ubatch=64)
         self.tc = Context(self.tm, opts)
         self.dc = Context(self.dm, opts, other=self.tc)
-        self.dec = DFlashDecoder(self.tc, self.dc, SpecOptions(n_draft=n_draft, **spec))
+        self.dec = DFlashDecoder(self.tc, self.dc, SpecOptions(n_draft=n_draft, **spec),
+                                 OverrideProposer(proposer) if proposer else None)
         self.pc = Context(self.tm, opts)
         self.plain = DFlashDecoder(self.pc, None)
 

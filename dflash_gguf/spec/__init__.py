@@ -1,7 +1,25 @@
-"""The DFlash block draft-verify loop (see :mod:`.decoder`)."""
+"""The DFlash block draft-verify loop, in small parts.
+
+:mod:`.decoder` sequences one step: :mod:`.proposer` drafts, the target verifies, :mod:`.acceptance`
+decides what is kept, :mod:`.rollback` trims the target's memory, :mod:`.stats` records it.
+:mod:`.acceptance` and :mod:`.stats` need no native library; the names below load on first use.
+"""
 from __future__ import annotations
 
-from dflash_gguf.spec.decoder import (DFlashDecoder, DrafterInfo, GenerationStats, SpecOptions,
-                                      common_prefix_len)
+import importlib
 
-__all__ = ["DFlashDecoder", "DrafterInfo", "GenerationStats", "SpecOptions", "common_prefix_len"]
+_LAZY = {
+    "DFlashDecoder": "decoder", "SpecOptions": "decoder", "common_prefix_len": "decoder",
+    "DrafterProposer": "proposer", "OverrideProposer": "proposer", "Proposer": "proposer",
+    "GenerationStats": "stats", "acceptance_length": "stats",
+}
+__all__ = sorted(_LAZY)
+
+
+def __getattr__(name: str):
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'dflash_gguf.spec' has no attribute {name!r}")
+    value = getattr(importlib.import_module(f"dflash_gguf.spec.{module}"), name)
+    globals()[name] = value
+    return value

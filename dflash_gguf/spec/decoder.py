@@ -12,28 +12,29 @@ One step (target KV holds ``P`` tokens, ``pending`` is the last chosen token, no
                  rows into the drafter and roll the target back to ``P + k`` - in ``finally``, so a
                  consumer that stops iterating leaves both caches exactly where plain decoding would.
 
-Rollback kinds: attention KV (``seq_rm``), recurrent snapshots (``n_rs_seq``, Qwen3.5-class
-hybrids) and checkpoint-and-replay (host copy of the recurrent state, re-decode of the
-committed tokens) where neither is available.
+The phases live in their own modules: :mod:`.proposer` (draft), :mod:`.acceptance` (accept),
+:mod:`.rollback` (one object per memory kind), :mod:`.stats` (statistics); this module sequences them.
 """
 from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass, field
-from typing import Callable, Iterator, Sequence
+from dataclasses import dataclass
+from typing import Iterator, Sequence
 
 import numpy as np
 
 from dflash_gguf import _bindings as B
-from dflash_gguf.engine import Context
-from dflash_gguf.errors import ContextOverflowError, InvalidArgumentError, RollbackError
+from dflash_gguf.engine import Context, DrafterInfo, clamp_n_draft
+from dflash_gguf.errors import ContextOverflowError, InvalidArgumentError
 from dflash_gguf.gate import DraftLength
 from dflash_gguf.sampling import SamplingParams, TokenChooser
+from dflash_gguf.spec.acceptance import cut_at_stop, greedy_accept, sampled_accept
+from dflash_gguf.spec.proposer import DrafterProposer, Proposer
+from dflash_gguf.spec.rollback import make_rollback
+from dflash_gguf.spec.stats import GenerationStats
 
 log = logging.getLogger("dflash_gguf.spec")
-
-KIND_NAMES = {1: "dflash", 2: "dflash2", 3: "dspark"}
 
 
 def common_prefix_len(a: Sequence[int], b: Sequence[int]) -> int:
@@ -46,78 +47,10 @@ def common_prefix_len(a: Sequence[int], b: Sequence[int]) -> int:
 
 
 @dataclass
-class DrafterInfo:
-    kind: str
-    block_size: int
-    mask_token: int
-    selector_top_k: int
-    causal: bool
-    target_layers: list[int]
-
-    @classmethod
-    def from_c(cls, info) -> "DrafterInfo":
-        return cls(kind=KIND_NAMES.get(info.kind, "?"), block_size=info.block_size, mask_token=info.mask_token,
-                   selector_top_k=info.selector_top_k, causal=bool(info.causal),
-                   target_layers=[info.target_layers[i] for i in range(info.n_target_layers)])
-
-
-@dataclass
-class GenerationStats:
-    """What one generation call did. ``tau`` = mean tokens committed per drafting step."""
-    n_prompt: int = 0
-    n_reused: int = 0
-    n_generated: int = 0
-    steps: int = 0
-    drafted: int = 0
-    accepted: int = 0
-    drafted_per_pos: list[int] = field(default_factory=list)
-    accepted_per_pos: list[int] = field(default_factory=list)
-    accepted_per_step: list[int] = field(default_factory=list)   # histogram source
-    t_prefill: float = 0.0
-    t_draft: float = 0.0
-    t_verify: float = 0.0
-    t_inject: float = 0.0
-    t_rollback: float = 0.0
-    t_total: float = 0.0
-    finish: str | None = None  # "stop" (EOS / stop token), "length", "context"
-
-    @property
-    def tau(self) -> float:
-        return (self.accepted + self.steps) / self.steps if self.steps else 0.0
-
-    @property
-    def acceptance_rate_per_pos(self) -> list[float]:
-        return [a / d if d else 0.0 for a, d in zip(self.accepted_per_pos, self.drafted_per_pos)]
-
-    @property
-    def t_python(self) -> float:
-        return max(0.0, self.t_total - self.t_prefill - self.t_draft - self.t_verify - self.t_inject - self.t_rollback)
-
-    @property
-    def tokens_per_second(self) -> float:
-        t = self.t_total - self.t_prefill
-        return self.n_generated / t if t > 0 else 0.0
-
-    def as_dict(self) -> dict:
-        return {
-            "acceptance_length": round(self.tau, 4), "drafted": self.drafted, "accepted": self.accepted,
-            "steps": self.steps, "tokens_per_second": round(self.tokens_per_second, 2),
-            "per_position_acceptance": [round(x, 4) for x in self.acceptance_rate_per_pos],
-            "n_prompt": self.n_prompt, "n_reused": self.n_reused, "n_generated": self.n_generated,
-            "time": {k: round(getattr(self, f"t_{k}"), 6) for k in
-                     ("prefill", "draft", "verify", "inject", "rollback", "python", "total")},
-            "finish": self.finish,
-        }
-
-
-@dataclass
 class SpecOptions:
     n_draft: int | None = None   # tokens drafted per block; default and maximum: block_size - 1
     rollback: str = "auto"       # auto | seq_rm | snapshot | checkpoint
     adaptive: bool = False       # speed gate: draft per step as many tokens as pays (gate.DraftLength)
-    # test hook: replaces the drafter's proposal (context tokens, n) -> n token ids; the drafter
-    # still receives every feature injection, so its cache stays exactly as without the hook
-    proposer: Callable[[list[int], int], Sequence[int]] | None = None
 
 
 class DFlashDecoder:
@@ -125,13 +58,16 @@ class DFlashDecoder:
 
     The drafter context must have been created with ``other=target`` (it borrows the target's
     embeddings and LM head). With ``drafter=None`` the same loop decodes plainly, one token per
-    step: the baseline the benchmarks and tests compare against.
+    step: the baseline the benchmarks and tests compare against. ``proposer`` (default: the
+    drafter) may replace the proposals, see :mod:`dflash_gguf.spec.proposer`.
     """
 
-    def __init__(self, target: Context, drafter: Context | None, opts: SpecOptions | None = None):
+    def __init__(self, target: Context, drafter: Context | None, opts: SpecOptions | None = None,
+                 proposer: Proposer | None = None):
         self.target = target
         self.drafter = drafter
         self.opts = opts or SpecOptions()
+        self.proposer = proposer or DrafterProposer()
         self.info: DrafterInfo | None = None
         self.n_draft = 0
         if drafter is not None:
@@ -139,17 +75,10 @@ class DFlashDecoder:
             B.check(B.lib.llama_dflash_prepare(target.cptr, drafter.cptr, cinfo),
                     f"pairing drafter {drafter.model.path.name} with target {target.model.path.name}")
             self.info = DrafterInfo.from_c(cinfo)
-            limit = min(self.info.block_size - 1, drafter.n_ubatch - 1, target.n_batch - 1)
-            want = self.opts.n_draft if self.opts.n_draft is not None else limit
-            if want < 0:
-                raise InvalidArgumentError(f"n_draft must be >= 0, got {want}")
-            if want > limit:
-                log.info("n_draft %d clamped to %d (block size %d)", want, limit, self.info.block_size)
-            self.n_draft = min(want, limit)
-        self.rollback = self._rollback_kind()
+            self.n_draft = clamp_n_draft(self.info, self.opts.n_draft, n_batch=target.n_batch,
+                                         n_ubatch=drafter.n_ubatch)
+        self._rollback = make_rollback(target, self.n_draft, self.opts.rollback)
         self.gate = DraftLength(self.n_draft) if (self.opts.adaptive and self.n_draft > 0) else None
-        if self.rollback == "snapshot" and target.n_rs_seq < self.n_draft:
-            raise InvalidArgumentError(f"snapshot rollback needs n_rs_seq >= {self.n_draft}, target has {target.n_rs_seq}")
         self.cache: list[int] = []     # tokens whose KV is in the target (and features in the drafter)
         self._vocab = target.model.n_vocab
         bs = max(self.n_draft + 1, 1)
@@ -160,20 +89,10 @@ class DFlashDecoder:
         self.reset()   # the decoder owns both caches from here on
         log.debug("decoder ready: drafter=%s n_draft=%d rollback=%s", self.info, self.n_draft, self.rollback)
 
-    # ------------------------------------------------------------------ setup
-    def _rollback_kind(self) -> str:
-        m = self.target.model
-        memory_kind = "checkpoint" if (m.is_recurrent or m.is_hybrid) else "seq_rm"
-        if memory_kind == "checkpoint" and self.target.n_rs_seq >= max(self.n_draft, 1):
-            memory_kind = "snapshot"
-        want = self.opts.rollback
-        if want == "auto":
-            return memory_kind
-        if want == "seq_rm" and memory_kind != "seq_rm":
-            raise InvalidArgumentError(f"{m.arch} has recurrent state: seq_rm rollback cannot serve it")
-        if want not in ("seq_rm", "snapshot", "checkpoint"):
-            raise InvalidArgumentError(f"unknown rollback kind {want!r}")
-        return want
+    @property
+    def rollback(self) -> str:
+        """The rollback kind in use: seq_rm, snapshot or checkpoint."""
+        return self._rollback.name
 
     def reset(self) -> None:
         self.target.clear()
@@ -181,7 +100,7 @@ class DFlashDecoder:
             self.drafter.clear()
         self.cache = []
 
-    # ------------------------------------------------------------------ phases
+    # ------------------------------------------------------------------ caches
     def keep_prefix(self, n: int) -> int:
         """Cut both caches back to the first ``n`` cached tokens; returns how many are kept.
 
@@ -193,7 +112,7 @@ class DFlashDecoder:
         n = min(n, len(self.cache))
         if n == len(self.cache) and self.target.pos_max() < n:
             return n                      # nothing beyond the prefix to remove
-        ok = self.rollback == "seq_rm" and self.target.truncate(n)
+        ok = self._rollback.partial_prefix and self.target.truncate(n)
         if ok and self.drafter is not None:
             ok = self.drafter.truncate(n)
         if not ok:
@@ -207,35 +126,47 @@ class DFlashDecoder:
         """Keep the longest cached prefix usable for ``prompt`` (at least one token stays to decode)."""
         return self.keep_prefix(common_prefix_len(self.cache, prompt[:len(prompt) - 1]))
 
+    def _inject(self, pos: int, n: int, what: str) -> None:
+        """Features of the target's last-decoded rows ``0..n`` (at ``pos``) into the drafter's cache."""
+        if self.drafter is not None and n:
+            B.check(B.lib.llama_dflash_inject(self.drafter.cptr, self.target.cptr, 0, pos, 0, n), what)
+
+    # ------------------------------------------------------------------ phases
     def _prefill(self, tokens: np.ndarray, pos0: int, stats: GenerationStats) -> None:
         t0 = time.perf_counter()
         step = self.target.n_batch
         for off in range(0, len(tokens), step):
             chunk = tokens[off:off + step]
             self.target.decode(chunk, pos0 + off, out_row0=len(chunk))
-            if self.drafter is not None:
-                B.check(B.lib.llama_dflash_inject(self.drafter.cptr, self.target.cptr, 0, pos0 + off, 0, len(chunk)),
-                        "injecting prompt features into the drafter")
+            self._inject(pos0 + off, len(chunk), "injecting prompt features into the drafter")
         stats.t_prefill += time.perf_counter() - t0
 
-    def _finish_block(self, pos: int, k: int, n_rows: int, saved: bytes | None, stats: GenerationStats) -> None:
-        """Keep the first ``k`` rows of the verify batch in both caches (of ``n_rows`` decoded)."""
+    def _draft_block(self, pos: int, pending: int, n: int, stats: GenerationStats) -> int:
+        if n <= 0:
+            return 0
         t0 = time.perf_counter()
-        if self.drafter is not None:
-            B.check(B.lib.llama_dflash_inject(self.drafter.cptr, self.target.cptr, 0, pos, 0, k),
-                    "injecting verified features into the drafter")
+        n = self.proposer.propose(self.drafter, pos, pending, n, self._draft, lambda: self.cache)
+        stats.t_draft += time.perf_counter() - t0
+        return n
+
+    def _verify_block(self, pos: int, pending: int, n: int, greedy: bool, stats: GenerationStats) -> np.ndarray:
+        """Decode ``[pending, d1..dn]`` at ``pos``; greedy reads the per-row argmax ids only."""
+        rows = self._verify[:n + 1]
+        rows[0] = pending
+        rows[1:] = self._draft[:n]
+        t0 = time.perf_counter()
+        self.target.decode(rows, pos, out_row0=0, argmax=self._argmax[:n + 1] if greedy else None)
+        stats.t_verify += time.perf_counter() - t0
+        return rows
+
+    def _finish_block(self, pos: int, k: int, rows: np.ndarray, saved: bytes | None, stats: GenerationStats) -> None:
+        """Keep the first ``k`` rows of the verify batch in both caches."""
+        t0 = time.perf_counter()
+        self._inject(pos, k, "injecting verified features into the drafter")
         t1 = time.perf_counter()
         stats.t_inject += t1 - t0
-        if k < n_rows:
-            if self.rollback == "checkpoint":
-                assert saved is not None
-                self.target.restore_seq(saved)
-                if not self.target.truncate(pos):
-                    raise RollbackError(f"could not drop the rejected rows after restoring the state at {pos}")
-                self.target.decode(self._verify[:k].copy(), pos, out_row0=k)   # replay the committed rows
-            elif not self.target.truncate(pos + k):
-                raise RollbackError(f"target refused to roll back from {pos + n_rows} to {pos + k} "
-                                    f"(rollback={self.rollback}, n_rs_seq={self.target.n_rs_seq})")
+        if k < len(rows):
+            self._rollback.keep(pos, k, rows, saved)
         stats.t_rollback += time.perf_counter() - t1
 
     # ------------------------------------------------------------------ loop
@@ -259,9 +190,8 @@ class DFlashDecoder:
         return self._run(list(map(int, prompt)), max_tokens, sp, stats,
                          self._eog if stop_tokens is None else set(map(int, stop_tokens)), use_draft)
 
-    def _run(self, prompt: list[int], max_tokens: int, sp: SamplingParams, stats: GenerationStats,
-             stop: set[int], use_draft: bool) -> Iterator[int]:
-        t_start = time.perf_counter()
+    def _start(self, prompt: list[int], stats: GenerationStats) -> int:
+        """Bring both caches to ``prompt[:-1]`` (reusing what they share); returns the pending token."""
         stats.n_prompt = len(prompt)
         n_keep = self._sync_prefix(prompt)
         stats.n_reused = n_keep
@@ -273,10 +203,16 @@ class DFlashDecoder:
                 self.reset()   # a half-filled cache is worse than an empty one
                 raise
         self.cache = prompt[:-1]
-        pending = prompt[-1]
+        return prompt[-1]
+
+    def _run(self, prompt: list[int], max_tokens: int, sp: SamplingParams, stats: GenerationStats,
+             stop: set[int], use_draft: bool) -> Iterator[int]:
+        t_start = time.perf_counter()
+        pending = self._start(prompt, stats)
         chooser = TokenChooser(sp)
-        fast_greedy = sp.greedy and not sp.has_penalties
+        greedy = sp.greedy and not sp.has_penalties
         n_draft = self.n_draft if (use_draft and self.drafter is not None) else 0
+        gate = self.gate if n_draft else None
         produced = 0
         try:
             while produced < max_tokens:
@@ -284,68 +220,21 @@ class DFlashDecoder:
                 if pos >= self.target.n_ctx:
                     stats.finish = "context"
                     return
-                want = self.gate.choose() if (self.gate is not None and n_draft) else n_draft
+                want = gate.choose() if gate is not None else n_draft
                 n = min(want, max_tokens - produced - 1, self.target.n_ctx - pos - 1)
                 t_step = stats.t_draft + stats.t_verify
-                # ---- draft
-                if n > 0:
-                    t0 = time.perf_counter()
-                    got = B.check(B.lib.llama_dflash_draft(self.drafter.cptr, 0, pos, pending, n,
-                                                           B.ffi.from_buffer("llama_token[]", self._draft)),
-                                  "drafting a block")
-                    stats.t_draft += time.perf_counter() - t0
-                    n = got
-                    if self.opts.proposer is not None:
-                        self._draft[:n] = np.asarray(self.opts.proposer(self.cache + [pending], n), dtype=np.int32)[:n]
-                # ---- verify
-                self._verify[0] = pending
-                self._verify[1:n + 1] = self._draft[:n]
-                saved = self.target.save_seq() if (n > 0 and self.rollback == "checkpoint") else None
-                t0 = time.perf_counter()
-                vin = self._verify[:n + 1]
-                if fast_greedy:
-                    self.target.decode(vin, pos, out_row0=0, argmax=self._argmax[:n + 1])
+                n = self._draft_block(pos, pending, n, stats)
+                saved = self._rollback.save(n)
+                rows = self._verify_block(pos, pending, n, greedy, stats)
+                if greedy:
+                    commit = greedy_accept(self._draft[:n], self._argmax[:n + 1])
                 else:
-                    self.target.decode(vin, pos, out_row0=0)
-                stats.t_verify += time.perf_counter() - t0
-                # ---- accept
-                if fast_greedy:
-                    if n:
-                        ok = self._draft[:n] == self._argmax[:n]
-                        a = n if ok.all() else int(np.argmin(ok))
-                    else:
-                        a = 0
-                    commit = self._draft[:a].tolist() + [int(self._argmax[a])]
-                else:
-                    commit = []
-                    for i in range(n + 1):
-                        logits = self.target.logits_row(i)
-                        if i < n:
-                            ok, tok = chooser.verify(logits, int(self._draft[i]), commit)
-                        else:
-                            ok, tok = False, chooser.pick(logits, commit)
-                        commit.append(tok)
-                        if not ok:
-                            break
-                    a = len(commit) - 1
-                if self.gate is not None and n_draft:
-                    self.gate.record(n, a, stats.t_draft + stats.t_verify - t_step)
-                if n:
-                    stats.steps += 1
-                    stats.drafted += n
-                    stats.accepted += a
-                    stats.accepted_per_step.append(a)
-                    while len(stats.drafted_per_pos) < n:
-                        stats.drafted_per_pos.append(0)
-                        stats.accepted_per_pos.append(0)
-                    for i in range(n):
-                        stats.drafted_per_pos[i] += 1
-                        stats.accepted_per_pos[i] += i < a
-                # ---- commit (stop tokens and the budget truncate the block)
-                for j, tok in enumerate(commit):
-                    if tok in stop:
-                        commit = commit[:j + 1]
-                        break
+                    commit = sampled_accept(self._draft[:n], self.target.logits_row, chooser)
+                a = len(commit) - 1
+                if gate is not None:
+                    gate.record(n, a, stats.t_draft + stats.t_verify - t_step)
+                stats.observe_step(n, a)
+                commit = cut_at_stop(commit, stop)
                 consumed = 0
                 try:
                     for tok in commit:
@@ -354,7 +243,7 @@ class DFlashDecoder:
                         stats.n_generated += 1
                         yield tok
                 finally:
-                    self._finish_block(pos, consumed, n + 1, saved, stats)
+                    self._finish_block(pos, consumed, rows, saved, stats)
                     if consumed:
                         chooser.accept(commit[:consumed])
                         self.cache.append(pending)

@@ -1,0 +1,53 @@
+"""Acceptance: which drafted tokens the target keeps, as pure functions of arrays.
+
+A step drafted ``d1..dn`` after the pending token; the target decoded ``[pending, d1..dn]`` and row
+``i`` of its output predicts the token after row ``i``'s input. The step commits the longest prefix
+``d1..da`` the target agrees with, plus the target's own token at row ``a``: ``a + 1`` tokens.
+"""
+from __future__ import annotations
+
+from typing import Callable, Collection, Sequence
+
+import numpy as np
+
+
+def greedy_accept(draft: np.ndarray, target_ids: np.ndarray) -> list[int]:
+    """Tokens committed by a greedy step: ``draft`` (n ids) against the target's argmax rows (n + 1 ids)."""
+    n = len(draft)
+    if len(target_ids) != n + 1:
+        raise ValueError(f"{n} drafted tokens need {n + 1} target rows, got {len(target_ids)}")
+    if n:
+        ok = draft == target_ids[:n]
+        a = n if ok.all() else int(np.argmin(ok))
+    else:
+        a = 0
+    return [*draft[:a].tolist(), int(target_ids[a])]
+
+
+def sampled_accept(draft: Sequence[int], logits_row: Callable[[int], np.ndarray], chooser) -> list[int]:
+    """Tokens committed by a sampled step (rejection sampling with a deterministic proposal).
+
+    ``chooser`` is a :class:`dflash_gguf.sampling.TokenChooser`: ``verify(logits, token, history)``
+    keeps a drafted token with probability p(token) and otherwise resamples from the residual,
+    ``pick(logits, history)`` samples the bonus token after a fully accepted block.
+    """
+    commit: list[int] = []
+    n = len(draft)
+    for i in range(n + 1):
+        logits = logits_row(i)
+        if i < n:
+            ok, tok = chooser.verify(logits, int(draft[i]), commit)
+        else:
+            ok, tok = False, chooser.pick(logits, commit)
+        commit.append(tok)
+        if not ok:
+            break
+    return commit
+
+
+def cut_at_stop(commit: list[int], stop: Collection[int]) -> list[int]:
+    """The committed tokens up to and including the first stop token."""
+    for j, tok in enumerate(commit):
+        if tok in stop:
+            return commit[:j + 1]
+    return commit

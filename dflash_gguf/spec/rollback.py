@@ -1,0 +1,82 @@
+"""Rollback: after a verify pass, keep the first ``k`` of its rows in the target's memory.
+
+One object per kind, all with the same small interface:
+
+* :class:`AttentionRollback` (``seq_rm``) - attention KV: drop the rejected positions;
+* :class:`SnapshotRollback` (``snapshot``) - recurrent/hybrid targets whose context keeps per-token
+  state snapshots (``n_rs_seq`` >= tokens drafted): the same removal, llama.cpp restores the state;
+* :class:`CheckpointRollback` (``checkpoint``) - recurrent/hybrid targets without snapshots: a host copy
+  of the recurrent state before the verify, restored on rejection, then the committed rows re-decoded.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from dflash_gguf.engine import Context
+from dflash_gguf.errors import InvalidArgumentError, RollbackError
+
+KINDS = ("seq_rm", "snapshot", "checkpoint")
+
+
+class Rollback:
+    name = "?"
+    partial_prefix = False   # may the cache be cut back to any earlier prefix (prompt reuse)?
+
+    def __init__(self, ctx: Context):
+        self.ctx = ctx
+
+    def save(self, n_drafted: int) -> bytes | None:
+        """Called before a verify of ``n_drafted`` drafted rows; returns what :meth:`keep` needs."""
+        return None
+
+    def keep(self, pos: int, k: int, rows: np.ndarray, saved: bytes | None) -> None:
+        """The verify decoded ``rows`` at ``pos``; keep the first ``k`` of them (k < len(rows))."""
+        if not self.ctx.truncate(pos + k):
+            raise RollbackError(f"target refused to roll back from {pos + len(rows)} to {pos + k} "
+                                f"(rollback={self.name}, n_rs_seq={self.ctx.n_rs_seq})")
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}()"
+
+
+class AttentionRollback(Rollback):
+    name = "seq_rm"
+    partial_prefix = True
+
+
+class SnapshotRollback(Rollback):
+    name = "snapshot"
+
+
+class CheckpointRollback(Rollback):
+    name = "checkpoint"
+
+    def save(self, n_drafted: int) -> bytes | None:
+        return self.ctx.save_seq() if n_drafted > 0 else None
+
+    def keep(self, pos: int, k: int, rows: np.ndarray, saved: bytes | None) -> None:
+        if saved is None:
+            raise RollbackError("checkpoint rollback without a saved state")
+        self.ctx.restore_seq(saved)
+        if not self.ctx.truncate(pos):
+            raise RollbackError(f"could not drop the rejected rows after restoring the state at {pos}")
+        self.ctx.decode(rows[:k].copy(), pos, out_row0=k)   # replay the committed rows
+
+
+_BY_NAME = {c.name: c for c in (AttentionRollback, SnapshotRollback, CheckpointRollback)}
+
+
+def make_rollback(ctx: Context, n_draft: int, want: str = "auto") -> Rollback:
+    """The rollback for ``ctx`` drafting up to ``n_draft`` tokens per step (``want``: auto or a kind)."""
+    m = ctx.model
+    natural = "checkpoint" if (m.is_recurrent or m.is_hybrid) else "seq_rm"
+    if natural == "checkpoint" and ctx.n_rs_seq >= max(n_draft, 1):
+        natural = "snapshot"
+    kind = natural if want == "auto" else want
+    if kind not in _BY_NAME:
+        raise InvalidArgumentError(f"unknown rollback kind {want!r} (auto, {', '.join(KINDS)})")
+    if kind == "seq_rm" and natural != "seq_rm":
+        raise InvalidArgumentError(f"{m.arch} has recurrent state: seq_rm rollback cannot serve it")
+    if kind == "snapshot" and ctx.n_rs_seq < n_draft:
+        raise InvalidArgumentError(f"snapshot rollback needs n_rs_seq >= {n_draft}, target has {ctx.n_rs_seq}")
+    return _BY_NAME[kind](ctx)
