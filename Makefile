@@ -6,13 +6,14 @@ STAMP    = $(VENV)/.deps-installed
 
 CROSS   ?= aarch64-linux-gnu
 
-.PHONY: demo test build tools cross venv clean-cache help
+.PHONY: demo test lint build tools cross venv clean-cache help
 
 help:
 	@echo "make demo    - set up everything, then run the offline DFlash demo on the shipped pair"
 	@echo "make test    - set up everything (incl. upstream reference tools), then run the test suite"
 	@echo "make build   - build/install the patched llama-cpp-python (cached; FORCE=1 rebuilds)"
 	@echo "make tools   - also build upstream's reference binaries (llama-speculative-simple, ...)"
+	@echo "make lint    - ruff over the whole tree (configured in pyproject.toml)"
 	@echo "make cross   - cross-build the patched library + reference loop for $(CROSS) (needs its g++)"
 
 $(VPY):
@@ -37,6 +38,10 @@ $(VENV)/.test-deps: pyproject.toml | $(STAMP)
 	$(VPY) -m pip install -q torch==2.13.0
 	$(VPY) -m pip install -q "transformers==4.57.6" sentencepiece protobuf safetensors pytest httpx "openai>=1.0" "fastapi>=0.110" "uvicorn>=0.27" matplotlib
 	touch $@
+
+lint: venv
+	$(VPY) -m pip install -q "ruff==0.17.6"
+	$(VPY) -m ruff check .
 
 cross: venv
 	$(VPY) -m dflash_gguf.build --cross $(CROSS)

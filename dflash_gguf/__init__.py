@@ -14,7 +14,9 @@ __version__ = "0.1.0"
 
 _LAZY = {
     "Llama": "dflash_gguf.api",
-    "pair_files": "dflash_gguf.api",
+    "pair_files": "dflash_gguf.pair",
+    "open_pair": "dflash_gguf.pair",
+    "compare_with_plain": "dflash_gguf.pair",
     "DFlashDecoder": "dflash_gguf.spec",
     "GenerationStats": "dflash_gguf.spec",
     "SpecOptions": "dflash_gguf.spec",

@@ -22,7 +22,6 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import inspect
-import json
 import logging
 import os
 import weakref
@@ -34,10 +33,11 @@ import llama_cpp
 import llama_cpp._internals as internals
 import llama_cpp.llama_chat_format as llama_chat_format
 
-from dflash_gguf import _bindings as B
-from dflash_gguf.engine import Context, ContextOptions, Model
+from dflash_gguf.engine import Context, ContextOptions, DrafterInfo, Model, clamp_n_draft
+from dflash_gguf.pair import pair_files
 from dflash_gguf.sampling import SamplingParams
-from dflash_gguf.spec import DFlashDecoder, GenerationStats, SpecOptions, common_prefix_len
+from dflash_gguf.spec.decoder import DFlashDecoder, SpecOptions, common_prefix_len
+from dflash_gguf.spec.stats import GenerationStats
 
 log = logging.getLogger("dflash_gguf.api")
 
@@ -56,6 +56,22 @@ class _Request:
     stats: GenerationStats | None = None
 
 
+@dataclass
+class _CallState:
+    """Per-call state of a :class:`Llama`, in one place.
+
+    llama_cpp's entry points call each other (chat -> completion -> generate) without a way to pass
+    our extras along, so they travel here: ``dflash`` is the per-call override; ``created`` is the
+    request ``_create_completion`` made (read back by ``create_chat_completion`` for its stats);
+    ``handoff`` is set right before llama_cpp's body calls ``generate()``, which takes it; ``live``
+    is the DFlash generator in flight.
+    """
+    dflash: bool | None = None
+    created: _Request | None = None
+    handoff: _Request | None = None
+    live: weakref.ref | None = None
+
+
 def check_grammar(llm: llama_cpp.Llama, grammar) -> None:
     """Raise ValueError for a grammar llama.cpp cannot parse (llama_cpp would crash on it)."""
     sampler = llama_cpp.llama_sampler_init_grammar(llm._model.vocab, grammar._grammar.encode("utf-8"),
@@ -63,42 +79,6 @@ def check_grammar(llm: llama_cpp.Llama, grammar) -> None:
     if not sampler:
         raise ValueError("invalid grammar: llama.cpp could not parse it (its log says where)")
     llama_cpp.llama_sampler_free(sampler)
-
-
-def pair_files(path: str | os.PathLike) -> tuple[Path, Path]:
-    """(target.gguf, drafter.gguf) of a converted pair directory (or its ``pair.json``).
-
-    Reads ``pair.json`` through :func:`dflash_gguf.convert.load_manifest` (which checks the files);
-    a directory without a manifest may hold exactly one ``target*.gguf`` and one ``drafter*.gguf``.
-    """
-    p = Path(path).expanduser()
-    root = p.parent if p.is_file() else p
-    if not root.is_dir():
-        raise FileNotFoundError(f"pair directory not found: {root}")
-    if (root / "pair.json").is_file():
-        try:
-            from dflash_gguf.convert import load_manifest
-        except ImportError:   # converter not installed: read the manifest ourselves
-            doc = json.loads((root / "pair.json").read_text(encoding="utf-8"))
-            return _manifest_file(root, doc, "target"), _manifest_file(root, doc, "drafter")
-        m = load_manifest(root)
-        return Path(m.target.path), Path(m.drafter.path)
-    targets, drafters = sorted(root.glob("target*.gguf")), sorted(root.glob("drafter*.gguf"))
-    if len(targets) == 1 and len(drafters) == 1:
-        return targets[0], drafters[0]
-    raise FileNotFoundError(f"{root} has no pair.json and not exactly one target*.gguf and drafter*.gguf "
-                            "(make a pair with `python -m dflash_gguf convert`)")
-
-
-def _manifest_file(root: Path, doc: dict, key: str) -> Path:
-    entry = doc.get(key)
-    name = entry.get("file") if isinstance(entry, dict) else entry
-    if not name:
-        raise ValueError(f"{root / 'pair.json'} names no {key} file")
-    f = root / name
-    if not f.is_file():
-        raise FileNotFoundError(f"{root / 'pair.json'} names {key} {f}, which does not exist")
-    return f
 
 
 # --------------------------------------------------------------------------- Llama
@@ -125,10 +105,7 @@ class Llama(llama_cpp.Llama):
         if draft_n_max is not None and draft_n_max < 0:
             raise ValueError(f"draft_n_max must be >= 0 (0: no drafting), got {draft_n_max}")
         self._decoder: DFlashDecoder | None = None
-        self._request: _Request | None = None
-        self._created_request: _Request | None = None
-        self._call_dflash: bool | None = None
-        self._live: weakref.ref | None = None   # the DFlash generator in flight, if any
+        self._call = _CallState()
         self.last_dflash_stats: GenerationStats | None = None
         self.dflash = dflash
         self.draft_model_path = str(draft_model_path) if draft_model_path else None
@@ -152,14 +129,11 @@ class Llama(llama_cpp.Llama):
     def _open_drafter(self) -> None:
         ngl = self.draft_n_gpu_layers if self.draft_n_gpu_layers is not None else self.model_params.n_gpu_layers
         self._draft_model = Model(self.draft_model_path, n_gpu_layers=ngl)
-        info = B.ffi.new("struct llama_dflash_drafter_info *")
-        B.check(B.lib.llama_dflash_get_drafter_info(self._draft_model.cptr, info),
-                f"reading the drafter {Path(self.draft_model_path).name}")
-        n_draft = info.block_size - 1 if self.draft_n_max is None else min(self.draft_n_max, info.block_size - 1)
-        n_draft = max(0, min(n_draft, self.n_batch - 1, self.context_params.n_ubatch - 1))
-        if (self._is_hybrid or self._is_recurrent) and n_draft > 0:
-            # rollback by recurrent snapshots: n_rs_seq >= n_draft, and llama.cpp needs n_ubatch >= n_rs_seq + 2
-            n_draft = max(0, min(n_draft, self.context_params.n_ubatch - 2))
+        hybrid = self._is_hybrid or self._is_recurrent
+        n_draft = clamp_n_draft(DrafterInfo.read(self._draft_model), self.draft_n_max, n_batch=self.n_batch,
+                                n_ubatch=self.context_params.n_ubatch, hybrid=hybrid)
+        if hybrid and n_draft > 0:
+            # rollback by recurrent snapshots: n_rs_seq >= n_draft (clamped so that n_ubatch >= n_rs_seq + 2)
             self._recreate_context(n_rs_seq=n_draft)
             self._stack.callback(self._close_dflash)   # again: the drafter must go before the new context
         target = Context.borrow(Model.borrow(self._model.model, self.model_path), self._ctx.ctx,
@@ -226,13 +200,13 @@ class Llama(llama_cpp.Llama):
     # ------------------------------------------------------------------ per-call options
     @contextlib.contextmanager
     def _call_options(self, dflash: bool | None):
-        prev = self._call_dflash
+        prev = self._call.dflash
         if dflash is not None:
-            self._call_dflash = dflash
+            self._call.dflash = dflash
         try:
             yield
         finally:
-            self._call_dflash = prev
+            self._call.dflash = prev
 
     def create_completion(self, *args, dflash: bool | None = None, **kwargs):
         """``llama_cpp.Llama.create_completion`` plus ``dflash=`` (None: the instance default)."""
@@ -253,12 +227,12 @@ class Llama(llama_cpp.Llama):
         (``chat_format="chatml"``, ...) ignore them.
         """
         with self._call_options(dflash):
-            self._created_request = None
+            self._call.created = None
             if chat_template_kwargs:
                 result = self._chat_with_template_kwargs(args, kwargs, chat_template_kwargs)
             else:
                 result = super().create_chat_completion(*args, **kwargs)
-            req, self._created_request = self._created_request, None
+            req, self._call.created = self._call.created, None
         if isinstance(result, dict):
             result["dflash"] = self._stats_dict(req)
             return result
@@ -290,13 +264,13 @@ class Llama(llama_cpp.Llama):
         bound = _COMPLETION_SIG.bind(self, *args, **kwargs)
         bound.apply_defaults()
         a = bound.arguments
-        req = _Request(max_tokens=a["max_tokens"], logprobs=a["logprobs"], dflash=self._call_dflash)
-        self._created_request = req
+        req = _Request(max_tokens=a["max_tokens"], logprobs=a["logprobs"], dflash=self._call.dflash)
+        self._call.created = req
         return self._completion_chunks(req, super()._create_completion(*args, **kwargs))
 
     def _completion_chunks(self, req: _Request, chunks):
         # Set right before llama_cpp's body runs: it calls self.generate() within this same resume.
-        self._request = req
+        self._call.handoff = req
         try:
             for chunk in chunks:
                 finish = chunk["choices"][0]["finish_reason"]
@@ -306,8 +280,8 @@ class Llama(llama_cpp.Llama):
                     chunk["dflash"] = self._stats_dict(req)
                 yield chunk
         finally:
-            if self._request is req:
-                self._request = None
+            if self._call.handoff is req:
+                self._call.handoff = None
             chunks.close()
 
     @staticmethod
@@ -354,7 +328,7 @@ class Llama(llama_cpp.Llama):
         Yields exactly the tokens the plain path would (greedy: the same ids; sampling: the same
         distribution). Values sent into the generator are ignored on the DFlash path.
         """
-        req, self._request = self._request, None
+        req, self._call.handoff = self._call.handoff, None
         self._finish_live()
         if grammar is not None:
             check_grammar(self, grammar)
@@ -381,7 +355,7 @@ class Llama(llama_cpp.Llama):
             req.served, req.stats = True, stats
         self.last_dflash_stats = stats
         gen = self._dflash_tokens(list(tokens), sp, stats, req)
-        self._live = weakref.ref(gen)
+        self._call.live = weakref.ref(gen)
         return gen
 
     def _dflash_tokens(self, prompt: list[int], sp: SamplingParams, stats: GenerationStats,
@@ -413,7 +387,8 @@ class Llama(llama_cpp.Llama):
 
     def _finish_live(self) -> None:
         """Close a DFlash generator that its consumer abandoned without closing it."""
-        live, self._live = (self._live() if self._live is not None else None), None
+        ref, self._call.live = self._call.live, None
+        live = ref() if ref is not None else None
         if live is not None:
             try:
                 live.close()

@@ -30,6 +30,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from dflash_gguf import paths
+from dflash_gguf.pair import sha256_file
 
 log = logging.getLogger("dflash_gguf.build")
 
@@ -92,14 +93,6 @@ def cross_cmake_args(triple: str) -> list[str]:
 
 
 # --------------------------------------------------------------------------- hashing
-
-def sha256_file(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
-
 
 def build_key(series: str, opts: BuildOptions) -> str:
     flags = json.dumps({"cmake": opts.all_cmake_args(), "machine": platform.machine(),

@@ -205,7 +205,7 @@ def _delegate(name: str, argv: list[str]) -> int:
     module, what, remedy = DELEGATED[name]
     try:
         mod = importlib.import_module(module)
-        entry = getattr(mod, "main")
+        entry = mod.main
     except ImportError as e:
         asked_help = any(a in ("-h", "--help") for a in argv)
         print(f"{PROG} {name}: {what}.\n\nNot available in this installation ({e}); {remedy}.",

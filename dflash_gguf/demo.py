@@ -71,9 +71,10 @@ def main(argv=None) -> int:
             return 2
 
     try:
-        from dflash_gguf.engine import Context, ContextOptions, Model
+        from dflash_gguf.engine import ContextOptions
         from dflash_gguf.logs import set_log_handler
-        from dflash_gguf.spec import DFlashDecoder, GenerationStats, SpecOptions
+        from dflash_gguf.pair import open_pair
+        from dflash_gguf.spec import GenerationStats, SpecOptions
     except Exception as e:  # noqa: BLE001 - the most likely first-run failure; say what to do
         print(f"error: the patched llama.cpp is not usable here ({e}).\n"
               "       build it first: python -m dflash_gguf.build", file=sys.stderr)
@@ -88,12 +89,9 @@ def main(argv=None) -> int:
     print(f"target : {target_path}  ({Path(target_path).stat().st_size / 1e6:.1f} MB)")
     print(f"drafter: {draft_path}  ({Path(draft_path).stat().st_size / 1e6:.1f} MB)")
     t0 = time.perf_counter()
-    tm = Model(target_path)
-    dm = Model(draft_path)
-    opts = ContextOptions(n_ctx=2048, n_batch=256, n_ubatch=256, n_threads=threads)
-    tctx = Context(tm, opts)
-    dctx = Context(dm, opts, other=tctx)
-    spec = DFlashDecoder(tctx, dctx, SpecOptions(n_draft=a.n_draft, adaptive=a.adaptive))
+    pair = open_pair(target_path, draft_path, ContextOptions(n_ctx=2048, n_batch=256, n_ubatch=256, n_threads=threads))
+    tm = pair.target
+    spec = pair.decoder(SpecOptions(n_draft=a.n_draft, adaptive=a.adaptive))
     info = spec.info
     print(f"loaded in {time.perf_counter() - t0:.2f} s: {tm.arch} target ({tm.n_layer} layers, vocab {tm.n_vocab}); "
           f"{info.kind} drafter, block size {info.block_size}, drafting {spec.n_draft} tokens per step, "
@@ -127,7 +125,7 @@ def main(argv=None) -> int:
     print("\n" + "-" * 66)
 
     # 2. time both modes on the same prompt (the decoder state is reset between runs)
-    plain = DFlashDecoder(tctx, None)
+    plain = pair.plain()
     list(plain.generate(ids, min(8, n)))      # warm-up of the one-row path
     plain_runs, spec_runs = [], []
     plain_tokens = None
@@ -136,14 +134,14 @@ def main(argv=None) -> int:
         st = GenerationStats()
         plain_tokens = list(plain.generate(ids, n, stats=st))
         plain_runs.append(st)
-        spec = DFlashDecoder(tctx, dctx, SpecOptions(n_draft=a.n_draft, adaptive=a.adaptive))
+        spec = pair.decoder(SpecOptions(n_draft=a.n_draft, adaptive=a.adaptive))
         st = GenerationStats()
         got = list(spec.generate(ids, n, stats=st))
         spec_runs.append(st)
         if got != plain_tokens:
             print("ERROR: DFlash output differs from plain decoding - this is a bug, please report it", file=sys.stderr)
             return 1
-        plain = DFlashDecoder(tctx, None)
+        plain = pair.plain()
 
     def med(runs, attr):
         return statistics.median(getattr(r, attr) for r in runs)

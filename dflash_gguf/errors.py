@@ -91,3 +91,7 @@ def raise_for_status(code: int, what: str, describe=None) -> None:
     text = describe(code) if describe else f"status {code}"
     remedy = _REMEDY.get(code)
     raise cls(f"{what}: {text}" + (f" ({remedy})" if remedy else ""))
+
+
+class ManifestError(DFlashError, ValueError):
+    """A pair directory is incomplete or damaged (``pair.json`` missing, a file missing or changed)."""

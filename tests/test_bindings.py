@@ -18,7 +18,7 @@ import pytest
 from dflash_gguf import _bindings as B
 from dflash_gguf import paths
 from dflash_gguf.engine import Context, ContextOptions, Model
-from dflash_gguf.errors import (BufferTooSmallError, LayerError, NotADrafterError, PairMismatchError,
+from dflash_gguf.errors import (DFlashError, BufferTooSmallError, LayerError, NotADrafterError, PairMismatchError,
                                 RowRangeError, TapDisabledError)
 
 PROMPT = b"def parse(self, args):\n    for name in args:\n        yield name"
@@ -122,7 +122,7 @@ def test_tap_errors_are_codes_not_aborts(models):
         B.check(B.lib.llama_dflash_set_taps(ctx.cptr, [2], 1, False), "disable")
         assert B.lib.llama_dflash_tap_enabled(ctx.cptr, 2) == 0
         # a failed decode leaves no readable rows
-        with pytest.raises(Exception):
+        with pytest.raises(DFlashError):
             ctx.decode(np.array([10**6], np.int32), 10)
         assert B.lib.llama_dflash_tap_rows(ctx.cptr) in (0, 10)
 

@@ -7,7 +7,6 @@ import subprocess
 import sys
 from pathlib import Path
 
-import llama_cpp
 import pytest
 
 from support import KW, pair, plain  # noqa: F401 (fixtures)

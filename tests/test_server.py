@@ -12,7 +12,6 @@ import openai
 import pytest
 import uvicorn
 
-from dflash_gguf import Llama
 from dflash_gguf.server import create_app
 from support import KW, Oracle, fast, oracle, pair, plain  # noqa: F401 (fixtures)
 

@@ -11,7 +11,6 @@ import re
 import subprocess
 from pathlib import Path
 
-import numpy as np
 import pytest
 
 from dflash_gguf import paths

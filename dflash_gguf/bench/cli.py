@@ -124,7 +124,9 @@ def main(argv=None) -> int:
         line.append(f"plain {run_ours(plain, prompts, ids, a.max_tokens, modes['plain'], tm, first):.1f}")
         line.append(f"dflash {run_ours(spec, prompts, ids, a.max_tokens, modes['dflash'], tm, first):.1f}")
         if exe is not None:
-            line.append("upstream " + f"{run_upstream(exe, tpath, dpath, prompts, echoes, a.max_tokens, n_draft, threads, modes['upstream'], modes['dflash'].raw, modes['plain'].raw, first):.1f}")
+            tps = run_upstream(exe, tpath, dpath, prompts, echoes, a.max_tokens, n_draft, threads, modes["upstream"],
+                               modes["dflash"].raw, modes["plain"].raw, first)
+            line.append(f"upstream {tps:.1f}")
         log.info("%s tokens/s", " ".join(line))
 
     # token-by-token check against plain decoding; where they part, measure the target's top-2 logit
@@ -162,7 +164,8 @@ def main(argv=None) -> int:
         "meta": {
             "title": f"{Path(tpath).name} + {Path(dpath).name}, {', '.join(a.prompts)} prompts, {a.max_tokens} tokens, "
                      f"{threads} threads, n_draft {n_draft}",
-            "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "command": " ".join(["python -m dflash_gguf.bench"] + (argv if argv is not None else sys.argv[1:])),
+            "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+            "command": " ".join(["python -m dflash_gguf.bench"] + (argv if argv is not None else sys.argv[1:])),
             "target": str(tpath), "drafter": str(dpath), "target_mb": _r(Path(tpath).stat().st_size / 1e6),
             "drafter_mb": _r(Path(dpath).stat().st_size / 1e6), "block_size": spec.info.block_size,
             "n_draft": n_draft, "max_tokens": a.max_tokens, "trials": a.trials, "warmup": a.warmup,

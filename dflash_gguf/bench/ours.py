@@ -70,7 +70,7 @@ def sweep(tctx, dctx, model, prompts, ids, max_tokens, trials, plain_tps: float)
     for n in range(1, B):
         dec = DFlashDecoder(tctx, dctx, SpecOptions(n_draft=n))
         res = ModeResult(f"dflash-n{n}")
-        for t in range(trials):
+        for _ in range(trials):
             run_ours(dec, prompts, ids, max_tokens, res, model, record=False)
         s = res.summary()
         med = s["tokens_per_second"]["median"]

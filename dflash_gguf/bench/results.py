@@ -10,6 +10,8 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from dflash_gguf.spec.stats import GenerationStats
+
 
 # --------------------------------------------------------------------------- machine facts
 def _rss_mb() -> float:
@@ -53,11 +55,9 @@ def machine_info() -> dict:
 
 def versions() -> dict:
     v = {"dflash_gguf": None, "llama_cpp_python": None, "patch_series": None}
-    try:
-        import dflash_gguf
-        v["dflash_gguf"] = dflash_gguf.__version__
-    except Exception:  # noqa: BLE001
-        pass
+    from dflash_gguf import __version__
+
+    v["dflash_gguf"] = __version__
     try:
         import llama_cpp
         v["llama_cpp_python"] = getattr(llama_cpp, "__version__", None)
@@ -80,12 +80,7 @@ class ModeResult:
     tokens: dict[str, list[int]] = field(default_factory=dict)  # per prompt, from the first trial
     texts: dict[str, str] = field(default_factory=dict)
     raw: dict[str, bytes] = field(default_factory=dict)        # pieces as upstream prints them (special=True)
-    n_generated: int = 0
-    steps: int = 0
-    drafted: int = 0
-    accepted: int = 0
-    drafted_pos: list[int] = field(default_factory=list)
-    accepted_pos: list[int] = field(default_factory=list)
+    stats: GenerationStats = field(default_factory=GenerationStats)   # counts over all trials
     phase: dict[str, float] = field(default_factory=dict)    # seconds, summed over all trials
     per_prompt: dict[str, dict] = field(default_factory=dict)
     extra: dict = field(default_factory=dict)
@@ -95,13 +90,14 @@ class ModeResult:
         d = {"tokens_per_second": {"median": _r(statistics.median(tps)) if tps else None,
                                    "min": _r(min(tps)) if tps else None, "max": _r(max(tps)) if tps else None,
                                    "trials": [_r(x) for x in tps]},
-             "n_generated": self.n_generated}
-        if self.steps:
-            d["acceptance_length"] = _r((self.accepted + self.steps) / self.steps, 4)
-            d["accept_rate"] = _r(self.accepted / self.drafted, 4) if self.drafted else None
-            d["steps"], d["drafted"], d["accepted"] = self.steps, self.drafted, self.accepted
+             "n_generated": self.stats.n_generated}
+        st = self.stats
+        if st.steps:
+            d["acceptance_length"] = _r(st.tau, 4)
+            d["accept_rate"] = _r(st.accept_rate, 4)
+            d["steps"], d["drafted"], d["accepted"] = st.steps, st.drafted, st.accepted
             d["per_position_acceptance"] = [_r(a / n, 4) if n else None
-                                            for a, n in zip(self.accepted_pos, self.drafted_pos)]
+                                            for a, n in zip(st.accepted_per_pos, st.drafted_per_pos)]
         if self.phase:
             tot = sum(self.phase.values()) or 1.0
             d["time_s"] = {k: _r(v, 4) for k, v in self.phase.items()}
@@ -115,17 +111,7 @@ def _r(x, nd: int = 2):
     return None if x is None else round(float(x), nd)
 
 
-def _add_stats(res: ModeResult, st) -> None:
-    res.n_generated += st.n_generated
-    res.steps += st.steps
-    res.drafted += st.drafted
-    res.accepted += st.accepted
-    while len(res.drafted_pos) < len(st.drafted_per_pos):
-        res.drafted_pos.append(0)
-        res.accepted_pos.append(0)
-    for i, (d, a) in enumerate(zip(st.drafted_per_pos, st.accepted_per_pos)):
-        res.drafted_pos[i] += d
-        res.accepted_pos[i] += a
-    for k in ("prefill", "draft", "verify", "inject", "rollback", "python"):
-        res.phase[k] = res.phase.get(k, 0.0) + getattr(st, f"t_{k}")
-
+def _add_stats(res: ModeResult, st: GenerationStats) -> None:
+    res.stats.merge(st)
+    for k, v in st.phase_times().items():
+        res.phase[k] = res.phase.get(k, 0.0) + v

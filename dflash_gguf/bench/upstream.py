@@ -13,6 +13,8 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from dflash_gguf.spec.stats import GenerationStats
+
 if TYPE_CHECKING:
     from dflash_gguf.bench.results import ModeResult
 
@@ -137,20 +139,14 @@ def run_upstream(exe, target, draft, prompts, echoes, max_tokens, n_draft, threa
         key = f"{p['set']}/{p['name']}"
         n_tok += got["n_decoded"]
         t_dec += got["t_decode"]
-        res.n_generated += got["n_decoded"]
+        res.stats.n_generated += got["n_decoded"]
         if got.get("peak_rss_mb"):
             res.extra["peak_rss_mb"] = _r(max(res.extra.get("peak_rss_mb") or 0.0, got["peak_rss_mb"]), 1)
         if "gen_drafts" in got:
-            res.steps += got["gen_drafts"]
-            res.drafted += got["gen_tokens"]
-            res.accepted += got["acc_tokens"]
-            rp = got.get("rate_pos", [])
-            while len(res.drafted_pos) < len(rp):
-                res.drafted_pos.append(0)
-                res.accepted_pos.append(0)
-            for i, r in enumerate(rp):   # rates are per draft: weight by the number of drafts
-                res.drafted_pos[i] += got["gen_drafts"]
-                res.accepted_pos[i] += r * got["gen_drafts"]
+            g, rp = got["gen_drafts"], got.get("rate_pos", [])
+            # upstream prints per-position rates per draft: weight them by the number of drafts
+            res.stats.merge(GenerationStats(steps=g, drafted=got["gen_tokens"], accepted=got["acc_tokens"],
+                                            drafted_per_pos=[g] * len(rp), accepted_per_pos=[r * g for r in rp]))
             if "t_draft_ms" in got:   # upstream reports its draft time; the rest of its decode is "other"
                 td = got["t_draft_ms"] / 1000
                 res.phase["draft"] = res.phase.get("draft", 0.0) + td

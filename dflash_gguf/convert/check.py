@@ -10,8 +10,8 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from dflash_gguf.convert.errors import ManifestError
-from dflash_gguf.convert.manifest import load_manifest
+from dflash_gguf.errors import ManifestError
+from dflash_gguf.pair import load_manifest
 
 log = logging.getLogger("dflash_gguf.convert")
 
@@ -44,31 +44,30 @@ def check_pair(pair_dir: str | os.PathLike, *, n_tokens: int = 32, prompt: bytes
 
 
 def _run(m, name: str, n_tokens: int, prompt: bytes, threads: int | None) -> CheckResult:
-    from dflash_gguf.engine import Context, ContextOptions, Model
-    from dflash_gguf.spec import DFlashDecoder, GenerationStats
+    from dflash_gguf.engine import ContextOptions, Model
+    from dflash_gguf.pair import compare_with_plain, open_pair
 
-    with Model(m.target.path) as tm, Model(m.drafter.path) as dm:
-        tokens = tm.tokenize(prompt, add_bos=True)
-        n_ctx = max(256, len(tokens) + n_tokens + 2 * m.block_size + 16)
-        opts = ContextOptions(n_ctx=n_ctx, n_batch=512, n_ubatch=512, n_threads=threads)
-        with Context(tm, opts) as tctx, Context(dm, opts, other=tctx) as dctx:
-            plain = list(DFlashDecoder(tctx, None).generate(tokens, n_tokens, stop_tokens=[]))
-            dec = DFlashDecoder(tctx, dctx)
-            problem = _metadata_problem(m, dec.info)
-            if problem:
-                return CheckResult(False, f"FAIL {name}: {problem}")
-            stats = GenerationStats()
-            spec = list(dec.generate(tokens, n_tokens, stop_tokens=[], stats=stats))
-    if spec != plain:
-        i = next((k for k, (a, b) in enumerate(zip(spec, plain)) if a != b), min(len(spec), len(plain)))
+    with Model(m.target.path) as probe:
+        tokens = probe.tokenize(prompt, add_bos=True)
+    n_ctx = max(256, len(tokens) + n_tokens + 2 * m.block_size + 16)
+    opts = ContextOptions(n_ctx=n_ctx, n_batch=512, n_ubatch=512, n_threads=threads)
+    with open_pair(m.target.path, m.drafter.path, opts) as pair:
+        dec = pair.decoder()
+        problem = _metadata_problem(m, dec.info)
+        if problem:
+            return CheckResult(False, f"FAIL {name}: {problem}")
+        c = compare_with_plain(pair, tokens, n_tokens, decoder=dec, stop_tokens=[])
+    spec, plain, tau = c.spec, c.plain, c.stats.tau
+    if not c.equal:
+        i = c.first_mismatch
         got = spec[i] if i < len(spec) else "end"
         want = plain[i] if i < len(plain) else "end"
         return CheckResult(False, f"FAIL {name}: speculative output differs from plain decoding at token {i} "
                                   f"({got} vs {want}): the engine is not lossless on this pair",
-                           n_tokens=len(spec), first_mismatch=i, acceptance_length=stats.tau)
+                           n_tokens=len(spec), first_mismatch=i, acceptance_length=tau)
     return CheckResult(True, f"PASS {name}: {len(spec)} tokens with the {m.kind} drafter equal plain decoding "
                              f"(target {m.target.type}, drafter {m.drafter.type}, block {m.block_size}, acceptance "
-                             f"length {stats.tau:.2f})", n_tokens=len(spec), acceptance_length=stats.tau)
+                             f"length {tau:.2f})", n_tokens=len(spec), acceptance_length=tau)
 
 
 def _metadata_problem(m, info) -> str | None:

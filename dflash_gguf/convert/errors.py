@@ -1,7 +1,7 @@
 """Typed errors of the converter. Every message says what is wrong and what to do about it."""
 from __future__ import annotations
 
-from dflash_gguf.errors import DFlashError
+from dflash_gguf.errors import DFlashError, ManifestError  # noqa: F401 (ManifestError: the runtime's)
 
 
 class PairError(DFlashError, ValueError):
@@ -14,7 +14,3 @@ class OutputError(DFlashError, OSError):
 
 class ConvertError(DFlashError):
     """A conversion step (upstream converter, llama.cpp quantizer) failed."""
-
-
-class ManifestError(DFlashError, ValueError):
-    """A pair directory is incomplete or damaged (``pair.json`` missing, a file missing or changed)."""

@@ -1,63 +1,22 @@
-"""``pair.json``: the manifest that links a target GGUF and its drafter GGUF in one directory.
+"""Writing ``pair.json``, the manifest that links a target GGUF and its drafter GGUF in one directory.
 
-:func:`load_manifest` opens a pair directory in one call (the Llama API uses it): it checks that
-both files exist with the recorded sizes, and (``verify=True``) their sha256.
+The format and its reader live in :mod:`dflash_gguf.pair` (the runtime opens pairs there).
 """
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import time
-from dataclasses import dataclass
 from pathlib import Path
 
-from dflash_gguf.convert.errors import ManifestError
-
-MANIFEST = "pair.json"
-FORMAT = "dflash-gguf-pair"
-FORMAT_VERSION = 1
-
-
-@dataclass
-class PairFile:
-    path: Path
-    size: int
-    sha256: str
-    type: str
-
-
-@dataclass
-class PairManifest:
-    """A loaded ``pair.json``; ``data`` holds the whole document."""
-    dir: Path
-    target: PairFile
-    drafter: PairFile
-    kind: str                   # "dflash" | "dflash2"
-    block_size: int
-    target_layers: list[int]    # GGUF convention: input of layer i (= HF target_layer_ids + 1)
-    mask_token_id: int
-    data: dict
-
-
-def sha256_file(path: Path, chunk: int = 1 << 20) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as fh:
-        while block := fh.read(chunk):
-            h.update(block)
-    return h.hexdigest()
+from dflash_gguf.pair import (FORMAT, FORMAT_VERSION, MANIFEST, PairFile, PairManifest,  # noqa: F401
+                              load_manifest, sha256_file)
 
 
 def converter_version() -> dict:
-    from dflash_gguf import build, paths
+    from dflash_gguf import __version__, build, paths
 
-    try:
-        from importlib.metadata import version
-
-        own = version("dflash-gguf")
-    except Exception:
-        own = "unknown"
-    return {"dflash_gguf": own, "llama_cpp_python_sdist": build.SDIST_VERSION,
+    return {"dflash_gguf": __version__, "llama_cpp_python_sdist": build.SDIST_VERSION,
             "patch_series": paths.patch_series_hash()}
 
 
@@ -98,45 +57,3 @@ def write_manifest(out_dir: Path, doc: dict) -> Path:
         os.fsync(fh.fileno())
     os.replace(tmp, path)
     return path
-
-
-def load_manifest(pair_dir: str | os.PathLike, *, verify: bool = False) -> PairManifest:
-    """Open a pair directory: read ``pair.json``, check both files (sizes; sha256 if ``verify``)."""
-    d = Path(pair_dir).expanduser()
-    path = d / MANIFEST
-    if not path.is_file():
-        raise ManifestError(f"{d} is not a converted pair ({MANIFEST} missing): make one with "
-                            "`python -m dflash_gguf.convert TARGET_DIR DRAFTER_DIR -o OUT_DIR`")
-    try:
-        doc = json.loads(path.read_text(encoding="utf-8"))
-        if doc.get("format") != FORMAT:
-            raise ValueError(f"format is {doc.get('format')!r}, not {FORMAT!r}")
-        if doc.get("format_version", 0) > FORMAT_VERSION:
-            raise ValueError(f"format_version {doc['format_version']} is newer than this dflash-gguf "
-                             f"({FORMAT_VERSION}); upgrade dflash-gguf")
-        files = {role: _pair_file(d, doc[role], role, verify) for role in ("target", "drafter")}
-        return PairManifest(dir=d.resolve(), target=files["target"], drafter=files["drafter"], kind=doc["kind"],
-                            block_size=int(doc["block_size"]), target_layers=[int(x) for x in doc["target_layers"]],
-                            mask_token_id=int(doc["mask_token_id"]), data=doc)
-    except ManifestError:
-        raise
-    except (OSError, ValueError, KeyError, TypeError) as e:
-        raise ManifestError(f"{path} is damaged ({e}): convert the pair again") from e
-
-
-def _pair_file(d: Path, entry: dict, role: str, verify: bool) -> PairFile:
-    f = PairFile(path=(d / entry["file"]).resolve(), size=int(entry["size"]), sha256=str(entry["sha256"]),
-                 type=str(entry["type"]))
-    if Path(entry["file"]).name != entry["file"]:
-        raise ManifestError(f"{role} file name {entry['file']!r} in {d / MANIFEST} must be a plain file name")
-    if not f.path.is_file():
-        raise ManifestError(f"the {role} GGUF {f.path} listed in {MANIFEST} is missing: copy the whole pair "
-                            "directory, or convert the pair again")
-    size = f.path.stat().st_size
-    if size != f.size:
-        raise ManifestError(f"the {role} GGUF {f.path} has {size} bytes, {MANIFEST} records {f.size}: the file is "
-                            "truncated or was replaced; copy it again or convert the pair again")
-    if verify and sha256_file(f.path) != f.sha256:
-        raise ManifestError(f"the {role} GGUF {f.path} does not match the sha256 in {MANIFEST}: the file is "
-                            "corrupted or was replaced; copy it again or convert the pair again")
-    return f

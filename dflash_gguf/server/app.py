@@ -38,6 +38,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from dflash_gguf import __version__
 from dflash_gguf.server.metrics import Metrics
 from dflash_gguf.server.schemas import ChatRequest, CompletionRequest
 
@@ -224,7 +225,7 @@ def create_app(llm, model_id: str | None = None) -> FastAPI:
 
     model_id = model_id or Path(llm.model_path).stem
     srv = _Server(llm, model_id)
-    app = FastAPI(title="dflash-gguf", version="0.1.0",
+    app = FastAPI(title="dflash-gguf", version=__version__,
                   description="OpenAI-compatible server with lossless DFlash speculative decoding")
     app.state.server = srv
 

@@ -3,6 +3,8 @@ from __future__ import annotations
 
 import time
 
+from dflash_gguf.spec.stats import acceptance_length
+
 
 class Metrics:
     """Counters since start; rendered as Prometheus text or JSON."""
@@ -47,7 +49,7 @@ class Metrics:
             "prompt_tokens": self.prompt_tokens, "completion_tokens": self.completion_tokens,
             "dflash_requests": self.dflash_requests, "plain_requests": self.plain_requests,
             "dflash_steps": self.steps, "dflash_drafted": self.drafted, "dflash_accepted": self.accepted,
-            "acceptance_length": round((self.accepted + self.steps) / self.steps, 4) if self.steps else None,
+            "acceptance_length": round(acceptance_length(self.accepted, self.steps), 4) if self.steps else None,
             "acceptance_rate": round(self.accepted / self.drafted, 4) if self.drafted else None,
             "dflash_tokens_per_second": round(self.dflash_tokens / self.dflash_seconds, 2) if self.dflash_seconds else None,
             "last_tokens_per_second": self.last_tokens_per_second,

@@ -82,35 +82,28 @@ def _pick_pair(gg: Path, tgt: Path, dft: Path) -> None:
 # ----------------------------------------------------------------------------- 7 verify
 def verify(work: Path, a) -> dict:
     sys.path.insert(0, str(REPO))
-    from dflash_gguf.engine import Context, ContextOptions, Model
+    from dflash_gguf.engine import ContextOptions
     from dflash_gguf.logs import set_log_handler
-    from dflash_gguf.spec import DFlashDecoder, GenerationStats, SpecOptions
+    from dflash_gguf.pair import compare_with_plain, open_pair
+    from dflash_gguf.spec import GenerationStats, SpecOptions
 
     set_log_handler()
     sp = sp_model(work)
     gg = work / "gguf"
-    tm = Model(gg / "target.gguf")
-    dm = Model(gg / "drafter.gguf")
     opts = ContextOptions(n_ctx=1024, n_batch=64, n_ubatch=64, n_threads=a.threads)
-    tctx = Context(tm, opts)
-    dctx = Context(dm, opts, other=tctx)
-    plain = DFlashDecoder(tctx, None)
     results, tot = [], GenerationStats()
     tok_mismatch = 0
-    for p in CHECK_PROMPTS:
-        ids = tm.tokenize(p.encode())
-        if ids[1:] != sp.encode(p):
-            tok_mismatch += 1
-        ref = list(plain.generate(ids, a.verify_tokens))
-        spec = DFlashDecoder(tctx, dctx, SpecOptions(n_draft=a.block - 1))
-        st = GenerationStats()
-        got = list(spec.generate(ids, a.verify_tokens, stats=st))
-        same = got == ref
-        for k in ("steps", "drafted", "accepted"):
-            setattr(tot, k, getattr(tot, k) + getattr(st, k))
-        results.append({"prompt": p, "equal": same, "tau": round(st.tau, 3), "n": len(got)})
-        log(f"verify: {'OK ' if same else 'DIFF'} tau {st.tau:.2f}  {p[:40]!r} -> {tm.detokenize(got)[:60]!r}")
-        plain = DFlashDecoder(tctx, None)
+    with open_pair(gg / "target.gguf", gg / "drafter.gguf", opts) as pair:
+        tm = pair.target
+        for p in CHECK_PROMPTS:
+            ids = tm.tokenize(p.encode())
+            if ids[1:] != sp.encode(p):
+                tok_mismatch += 1
+            c = compare_with_plain(pair, ids, a.verify_tokens, spec=SpecOptions(n_draft=a.block - 1))
+            tot.merge(c.stats)
+            results.append({"prompt": p, "equal": c.equal, "tau": round(c.stats.tau, 3), "n": len(c.spec)})
+            log(f"verify: {'OK ' if c.equal else 'DIFF'} tau {c.stats.tau:.2f}  {p[:40]!r} -> "
+                f"{tm.detokenize(c.spec)[:60]!r}")
     ok = all(r["equal"] for r in results)
     log(f"verify: DFlash == plain on {sum(r['equal'] for r in results)}/{len(results)} prompts; "
         f"mean acceptance length {tot.tau:.2f}; tokenizer mismatches vs SentencePiece: {tok_mismatch}")
