@@ -25,6 +25,7 @@ _LAZY = {
     "Context": "dflash_gguf.engine",
     "ContextOptions": "dflash_gguf.engine",
     "set_log_handler": "dflash_gguf.logs",
+    "StopOnTokens": "dflash_gguf.stopping",
 }
 
 __all__ = sorted(_LAZY) + ["__version__"]

@@ -38,6 +38,7 @@ from dflash_gguf.pair import pair_files
 from dflash_gguf.sampling import SamplingParams
 from dflash_gguf.spec.decoder import DFlashDecoder, SpecOptions, common_prefix_len
 from dflash_gguf.spec.stats import GenerationStats
+from dflash_gguf.stopping import stop_token_ids
 
 log = logging.getLogger("dflash_gguf.api")
 
@@ -54,6 +55,7 @@ class _Request:
     dflash: bool | None
     served: bool = False               # True once generate() picked the DFlash path
     stats: GenerationStats | None = None
+    reason: str | None = None          # why the plain path served it (a fallback)
 
 
 @dataclass
@@ -284,11 +286,14 @@ class Llama(llama_cpp.Llama):
                 self._call.handoff = None
             chunks.close()
 
-    @staticmethod
-    def _stats_dict(req: _Request | None) -> dict | None:
-        if req is None or not req.served or req.stats is None:
+    def _stats_dict(self, req: _Request | None) -> dict | None:
+        """The response's ``dflash`` object: the statistics, or why plain decoding served it (None
+        without a drafter: then this class is llama_cpp.Llama)."""
+        if req is None or self._decoder is None:
             return None
-        return req.stats.as_dict()
+        if req.served and req.stats is not None:
+            return {"enabled": True, **req.stats.as_dict()}
+        return {"enabled": False, "reason": req.reason or "plain decoding"}
 
     # ------------------------------------------------------------------ generation
     def dflash_unsupported(self, *, sampling: SamplingParams, reset: bool = True, mirostat_mode: int = 0,
@@ -308,8 +313,8 @@ class Llama(llama_cpp.Llama):
             return "grammar-constrained sampling"
         if logits_processor:
             return "logits_processor / logit_bias"
-        if stopping_criteria:
-            return "stopping_criteria read per-token logits"
+        if stopping_criteria and stop_token_ids(stopping_criteria) is None:
+            return "stopping_criteria that read more than token ids (use dflash_gguf.StopOnTokens)"
         if mirostat_mode:
             return "mirostat sampling"
         if self._logits_all:
@@ -341,6 +346,8 @@ class Llama(llama_cpp.Llama):
                                       logits_processor=logits_processor, stopping_criteria=stopping_criteria,
                                       grammar=grammar, request=req)
         if why is not None:
+            if req is not None:
+                req.reason = why
             if self._decoder is not None:
                 log.debug("plain decoding: %s", why)
             self.last_dflash_stats = None
@@ -354,12 +361,12 @@ class Llama(llama_cpp.Llama):
         if req is not None:
             req.served, req.stats = True, stats
         self.last_dflash_stats = stats
-        gen = self._dflash_tokens(list(tokens), sp, stats, req)
+        gen = self._dflash_tokens(list(tokens), sp, stats, req, stop_token_ids(stopping_criteria) or set())
         self._call.live = weakref.ref(gen)
         return gen
 
     def _dflash_tokens(self, prompt: list[int], sp: SamplingParams, stats: GenerationStats,
-                       req: _Request | None) -> Iterator[int]:
+                       req: _Request | None, stop_ids: set[int]) -> Iterator[int]:
         room = max(self._n_ctx - len(prompt), 0)
         want = req.max_tokens if req is not None else None
         # Draft no further than the request needs. llama_cpp reads on past max_tokens while a UTF-8
@@ -367,19 +374,31 @@ class Llama(llama_cpp.Llama):
         # resume exactly if it wants more. Otherwise the decoder runs unbounded and the consumer stops it.
         resumable = sp.greedy and not sp.has_penalties
         budget = min(want + 3, room) if (want is not None and want > 0 and resumable) else room
+        dec = self._decoder
+        stop = dec.eog | stop_ids   # stop ids of the criteria: the engine stops exactly after them
         self._adopt_llama_view()
         emitted: list[int] = []
         inner = None
         try:
-            inner = self._decoder.generate(prompt, budget, sampling=sp, stats=stats)
+            if stop_ids and prompt[-1] in stop_ids:
+                stats.finish = "stop"   # llama_cpp's criterion fires before the first token
+                return
+            inner = dec.generate(prompt, budget, sampling=sp, stats=stats, stop_tokens=stop)
             for tok in inner:
                 emitted.append(tok)
                 yield tok
             if stats.finish == "length" and budget < room:
                 head = (stats.n_prompt, stats.n_reused)
-                inner = self._decoder.generate(prompt + emitted, room - len(emitted), sampling=sp, stats=stats)
-                yield from inner
+                inner = dec.generate(prompt + emitted, room - len(emitted), sampling=sp, stats=stats, stop_tokens=stop)
+                for tok in inner:
+                    emitted.append(tok)
+                    yield tok
                 stats.n_prompt, stats.n_reused = head
+            if stats.finish == "stop" and emitted and emitted[-1] in stop_ids - dec.eog:
+                # llama_cpp evaluates a stop id before its criterion ends the generation (and reports
+                # finish "stop" from the evaluated tokens): evaluate it too
+                inner.close()
+                dec.feed(emitted[-1:])
         finally:
             if inner is not None:
                 inner.close()           # the decoder rolls both caches back to the consumed tokens

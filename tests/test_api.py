@@ -148,7 +148,7 @@ def test_fallback_is_plain_then_dflash_resumes(plain, fast, oracle, how):
     b = fast("def main(", dflash=False, **kw) if how == "per_call_off" else fast("def main(", **kw)
     if how != "mirostat":
         assert b["choices"][0]["text"] == a["choices"][0]["text"]
-    assert b["dflash"] is None
+    assert b["dflash"]["enabled"] is False and b["dflash"]["reason"]   # a fallback says why
     assert fast.last_dflash_stats is None
     # the plain path evaluated tokens the drafter never saw: the next DFlash call must still be exact
     prompt = "def main(" + b["choices"][0]["text"][:5]
@@ -264,8 +264,8 @@ def test_without_drafter_is_plain_llama(pair, plain):
 
 def test_dflash_off_by_default_flag(pair):
     llm = Llama(str(pair.target), draft_model_path=str(pair.drafter), dflash=False, **KW)
-    assert llm("def main(", max_tokens=5, temperature=0)["dflash"] is None
-    assert llm("def main(", max_tokens=5, temperature=0, dflash=True)["dflash"] is not None
+    assert llm("def main(", max_tokens=5, temperature=0)["dflash"] == {"enabled": False, "reason": "dflash=False"}
+    assert llm("def main(", max_tokens=5, temperature=0, dflash=True)["dflash"]["enabled"] is True
     llm.close()
 
 

@@ -130,7 +130,7 @@ def test_grammar_falls_back_to_plain(client, plain):
     r = client.completions.create(model=MODEL_ID, prompt="def main(", max_tokens=12, temperature=0,
                                   extra_body={"grammar": g})
     assert r.choices[0].text == want
-    assert r.model_extra["dflash"] is None
+    assert r.model_extra["dflash"] == {"enabled": False, "reason": "grammar-constrained sampling"}
 
 
 def test_per_request_dflash_off_and_template_kwargs(client, plain, oracle):
@@ -138,10 +138,10 @@ def test_per_request_dflash_off_and_template_kwargs(client, plain, oracle):
     want = plain_chat(plain, oracle, msgs, max_tokens=10)
     r = client.chat.completions.create(model=MODEL_ID, messages=msgs, max_tokens=10, temperature=0,
                                        extra_body={"dflash": False})
-    assert r.choices[0].message.content == want and r.model_extra["dflash"] is None
+    assert r.choices[0].message.content == want and r.model_extra["dflash"]["enabled"] is False
     r = client.chat.completions.create(model=MODEL_ID, messages=msgs, max_tokens=10, temperature=0,
                                        extra_body={"chat_template_kwargs": {"enable_thinking": False}})
-    assert r.choices[0].message.content == want and r.model_extra["dflash"] is not None
+    assert r.choices[0].message.content == want and r.model_extra["dflash"]["enabled"] is True
 
 
 BAD = [
@@ -248,6 +248,9 @@ def test_metrics(base_url):
         assert f"\n{name}" in "\n" + text, name
     assert 'endpoint="/v1/completions",status="400"' in text
     assert 'dflash_generations_total{path="plain"}' in text      # the grammar and dflash=false requests
+    assert 'dflash_fallbacks_total{reason="grammar-constrained sampling"} 1' in text
     j = httpx.get(base_url + "/metrics", params={"format": "json"}).json()
     assert j["dflash_requests"] > 0 and j["acceptance_length"] >= 1.0
     assert j["requests_in_flight"] == 0
+    fallbacks = {f["reason"]: f["count"] for f in j["fallbacks"]}
+    assert fallbacks["grammar-constrained sampling"] == 1 and sum(fallbacks.values()) == j["plain_requests"]

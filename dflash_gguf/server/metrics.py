@@ -16,6 +16,7 @@ class Metrics:
         self.steps = self.drafted = self.accepted = self.dflash_tokens = 0
         self.dflash_seconds = 0.0
         self.dflash_requests = self.plain_requests = self.disconnects = 0
+        self.fallbacks: dict[str, int] = {}   # plain decoding with a drafter loaded, by reason
         self.last_tokens_per_second = 0.0
         self.in_flight = 0
 
@@ -26,8 +27,11 @@ class Metrics:
         if usage:
             self.prompt_tokens += int(usage.get("prompt_tokens", 0))
             self.completion_tokens += int(usage.get("completion_tokens", 0))
-        if dflash is None:
+        if dflash is None or not dflash.get("enabled", True):
             self.plain_requests += 1
+            if dflash is not None:
+                reason = str(dflash.get("reason") or "unknown")
+                self.fallbacks[reason] = self.fallbacks.get(reason, 0) + 1
             return
         self.dflash_requests += 1
         self.steps += dflash["steps"]
@@ -54,6 +58,7 @@ class Metrics:
             "dflash_tokens_per_second": round(self.dflash_tokens / self.dflash_seconds, 2) if self.dflash_seconds else None,
             "last_tokens_per_second": self.last_tokens_per_second,
             "client_disconnects": self.disconnects,
+            "fallbacks": [{"reason": r, "count": n} for r, n in sorted(self.fallbacks.items())],
         }
 
     def prometheus(self) -> str:
@@ -74,6 +79,10 @@ class Metrics:
         help_ = "generations by decoding path: dflash, or plain (a fallback, or dflash off)"
         metric("generations_total", "counter", help_, d["dflash_requests"], '{path="dflash"}')
         metric("generations_total", "counter", help_, d["plain_requests"], '{path="plain"}')
+        for f in d["fallbacks"]:
+            reason = f["reason"].replace("\\", "\\\\").replace('"', '\\"')
+            metric("fallbacks_total", "counter", "generations served by plain decoding although a drafter is loaded, "
+                   "by reason", f["count"], f'{{reason="{reason}"}}')
         metric("steps_total", "counter", "DFlash draft-verify steps", d["dflash_steps"])
         metric("drafted_tokens_total", "counter", "tokens proposed by the drafter", d["dflash_drafted"])
         metric("accepted_tokens_total", "counter", "drafted tokens accepted by the target", d["dflash_accepted"])

@@ -30,6 +30,7 @@ from dflash_gguf.errors import ContextOverflowError, InvalidArgumentError
 from dflash_gguf.gate import DraftLength
 from dflash_gguf.sampling import SamplingParams, TokenChooser
 from dflash_gguf.spec.acceptance import cut_at_stop, greedy_accept, sampled_accept
+from dflash_gguf.spec.features import FeatureFeed
 from dflash_gguf.spec.proposer import DrafterProposer, Proposer
 from dflash_gguf.spec.rollback import make_rollback
 from dflash_gguf.spec.stats import GenerationStats
@@ -69,12 +70,14 @@ class DFlashDecoder:
         self.opts = opts or SpecOptions()
         self.proposer = proposer or DrafterProposer()
         self.info: DrafterInfo | None = None
+        self.features: FeatureFeed | None = None
         self.n_draft = 0
         if drafter is not None:
             cinfo = B.ffi.new("struct llama_dflash_drafter_info *")
             B.check(B.lib.llama_dflash_prepare(target.cptr, drafter.cptr, cinfo),
                     f"pairing drafter {drafter.model.path.name} with target {target.model.path.name}")
             self.info = DrafterInfo.from_c(cinfo)
+            self.features = FeatureFeed(target, drafter, self.info)
             self.n_draft = clamp_n_draft(self.info, self.opts.n_draft, n_batch=target.n_batch,
                                          n_ubatch=drafter.n_ubatch)
         self._rollback = make_rollback(target, self.n_draft, self.opts.rollback)
@@ -85,7 +88,7 @@ class DFlashDecoder:
         self._draft = np.zeros(bs, dtype=np.int32)
         self._verify = np.zeros(bs, dtype=np.int32)
         self._argmax = np.zeros(bs, dtype=np.int32)
-        self._eog = set(int(t) for t in target.model.eog_tokens)
+        self.eog = frozenset(int(t) for t in target.model.eog_tokens)   # default stop tokens
         self.reset()   # the decoder owns both caches from here on
         log.debug("decoder ready: drafter=%s n_draft=%d rollback=%s", self.info, self.n_draft, self.rollback)
 
@@ -98,6 +101,7 @@ class DFlashDecoder:
         self.target.clear()
         if self.drafter is not None:
             self.drafter.clear()
+            self.features.clear()
         self.cache = []
 
     # ------------------------------------------------------------------ caches
@@ -115,6 +119,7 @@ class DFlashDecoder:
         ok = self._rollback.partial_prefix and self.target.truncate(n)
         if ok and self.drafter is not None:
             ok = self.drafter.truncate(n)
+            self.features.truncate(n)
         if not ok:
             log.debug("partial cache removal refused at %d; re-evaluating", n)
             self.reset()
@@ -122,14 +127,21 @@ class DFlashDecoder:
         self.cache = self.cache[:n]
         return n
 
+    def feed(self, tokens: Sequence[int]) -> None:
+        """Decode ``tokens`` after the cached ones into both caches (no sampling)."""
+        if len(self.cache) + len(tokens) > self.target.n_ctx:
+            raise ContextOverflowError(f"{len(tokens)} more tokens do not fit the context ({self.target.n_ctx})")
+        self._prefill(np.asarray(tokens, dtype=np.int32), len(self.cache), GenerationStats())
+        self.cache.extend(int(t) for t in tokens)
+
     def _sync_prefix(self, prompt: Sequence[int]) -> int:
         """Keep the longest cached prefix usable for ``prompt`` (at least one token stays to decode)."""
         return self.keep_prefix(common_prefix_len(self.cache, prompt[:len(prompt) - 1]))
 
     def _inject(self, pos: int, n: int, what: str) -> None:
         """Features of the target's last-decoded rows ``0..n`` (at ``pos``) into the drafter's cache."""
-        if self.drafter is not None and n:
-            B.check(B.lib.llama_dflash_inject(self.drafter.cptr, self.target.cptr, 0, pos, 0, n), what)
+        if self.features is not None:
+            self.features.inject(pos, n, what)
 
     # ------------------------------------------------------------------ phases
     def _prefill(self, tokens: np.ndarray, pos0: int, stats: GenerationStats) -> None:
@@ -145,8 +157,11 @@ class DFlashDecoder:
         if n <= 0:
             return 0
         t0 = time.perf_counter()
+        self.features.flush()          # rows kept on the host during plain steps
+        t1 = time.perf_counter()
+        stats.t_inject += t1 - t0
         n = self.proposer.propose(self.drafter, pos, pending, n, self._draft, lambda: self.cache)
-        stats.t_draft += time.perf_counter() - t0
+        stats.t_draft += time.perf_counter() - t1
         return n
 
     def _verify_block(self, pos: int, pending: int, n: int, greedy: bool, stats: GenerationStats) -> np.ndarray:
@@ -160,9 +175,12 @@ class DFlashDecoder:
         return rows
 
     def _finish_block(self, pos: int, k: int, rows: np.ndarray, saved: bytes | None, stats: GenerationStats) -> None:
-        """Keep the first ``k`` rows of the verify batch in both caches."""
+        """Keep the first ``k`` rows of the verify batch in both caches (a plain step's row: on the host)."""
         t0 = time.perf_counter()
-        self._inject(pos, k, "injecting verified features into the drafter")
+        if self.features is not None and len(rows) == 1 and hasattr(B.lib, 'llama_dflash_inject_features'):  # TEMP
+            self.features.keep(pos, k)
+        else:
+            self._inject(pos, k, "injecting verified features into the drafter")
         t1 = time.perf_counter()
         stats.t_inject += t1 - t0
         if k < len(rows):
@@ -188,7 +206,7 @@ class DFlashDecoder:
         if bad:
             raise InvalidArgumentError(f"token id {bad[0]} outside the vocabulary (0..{self._vocab - 1})")
         return self._run(list(map(int, prompt)), max_tokens, sp, stats,
-                         self._eog if stop_tokens is None else set(map(int, stop_tokens)), use_draft)
+                         self.eog if stop_tokens is None else set(map(int, stop_tokens)), use_draft)
 
     def _start(self, prompt: list[int], stats: GenerationStats) -> int:
         """Bring both caches to ``prompt[:-1]`` (reusing what they share); returns the pending token."""

@@ -1,0 +1,66 @@
+"""The drafter's context features: injected at once while drafting, kept on the host while not.
+
+Every token the target commits must reach the drafter's cache (its features: the target's tapped
+hidden states at that position). While the speed gate decodes plainly, injecting one row per token
+costs a drafter graph run per token for nothing; :class:`FeatureFeed` instead copies the row's taps to
+a host buffer (``llama_dflash_get_taps``) and injects all buffered rows in one call
+(``llama_dflash_inject_features``, patch 0006) before the next draft. Buffered rows always cover the
+contiguous positions ``[start, start + n)``, right after the drafter's cache.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from dflash_gguf import _bindings as B
+from dflash_gguf.engine import Context, DrafterInfo
+
+MAX_ROWS = 256   # flush at this many buffered rows (bounds host memory: MAX_ROWS * n_taps * n_embd floats)
+
+
+class FeatureFeed:
+    def __init__(self, target: Context, drafter: Context, info: DrafterInfo):
+        self.target, self.drafter = target, drafter
+        self.taps = np.asarray(info.target_layers, dtype=np.int32)
+        self.row = len(self.taps) * target.model.n_embd
+        self.buf: np.ndarray | None = None      # allocated on first use
+        self.start = 0
+        self.n = 0
+
+    def inject(self, pos: int, n_rows: int, what: str) -> None:
+        """Rows ``0..n_rows`` of the target's last decode, at ``pos``, straight into the drafter."""
+        self.flush()
+        if n_rows:
+            B.check(B.lib.llama_dflash_inject(self.drafter.cptr, self.target.cptr, 0, pos, 0, n_rows), what)
+
+    def keep(self, pos: int, n_rows: int) -> None:
+        """Rows ``0..n_rows`` of the target's last decode, at ``pos``, into the host buffer."""
+        if n_rows == 0:
+            return
+        if self.n and self.start + self.n != pos or self.n + n_rows > MAX_ROWS:
+            self.flush()
+        if self.buf is None:
+            self.buf = np.empty((MAX_ROWS, self.row), dtype=np.float32)
+        if not self.n:
+            self.start = pos
+        out = self.buf[self.n:self.n + n_rows]
+        B.check(B.lib.llama_dflash_get_taps(self.target.cptr, B.ffi.from_buffer("int32_t[]", self.taps), len(self.taps),
+                                            0, n_rows, B.ffi.from_buffer("float[]", out), out.size),
+                "keeping the features of a plain step")
+        self.n += n_rows
+
+    def flush(self) -> None:
+        """Inject the buffered rows (one call)."""
+        if not self.n:
+            return
+        rows = self.buf[:self.n]
+        n, self.n = self.n, 0
+        B.check(B.lib.llama_dflash_inject_features(self.drafter.cptr, 0, self.start,
+                                                   B.ffi.from_buffer("float[]", rows), n, rows.size),
+                "injecting the features of plain steps into the drafter")
+
+    def truncate(self, n_keep: int) -> None:
+        """Forget buffered rows at positions >= ``n_keep``."""
+        self.n = max(0, min(self.n, n_keep - self.start))
+
+    def clear(self) -> None:
+        self.n = 0

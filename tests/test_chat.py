@@ -1,0 +1,185 @@
+"""Chat through GGUFs that carry their own chat template, as released models do.
+
+llama_cpp builds a ``Jinja2ChatFormatter`` from the template with the end-of-turn id as a stopping
+criterion; the engine must serve that with DFlash (stopping exactly, mid-block) and give llama_cpp's
+text. The end-of-turn token of each test GGUF is chosen so that it falls in the middle of a greedy
+answer, and a proposer that knows the answer drafts past it, so the stop cuts a block.
+"""
+from __future__ import annotations
+
+import inspect
+import socket
+import threading
+import time
+
+import llama_cpp
+import llama_cpp.llama_chat_format as llama_chat_format
+import numpy as np
+import openai
+import pytest
+import uvicorn
+
+from dflash_gguf import Llama, StopOnTokens
+from dflash_gguf.server import create_app
+from dflash_gguf.spec import OverrideProposer
+
+from chat_templates import LLAMA3, QWEN3, with_chat_template
+from support import KW
+
+CHAT_KW = {**KW, "chat_format": None}            # None: llama_cpp uses the GGUF's template
+MSGS = [{"role": "system", "content": "You write Python."}, {"role": "user", "content": "def add(a, b):"}]
+
+
+class Known:
+    """Proposes a known token sequence (the plain answer, its end-of-turn token and filler after it)."""
+
+    def __init__(self):
+        self.seq: list[int] = []
+
+    def __call__(self, ctx: list[int], n: int) -> list[int]:
+        out = self.seq[len(ctx):len(ctx) + n] if self.seq[:len(ctx)] == ctx else []
+        return out + [0] * (n - len(out))
+
+
+def _completion_tokens(llm: llama_cpp.Llama, n_prompt: int) -> list[int]:
+    return llm.input_ids[n_prompt:llm.n_tokens].tolist()
+
+
+@pytest.fixture(scope="module", params=["qwen3", "llama3"])
+def chat(request, models, tmp_path_factory):
+    pair = models.pair("qwen3", "dflash", 8)
+    template = {"qwen3": QWEN3, "llama3": LLAMA3}[request.param]
+    d = tmp_path_factory.mktemp(f"chat-{request.param}")
+    probe_path = with_chat_template(pair.target, d / "probe.gguf", template)
+    probe = llama_cpp.Llama(str(probe_path), **CHAT_KW)
+    out = probe.create_chat_completion(MSGS, max_tokens=40, temperature=0)
+    n_prompt = out["usage"]["prompt_tokens"]
+    toks = _completion_tokens(probe, n_prompt)
+    # the end-of-turn token: first seen mid-answer, and its text not already in the answer before it
+    # (the formatter also passes it as a stop string)
+    eot = None
+    for i in range(6, min(len(toks), 30)):
+        piece = probe.detokenize([toks[i]]).decode("utf-8", "ignore")
+        before = probe.detokenize(toks[:i]).decode("utf-8", "ignore")
+        if toks[i] not in toks[:i] and piece.strip() and piece not in before:
+            eot = toks[i]
+            break
+    probe.close()
+    assert eot is not None, f"no usable end-of-turn token in {toks}"
+    target = with_chat_template(pair.target, d / "chat.gguf", template, eos_token_id=eot)
+    plain = llama_cpp.Llama(str(target), **CHAT_KW)
+    known = Known()
+    fast = Llama(str(target), draft_model_path=str(pair.drafter), **CHAT_KW)
+    fast.decoder.proposer = OverrideProposer(known)
+    yield plain, fast, known, eot
+    fast.close()
+    plain.close()
+
+
+def _plain_chat(plain, known, eot, **kw):
+    a = plain.create_chat_completion(MSGS, temperature=0, **kw)
+    if kw.get("stream"):
+        a = list(a)
+    # what the plain path evaluated, then the end-of-turn token and filler: drafted past the stop
+    known.seq = plain.input_ids[:plain.n_tokens].tolist() + [eot, 5, 6, 7, 8, 9, 10, 11]
+    return a
+
+
+def test_gguf_template_is_what_llama_cpp_uses(chat):
+    """Qwen3's template becomes a Jinja2 formatter with stop ids; Llama 3's is recognised as llama_cpp's
+    named "llama-3" format (stop strings)."""
+    plain, fast, _, eot = chat
+    want = "llama-3" if "start_header_id" in plain.metadata["tokenizer.chat_template"] else "chat_template.default"
+    assert plain.chat_format == fast.chat_format == want
+    assert plain.token_eos() == eot
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_chat_with_gguf_template_runs_dflash(chat, stream):
+    plain, fast, known, eot = chat
+    a = _plain_chat(plain, known, eot, max_tokens=60, stream=stream)
+    b = fast.create_chat_completion(MSGS, max_tokens=60, temperature=0, stream=stream)
+    if stream:
+        b = list(b)
+        text_a = "".join(c["choices"][0]["delta"].get("content", "") for c in a)
+        text_b = "".join(c["choices"][0]["delta"].get("content", "") for c in b)
+        fin_a, fin_b = a[-1]["choices"][0]["finish_reason"], b[-1]["choices"][0]["finish_reason"]
+        stats = b[-1]["dflash"]
+    else:
+        text_a, text_b = a["choices"][0]["message"]["content"], b["choices"][0]["message"]["content"]
+        fin_a, fin_b = a["choices"][0]["finish_reason"], b["choices"][0]["finish_reason"]
+        stats = b["dflash"]
+        assert b["usage"] == a["usage"]
+    assert text_b == text_a and fin_b == fin_a == "stop"
+    assert stats["enabled"] is True and stats["finish"] == "stop"
+    # the known answer was drafted past the end-of-turn token: the stop cut a block
+    assert stats["accepted"] > 0 and stats["steps"] < stats["n_generated"]
+
+
+def test_enable_thinking_kwarg_with_the_gguf_template(chat):
+    plain, fast, known, eot = chat
+    handler = (plain._chat_handlers.get(plain.chat_format)
+               or llama_chat_format.get_chat_completion_handler(plain.chat_format))
+    # the handler with create_chat_completion's own defaults (the handler's differ: repeat_penalty 1.1)
+    call = inspect.signature(llama_cpp.Llama.create_chat_completion).bind(plain, MSGS, max_tokens=30, temperature=0)
+    call.apply_defaults()
+    args = {k: v for k, v in call.arguments.items() if k != "self"}
+    a = handler(llama=plain, **args, enable_thinking=False)
+    known.seq = plain.input_ids[:plain.n_tokens].tolist() + [eot, 5, 6, 7]
+    b = fast.create_chat_completion(MSGS, max_tokens=30, temperature=0, chat_template_kwargs={"enable_thinking": False})
+    assert b["choices"][0]["message"]["content"] == a["choices"][0]["message"]["content"]
+    assert b["usage"] == a["usage"] and b["dflash"]["enabled"] is True
+
+
+def test_logit_reading_criterion_falls_back_visibly(chat):
+    plain, fast, _, _ = chat
+    crit = llama_cpp.StoppingCriteriaList([lambda ids, logits: bool(np.argmax(logits) == 3)])
+    a = plain.create_completion("def main(", max_tokens=12, temperature=0, stopping_criteria=crit)
+    b = fast.create_completion("def main(", max_tokens=12, temperature=0, stopping_criteria=crit)
+    assert b["choices"][0]["text"] == a["choices"][0]["text"]
+    assert b["dflash"]["enabled"] is False and "stopping_criteria" in b["dflash"]["reason"]
+
+
+@pytest.mark.parametrize("at", [3, 9, 14])
+def test_stop_on_tokens_criterion_is_exact_mid_block(chat, at):
+    """A non-end-of-turn stop id (DFlash stops after it; llama_cpp also evaluates it: finish 'stop')."""
+    plain, fast, known, _ = chat
+    base = plain.create_completion("import os\n", max_tokens=40, temperature=0)
+    n_prompt = base["usage"]["prompt_tokens"]
+    toks = _completion_tokens(plain, n_prompt)
+    stop_id = toks[at]
+    crit = llama_cpp.StoppingCriteriaList([StopOnTokens([stop_id])])
+    a = plain.create_completion("import os\n", max_tokens=40, temperature=0, stopping_criteria=crit)
+    known.seq = plain.input_ids[:plain.n_tokens].tolist() + toks[toks.index(stop_id) + 1:] + [0] * 8
+    b = fast.create_completion("import os\n", max_tokens=40, temperature=0, stopping_criteria=crit)
+    assert b["choices"][0]["text"] == a["choices"][0]["text"]
+    assert b["choices"][0]["finish_reason"] == a["choices"][0]["finish_reason"]
+    assert b["usage"] == a["usage"] and b["dflash"]["enabled"] is True
+
+
+def test_server_chat_with_gguf_template(chat):
+    plain, fast, known, eot = chat
+    want = _plain_chat(plain, known, eot, max_tokens=50)["choices"][0]["message"]["content"]
+    app = create_app(fast, "chat-model")
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.bind(("127.0.0.1", 0))
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="off"))
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    deadline = time.time() + 20
+    while not server.started:
+        assert time.time() < deadline, "server did not start"
+        time.sleep(0.02)
+    try:
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{sock.getsockname()[1]}/v1", api_key="x", max_retries=0)
+        r = client.chat.completions.create(model="chat-model", messages=MSGS, max_tokens=50, temperature=0)
+        assert r.choices[0].message.content == want and r.choices[0].finish_reason == "stop"
+        assert r.model_extra["dflash"]["enabled"] is True and r.model_extra["dflash"]["steps"] > 0
+        chunks = list(client.chat.completions.create(model="chat-model", messages=MSGS, max_tokens=50, temperature=0,
+                                                     stream=True))
+        assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == want
+        assert chunks[-1].model_extra["dflash"]["enabled"] is True
+    finally:
+        server.should_exit = True
+        thread.join(10)
+        sock.close()
