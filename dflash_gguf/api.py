@@ -91,8 +91,10 @@ class Llama(llama_cpp.Llama):
         draft_model_path: the drafter GGUF (converted against this target). Without it this
             class behaves exactly like ``llama_cpp.Llama``.
         draft_n_max: tokens drafted per block (default and maximum: the drafter's block size - 1).
-        draft_adaptive: speed gate: draft per step as many tokens as currently pays (at most
-            draft_n_max), from measured step costs and acceptance (see dflash_gguf.gate).
+        draft_adaptive: the speed gate (default on): draft per step as many tokens as currently
+            pays (at most draft_n_max, down to plain decoding), from step costs measured on this
+            machine and the running acceptance (see dflash_gguf.gate). False: draft draft_n_max
+            tokens every step.
         dflash: default for every call; each call can override it with ``dflash=True/False``.
         draft_n_gpu_layers: layers of the drafter to offload (default: as the target).
 
@@ -101,7 +103,7 @@ class Llama(llama_cpp.Llama):
     """
 
     def __init__(self, model_path: str, *, draft_model_path: str | os.PathLike | None = None,
-                 draft_n_max: int | None = None, draft_adaptive: bool = False, dflash: bool = True,
+                 draft_n_max: int | None = None, draft_adaptive: bool = True, dflash: bool = True,
                  draft_n_gpu_layers: int | None = None,
                  **kwargs):
         if draft_n_max is not None and draft_n_max < 0:
@@ -470,6 +472,6 @@ Llama.__call__.__signature__ = _signature(llama_cpp.Llama.__call__, dflash=None)
 Llama.create_chat_completion.__signature__ = _signature(llama_cpp.Llama.create_chat_completion, dflash=None,
                                                         chat_template_kwargs=None)
 Llama.__init__.__signature__ = _signature(llama_cpp.Llama.__init__, draft_model_path=None, draft_n_max=None,
-                                          draft_adaptive=False, dflash=True, draft_n_gpu_layers=None)
+                                          draft_adaptive=True, dflash=True, draft_n_gpu_layers=None)
 
 __all__ = ["Llama", "check_grammar", "pair_files"]

@@ -37,8 +37,9 @@ def _parse(argv):
     ap.add_argument("--prompt", "-p", default=None, help="prompt text (default: the start of a Python function)")
     ap.add_argument("--max-tokens", "-n", type=int, default=96, help="tokens to generate (default 96)")
     ap.add_argument("--n-draft", type=int, default=None, help="tokens drafted per block (default: block size - 1)")
-    ap.add_argument("--adaptive", action="store_true",
-                    help="speed gate: draft per step as many tokens as pays (at most --n-draft)")
+    ap.add_argument("--adaptive", action=argparse.BooleanOptionalAction, default=True,
+                    help="speed gate (default on, as in the API): draft per step as many tokens as pays "
+                         "(at most --n-draft); --no-adaptive drafts --n-draft tokens every step")
     ap.add_argument("--threads", "-t", type=int, default=None, help="CPU threads (default: all cores, at most 8)")
     ap.add_argument("--trials", type=int, default=3, help="timed runs of each mode; the median is shown (default 3)")
     ap.add_argument("--no-stream", action="store_true", help="do not print the completion as it is generated")

@@ -21,8 +21,9 @@ def add_model_args(ap: argparse.ArgumentParser) -> None:
     g.add_argument("-t", "--threads", type=int, default=None, help="CPU threads (default: llama_cpp's choice)")
     g.add_argument("--draft-n-max", type=int, default=None,
                    help="tokens drafted per block (default and maximum: the drafter's block size - 1)")
-    g.add_argument("--draft-adaptive", action="store_true",
-                   help="speed gate: draft per step as many tokens as currently pays (at most --draft-n-max)")
+    g.add_argument("--draft-adaptive", action=argparse.BooleanOptionalAction, default=True,
+                   help="speed gate (default on): draft per step as many tokens as currently pays, down to plain "
+                        "decoding (at most --draft-n-max); --no-draft-adaptive drafts --draft-n-max tokens every step")
     g.add_argument("--no-dflash", action="store_true", help="load the drafter but decode plainly (for comparison)")
     g.add_argument("--chat-format", default=None,
                    help="llama_cpp chat format (chatml, llama-3, ...); default: the GGUF's chat template")

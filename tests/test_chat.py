@@ -69,7 +69,7 @@ def chat(request, models, tmp_path_factory):
     target = with_chat_template(pair.target, d / "chat.gguf", template, eos_token_id=eot)
     plain = llama_cpp.Llama(str(target), **CHAT_KW)
     known = Known()
-    fast = Llama(str(target), draft_model_path=str(pair.drafter), **CHAT_KW)
+    fast = Llama(str(target), draft_model_path=str(pair.drafter), draft_adaptive=False, **CHAT_KW)   # blocks pinned
     fast.decoder.proposer = OverrideProposer(known)
     yield plain, fast, known, eot
     fast.close()

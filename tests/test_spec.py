@@ -219,3 +219,35 @@ def test_context_full_stops_cleanly(models):
             c.close()
         dm.close()
         tm.close()
+
+
+@pytest.mark.parametrize("kind", ["dflash", "dflash2"])
+def test_plain_steps_keep_features_on_the_host(models, kind):
+    """Rows of plain steps go to the host and reach the drafter in one call before the next draft:
+    its cache then holds what injecting each row at once gives (same proposals), and DFlash after a
+    plain stretch still equals plain decoding."""
+    pair = models.pair("qwen3", kind, 8)
+    rig, ref_rig = Rig(pair), Rig(pair)
+    try:
+        prompt = rig.tm.tokenize(PROMPTS[0])
+        plain, _ = rig.run(rig.plain, prompt, 40, stop_tokens=[])
+        # A: 20 plain steps (features kept on the host), then draft once
+        first, st = rig.run(rig.dec, prompt, 20, stop_tokens=[], use_draft=False)
+        assert first == plain[:20] and st.steps == 0 and rig.dec.features.n == 20   # one row per step
+        ctx = prompt + first
+        pos, pending = len(ctx) - 1, ctx[-1]
+        rig.dec.features.flush()
+        assert rig.dec.features.n == 0
+        got = rig.dec.proposer.propose(rig.dc, pos, pending, 7, rig.dec._draft, lambda: ctx[:-1])
+        a = rig.dec._draft[:got].tolist()
+        # B: the same tokens as a prompt (features injected as the prompt is decoded)
+        ref_rig.run(ref_rig.dec, ctx, 1, stop_tokens=[])
+        ref_rig.dec.keep_prefix(len(ctx) - 1)
+        got = ref_rig.dec.proposer.propose(ref_rig.dc, pos, pending, 7, ref_rig.dec._draft, lambda: ctx[:-1])
+        assert a == ref_rig.dec._draft[:got].tolist()
+        # and drafting resumes losslessly after the plain stretch (continuation of the same cache)
+        rest, st = rig.run(rig.dec, ctx, 20, stop_tokens=[])
+        assert rest == plain[20:40] and st.steps > 0 and st.n_reused == len(ctx) - 1
+    finally:
+        rig.close()
+        ref_rig.close()

@@ -51,8 +51,9 @@ def _parse(argv):
     ap.add_argument("--trials", type=int, default=3, help="timed trials; each runs every prompt (default 3)")
     ap.add_argument("--warmup", type=int, default=1, help="untimed warm-up runs of each mode (default 1)")
     ap.add_argument("--n-draft", type=int, default=None, help="tokens drafted per block (default: block size - 1)")
-    ap.add_argument("--adaptive", action="store_true",
-                    help="speed gate: draft per step as many tokens as pays (at most --n-draft)")
+    ap.add_argument("--adaptive", action=argparse.BooleanOptionalAction, default=True,
+                    help="speed gate (default on, as in the API): draft per step as many tokens as pays "
+                         "(at most --n-draft); --no-adaptive drafts --n-draft tokens every step")
     ap.add_argument("--threads", "-t", type=int, default=None, help="CPU threads for every column (default: cores, max 8)")
     ap.add_argument("--no-upstream", action="store_true", help="skip the upstream llama.cpp column")
     ap.add_argument("--sweep-block", action="store_true", help="also run n_draft = 1 .. block_size - 1")

@@ -177,7 +177,7 @@ class DFlashDecoder:
     def _finish_block(self, pos: int, k: int, rows: np.ndarray, saved: bytes | None, stats: GenerationStats) -> None:
         """Keep the first ``k`` rows of the verify batch in both caches (a plain step's row: on the host)."""
         t0 = time.perf_counter()
-        if self.features is not None and len(rows) == 1 and hasattr(B.lib, 'llama_dflash_inject_features'):  # TEMP
+        if self.features is not None and len(rows) == 1:
             self.features.keep(pos, k)
         else:
             self._inject(pos, k, "injecting verified features into the drafter")
