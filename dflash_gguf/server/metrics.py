@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import time
 
-from dflash_gguf.spec.stats import acceptance_length
+from dflash_gguf.spec.stats import GenerationStats
 
 
 class Metrics:
@@ -13,8 +13,7 @@ class Metrics:
         self.started = time.time()
         self.requests: dict[tuple[str, int], int] = {}
         self.prompt_tokens = self.completion_tokens = 0
-        self.steps = self.drafted = self.accepted = self.dflash_tokens = 0
-        self.dflash_seconds = 0.0
+        self.spec = GenerationStats()          # every DFlash generation since start, merged
         self.dflash_requests = self.plain_requests = self.disconnects = 0
         self.fallbacks: dict[str, int] = {}   # plain decoding with a drafter loaded, by reason
         self.last_tokens_per_second = 0.0
@@ -34,28 +33,24 @@ class Metrics:
                 self.fallbacks[reason] = self.fallbacks.get(reason, 0) + 1
             return
         self.dflash_requests += 1
-        self.steps += dflash["steps"]
-        self.drafted += dflash["drafted"]
-        self.accepted += dflash["accepted"]
-        self.dflash_tokens += dflash.get("n_generated", 0)
-        t = dflash.get("time", {})
-        self.dflash_seconds += max(0.0, t.get("total", 0.0) - t.get("prefill", 0.0))
+        self.spec.merge(GenerationStats.from_dict(dflash))
         self.last_tokens_per_second = dflash["tokens_per_second"]
         if not usage:
             self.completion_tokens += dflash.get("n_generated", 0)
             self.prompt_tokens += dflash.get("n_prompt", 0)
 
     def as_dict(self) -> dict:
+        st = self.spec
         return {
             "uptime_seconds": round(time.time() - self.started, 3),
             "requests": [{"endpoint": e, "status": s, "count": n} for (e, s), n in sorted(self.requests.items())],
             "requests_in_flight": self.in_flight,
             "prompt_tokens": self.prompt_tokens, "completion_tokens": self.completion_tokens,
             "dflash_requests": self.dflash_requests, "plain_requests": self.plain_requests,
-            "dflash_steps": self.steps, "dflash_drafted": self.drafted, "dflash_accepted": self.accepted,
-            "acceptance_length": round(acceptance_length(self.accepted, self.steps), 4) if self.steps else None,
-            "acceptance_rate": round(self.accepted / self.drafted, 4) if self.drafted else None,
-            "dflash_tokens_per_second": round(self.dflash_tokens / self.dflash_seconds, 2) if self.dflash_seconds else None,
+            "dflash_steps": st.steps, "dflash_drafted": st.drafted, "dflash_accepted": st.accepted,
+            "acceptance_length": round(st.tau, 4) if st.steps else None,
+            "acceptance_rate": round(st.accept_rate, 4) if st.drafted else None,
+            "dflash_tokens_per_second": round(st.tokens_per_second, 2) if st.t_decode > 0 else None,
             "last_tokens_per_second": self.last_tokens_per_second,
             "client_disconnects": self.disconnects,
             "fallbacks": [{"reason": r, "count": n} for r, n in sorted(self.fallbacks.items())],

@@ -69,6 +69,15 @@ class GenerationStats:
                 setattr(self, f.name, a + b)
         return self
 
+    @classmethod
+    def from_dict(cls, d: dict) -> "GenerationStats":
+        """The counts and times of an :meth:`as_dict` record (per-position rates are not counts: left out)."""
+        t = d.get("time") or {}
+        return cls(n_prompt=int(d.get("n_prompt", 0)), n_reused=int(d.get("n_reused", 0)),
+                   n_generated=int(d.get("n_generated", 0)), steps=int(d.get("steps", 0)),
+                   drafted=int(d.get("drafted", 0)), accepted=int(d.get("accepted", 0)),
+                   **{f"t_{p}": float(t.get(p, 0.0)) for p in PHASES + ("total",)})
+
     # ------------------------------------------------------------------ derived
     @property
     def tau(self) -> float:
