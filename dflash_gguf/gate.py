@@ -15,7 +15,8 @@ import numpy as np
 
 class DraftLength:
     WARMUP = (None, None, None, 0, "half", None, 1, None)   # None = n_max
-    PROBE_EVERY = 24                                         # re-measure n_max and plain now and then
+    PROBE_EVERY = 24                                         # re-measure n_max and plain now and then ...
+    PROBE_MAX = 96                                           # ... less often while the choice stays put
     REPLAN_EVERY = 8                                         # steps between re-evaluations of the choice
     DECAY = 0.97                                             # acceptance memory, per drafting step
     COST_EMA = 0.2
@@ -28,12 +29,19 @@ class DraftLength:
         self.steps = 0
         self.last = n_max
         self._plan: int | None = None
+        self.probe_every = self.PROBE_EVERY
+        self._next_probe = len(self.WARMUP) + self.PROBE_EVERY
+        self._probes = 0
 
     def _scheduled(self) -> int | None:
         if self.steps <= len(self.WARMUP):
             w = self.WARMUP[self.steps - 1]
-        elif self.steps % self.PROBE_EVERY == 0:
-            w = None if (self.steps // self.PROBE_EVERY) % 2 else 0
+        elif self.steps >= self._next_probe:
+            # probe what the plan does not use: full blocks while decoding plainly; while drafting,
+            # full blocks and plain decoding in turn
+            self._probes += 1
+            self._next_probe = self.steps + self.probe_every
+            w = None if (not self._plan or self._probes % 2) else 0
         else:
             return None
         if w is None:
@@ -61,12 +69,21 @@ class DraftLength:
         n = self._scheduled()
         if n is None:
             if self._plan is None or self.steps % self.REPLAN_EVERY == 0:
-                self._plan = int(np.argmax(self.expected_tokens() / self.step_cost()))
+                plan = int(np.argmax(self.expected_tokens() / self.step_cost()))
+                # a choice that survives re-measuring is probed less often (a never-right drafter then
+                # costs one full block every PROBE_MAX steps); a change restarts frequent probing
+                steady = plan == self._plan
+                self.probe_every = min(self.probe_every * 2, self.PROBE_MAX) if steady else self.PROBE_EVERY
+                self._plan = plan
             n = self._plan
         self.last = n
         return n
 
     def record(self, n: int, accepted: int, seconds: float) -> None:
+        if n > 0 and self._plan == 0 and self.steps > len(self.WARMUP) and 2 * accepted >= n:
+            # a probe while decoding plainly found the drafter right: look again soon, re-plan now
+            self._plan = None
+            self._next_probe = self.steps + 2
         if n > 0:
             self.hits *= self.DECAY
             self.tries *= self.DECAY

@@ -80,3 +80,17 @@ def test_adaptive_decoder_is_lossless(models, proposer):
         c.close()
     dm.close()
     tm.close()
+
+
+def test_probing_backs_off_while_the_choice_holds_and_recovers():
+    """A never-right drafter costs one full-block probe per PROBE_MAX steps once the choice holds; when
+    the drafter turns right, drafting resumes within one probe interval."""
+    g = DraftLength(7)
+    right = {"now": False}
+    chosen = feed(g, 800, accept=lambda n: n if right["now"] else 0, cost=lambda n: 1.0 + 0.3 * n)
+    tail = chosen[400:]
+    assert 0 < sum(n > 0 for n in tail) <= len(tail) // DraftLength.PROBE_MAX + 1
+    right["now"] = True
+    later = feed(g, 2 * DraftLength.PROBE_MAX, accept=lambda n: n if right["now"] else 0, cost=lambda n: 1.0 + 0.3 * n)
+    first = next(i for i, n in enumerate(later) if n > 0)
+    assert first <= DraftLength.PROBE_MAX and later[-20:].count(7) >= 18
