@@ -246,7 +246,8 @@ class Llama(llama_cpp.Llama):
         """Stop the generation in flight at its next token (thread-safe; DFlash and plain paths alike).
 
         The call returns (or its stream ends) with what was generated so far, and the caches are
-        rolled back to the consumed tokens. The flag is cleared when the next call starts.
+        rolled back to the consumed tokens. The flag is cleared when the next call starts
+        (``create_completion``, ``create_chat_completion``, ``__call__``, or a direct ``generate``).
         """
         self._interrupt.set()
 
@@ -388,6 +389,8 @@ class Llama(llama_cpp.Llama):
         distribution). Values sent into the generator are ignored (llama_cpp sends none).
         """
         req, self._call.handoff = self._call.handoff, None
+        if req is None:
+            self._interrupt.clear()     # a direct call (create_* clear the flag when they start)
         self._finish_live()
         if grammar is not None:
             check_grammar(self, grammar)

@@ -135,6 +135,7 @@ class _Server:
         self.max_queue = max_queue
         self.request_timeout = request_timeout
         self.interrupt = getattr(llm, "interrupt", None)   # dflash_gguf.Llama: stop at the next token
+        self._tasks: set[asyncio.Task] = set()
         self.created = int(time.time())
         self.lock = asyncio.Lock()
         self.worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="llama")   # the only thread touching llm
@@ -186,9 +187,18 @@ class _Server:
                 why = "disconnect"
             if why is not None:
                 if self.interrupt is not None:
-                    self.interrupt()
+                    task = asyncio.ensure_future(self._interrupt_until_done(fut))
+                    self._tasks.add(task)
+                    task.add_done_callback(self._tasks.discard)
                 fut.add_done_callback(_quiet)   # its result or error is no longer wanted
                 return None, why
+
+    async def _interrupt_until_done(self, fut) -> None:
+        """Keep the stop flag raised until the job ends (a call that had not started yet clears it when
+        it starts). The next request's job cannot start before ``fut`` is done: it needs the lock."""
+        while not fut.done():
+            self.interrupt()
+            await asyncio.sleep(POLL_S)
 
     def release(self, it: Iterator | None = None) -> None:
         """Close ``it`` on the worker (after any call still running there), then free the lock."""
