@@ -245,9 +245,10 @@ class Llama(llama_cpp.Llama):
     def interrupt(self) -> None:
         """Stop the generation in flight at its next token (thread-safe; DFlash and plain paths alike).
 
-        The call returns (or its stream ends) with what was generated so far, and the caches are
-        rolled back to the consumed tokens. The flag is cleared when the next call starts
-        (``create_completion``, ``create_chat_completion``, ``__call__``, or a direct ``generate``).
+        The call returns (or its stream ends) with what was generated so far, with finish_reason
+        "stop" as if the model had ended there, and the caches are rolled back to the consumed tokens.
+        The flag is cleared when the next call starts (``create_completion``, ``create_chat_completion``,
+        ``__call__``, or a direct ``generate``).
         """
         self._interrupt.set()
 
@@ -437,6 +438,11 @@ class Llama(llama_cpp.Llama):
                     req.n_completion += 1     # llama_cpp appends every token but an end-of-generation one
                 yield tok
             log.info("generation interrupted")
+            eos = self.token_eos()
+            if eos >= 0 and llama_cpp.llama_vocab_is_eog(vocab, eos):
+                # llama_cpp fills the response text only where it stops by itself: an end-of-generation
+                # token makes it return the text so far (finish "stop"); it is neither evaluated nor counted
+                yield eos
         finally:
             gen.close()
 

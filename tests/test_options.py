@@ -69,6 +69,12 @@ def test_bench_takes_the_same_names():
     assert (str(a.model), str(a.draft), a.n_draft, a.adaptive, a.max_tokens) == ("t.gguf", "d.gguf", 3, True, 9)
 
 
+def test_draft_gpu_layers_flag():
+    a = PARSERS["serve"]().parse_args(["-m", "t.gguf", "-ngld", "3"])
+    b = PARSERS["serve"]().parse_args(["-m", "t.gguf", "--n-gpu-layers-draft", "3"])
+    assert a.draft_n_gpu_layers == b.draft_n_gpu_layers == 3
+
+
 def test_server_limits_and_alias_flags():
     a = server_parser().parse_args(["-m", "t.gguf", "-a", "my-model", "--max-queue", "4", "--request-timeout", "2.5"])
     assert (a.model_alias, a.max_queue, a.request_timeout) == ("my-model", 4, 2.5)

@@ -222,3 +222,19 @@ def test_request_timeout_408(slow, plain):
         want = plain("x = 1", max_tokens=5, temperature=0)["choices"][0]["text"]
         assert client.completions.create(model=MODEL_ID, prompt="x = 1", max_tokens=5,
                                          temperature=0).choices[0].text == want
+
+
+def test_interrupt_from_another_thread(slow, plain):
+    """``Llama.interrupt`` (what the server calls) stops a running call at its next token, keeps the
+    output a prefix of plain decoding and the caches consistent, and does not leak into the next call."""
+    timer = threading.Timer(0.4, slow.interrupt)
+    timer.start()
+    t0 = time.time()
+    out = slow("def main(", max_tokens=400, temperature=0)
+    assert time.time() - t0 < 400 * STEP_S / 2
+    n = out["usage"]["completion_tokens"]
+    assert n < 400 and out["dflash"]["enabled"] is True and out["choices"][0]["finish_reason"] == "stop"
+    if n:
+        assert out["choices"][0]["text"] == plain("def main(", max_tokens=n, temperature=0)["choices"][0]["text"]
+    consistent(slow)
+    assert slow("x = ", max_tokens=5, temperature=0)["usage"]["completion_tokens"] == 5

@@ -21,8 +21,10 @@ KINDS = ("dflash", "dflash2")
 def catalogue_dir() -> Path:
     """``convert/`` of a source checkout, else the copy shipped in the wheel."""
     here = Path(__file__).resolve()
-    src = here.parents[2] / "convert"
-    return src if src.is_dir() else here.parents[1] / "data" / "recipes"
+    checkout = here.parents[2]
+    if (checkout / "pyproject.toml").is_file() and (checkout / "convert" / "README.md").is_file():
+        return checkout / "convert"
+    return here.parents[1] / "data" / "recipes"
 
 
 @dataclass
