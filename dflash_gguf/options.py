@@ -48,7 +48,7 @@ def add_flag(group, name: str, default_text: str | None = None, **overrides) -> 
     names, kw = FLAGS[name]
     kw = dict(kw, **overrides)
     if "%s" in kw.get("help", ""):
-        kw["help"] = kw["help"] % (default_text or "llama.cpp's choice")
+        kw["help"] = kw["help"] % (default_text or "half the CPU cores, as llama-cpp-python")
     return group.add_argument(*names, **kw)
 
 
