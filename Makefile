@@ -36,7 +36,7 @@ tools: venv
 # test dependencies: torch CPU (from this machine's disk where available), transformers, server + client
 $(VENV)/.test-deps: pyproject.toml | $(STAMP)
 	$(VPY) -m pip install -q torch==2.13.0
-	$(VPY) -m pip install -q "transformers==4.57.6" sentencepiece protobuf safetensors pytest httpx "openai>=1.0" "fastapi>=0.110" "uvicorn>=0.27" matplotlib
+	$(VPY) -m pip install -q "transformers==4.57.6" sentencepiece protobuf safetensors pytest httpx "openai>=1.0" "fastapi>=0.110" "uvicorn>=0.27" matplotlib "huggingface_hub>=0.23"
 	touch $@
 
 lint: venv

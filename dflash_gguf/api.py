@@ -24,6 +24,7 @@ import ctypes
 import inspect
 import logging
 import os
+import threading
 import weakref
 from dataclasses import dataclass
 from pathlib import Path
@@ -56,6 +57,12 @@ class _Request:
     served: bool = False               # True once generate() picked the DFlash path
     stats: GenerationStats | None = None
     reason: str | None = None          # why the plain path served it (a fallback)
+    n_prompt: int = 0                  # tokens of the prompt handed to generate()
+    n_completion: int = 0              # tokens llama_cpp took as completion (consumed, not end-of-generation)
+
+    def usage(self) -> dict:
+        return {"prompt_tokens": self.n_prompt, "completion_tokens": self.n_completion,
+                "total_tokens": self.n_prompt + self.n_completion}
 
 
 @dataclass
@@ -111,6 +118,7 @@ class Llama(llama_cpp.Llama):
         self._decoder: DFlashDecoder | None = None
         self._call = _CallState()
         self.last_dflash_stats: GenerationStats | None = None
+        self._interrupt = threading.Event()
         self.dflash = dflash
         self.draft_model_path = str(draft_model_path) if draft_model_path else None
         self.draft_n_max = draft_n_max
@@ -129,6 +137,40 @@ class Llama(llama_cpp.Llama):
         """Open a converted pair directory (``pair.json`` + ``target*.gguf`` + ``drafter*.gguf``)."""
         target, drafter = pair_files(path)
         return cls(str(target), draft_model_path=str(drafter), **kwargs)
+
+    @classmethod
+    def from_pretrained(cls, repo_id: str, filename: str, draft_repo_id: str | None = None,
+                        draft_filename: str | None = None, *, revision: str | None = None,
+                        draft_revision: str | None = None, cache_dir: str | os.PathLike | None = None,
+                        local_files_only: bool = False, **kwargs) -> "Llama":
+        """A target GGUF (and a drafter GGUF) from the Hugging Face Hub, through its cache.
+
+        ``filename`` / ``draft_filename``: a file name or a glob matching exactly one file
+        (``"*Q8_0.gguf"``). ``draft_repo_id`` defaults to ``repo_id`` when only ``draft_filename`` is
+        given. Offline (``HF_HUB_OFFLINE=1`` or ``local_files_only=True``) only the cache is read.
+        Needs ``huggingface_hub`` (``pip install 'dflash-gguf[hub]'``); see :mod:`dflash_gguf.hub`.
+        """
+        from dflash_gguf.hub import hub_file
+
+        target = hub_file(repo_id, filename, revision=revision, cache_dir=cache_dir, local_files_only=local_files_only)
+        drafter = None
+        if draft_filename is not None:
+            drafter = hub_file(draft_repo_id or repo_id, draft_filename, revision=draft_revision, cache_dir=cache_dir,
+                               local_files_only=local_files_only)
+        elif draft_repo_id is not None:
+            raise ValueError("draft_repo_id needs draft_filename (the drafter GGUF's name or a glob)")
+        return cls(str(target), draft_model_path=str(drafter) if drafter else None, **kwargs)
+
+    @classmethod
+    def from_pair_pretrained(cls, repo_id: str, *, revision: str | None = None,
+                             cache_dir: str | os.PathLike | None = None, local_files_only: bool = False,
+                             **kwargs) -> "Llama":
+        """A converted pair published on the Hub with its ``pair.json`` (made by ``dflash_gguf.convert``):
+        the manifest, then the two GGUFs it names (sizes checked as :meth:`from_pair` does)."""
+        from dflash_gguf.hub import pair_snapshot
+
+        root = pair_snapshot(repo_id, revision=revision, cache_dir=cache_dir, local_files_only=local_files_only)
+        return cls.from_pair(root, **kwargs)
 
     def _open_drafter(self) -> None:
         ngl = self.draft_n_gpu_layers if self.draft_n_gpu_layers is not None else self.model_params.n_gpu_layers
@@ -202,8 +244,19 @@ class Llama(llama_cpp.Llama):
                 "rollback": d.rollback, "drafter": self.draft_model_path, "enabled": self.dflash}
 
     # ------------------------------------------------------------------ per-call options
+    def interrupt(self) -> None:
+        """Stop the generation in flight at its next token (thread-safe; DFlash and plain paths alike).
+
+        The call returns (or its stream ends) with what was generated so far, with finish_reason
+        "stop" as if the model had ended there, and the caches are rolled back to the consumed tokens.
+        The flag is cleared when the next call starts (``create_completion``, ``create_chat_completion``,
+        ``__call__``, or a direct ``generate``).
+        """
+        self._interrupt.set()
+
     @contextlib.contextmanager
     def _call_options(self, dflash: bool | None):
+        self._interrupt.clear()
         prev = self._call.dflash
         if dflash is not None:
             self._call.dflash = dflash
@@ -258,6 +311,8 @@ class Llama(llama_cpp.Llama):
             for chunk in chunks:
                 if chunk.get("choices") and chunk["choices"][0].get("finish_reason") is not None:
                     chunk["dflash"] = self._stats_dict(req)
+                    if req is not None:
+                        chunk.setdefault("usage", req.usage())
                 yield chunk
         finally:
             close = getattr(chunks, "close", None)
@@ -282,6 +337,7 @@ class Llama(llama_cpp.Llama):
                     if req.stats is not None and req.stats.finish is None:
                         req.stats.finish = finish      # the consumer stopped the decoder (stop string, budget)
                     chunk["dflash"] = self._stats_dict(req)
+                    chunk.setdefault("usage", req.usage())   # streams: what the response would report
                 yield chunk
         finally:
             if self._call.handoff is req:
@@ -333,9 +389,11 @@ class Llama(llama_cpp.Llama):
         """Token generator (``llama_cpp.Llama.generate``'s signature), through DFlash when possible.
 
         Yields exactly the tokens the plain path would (greedy: the same ids; sampling: the same
-        distribution). Values sent into the generator are ignored on the DFlash path.
+        distribution). Values sent into the generator are ignored (llama_cpp sends none).
         """
         req, self._call.handoff = self._call.handoff, None
+        if req is None:
+            self._interrupt.clear()     # a direct call (create_* clear the flag when they start)
         self._finish_live()
         if grammar is not None:
             check_grammar(self, grammar)
@@ -353,19 +411,42 @@ class Llama(llama_cpp.Llama):
             if self._decoder is not None:
                 log.debug("plain decoding: %s", why)
             self.last_dflash_stats = None
-            return super().generate(
+            return self._watched(req, len(tokens), super().generate(
                 tokens, top_k=top_k, top_p=top_p, min_p=min_p, typical_p=typical_p, temp=temp,
                 repeat_penalty=repeat_penalty, reset=reset, frequency_penalty=frequency_penalty,
                 presence_penalty=presence_penalty, tfs_z=tfs_z, mirostat_mode=mirostat_mode,
                 mirostat_tau=mirostat_tau, mirostat_eta=mirostat_eta, penalize_nl=penalize_nl,
-                logits_processor=logits_processor, stopping_criteria=stopping_criteria, grammar=grammar)
+                logits_processor=logits_processor, stopping_criteria=stopping_criteria, grammar=grammar))
         stats = GenerationStats()
         if req is not None:
             req.served, req.stats = True, stats
         self.last_dflash_stats = stats
         gen = self._dflash_tokens(list(tokens), sp, stats, req, stop_token_ids(stopping_criteria) or set())
         self._call.live = weakref.ref(gen)
-        return gen
+        return self._watched(req, len(tokens), gen)
+
+    def _watched(self, req: _Request | None, n_prompt: int, gen) -> Iterator[int]:
+        """``gen`` counted for usage and stopped by :meth:`interrupt` (before each token)."""
+        if req is not None:
+            req.n_prompt, req.n_completion = n_prompt, 0
+        vocab = self._model.vocab
+        try:
+            while not self._interrupt.is_set():
+                try:
+                    tok = next(gen)
+                except StopIteration:
+                    return
+                if req is not None and not llama_cpp.llama_vocab_is_eog(vocab, tok):
+                    req.n_completion += 1     # llama_cpp appends every token but an end-of-generation one
+                yield tok
+            log.info("generation interrupted")
+            eos = self.token_eos()
+            if eos >= 0 and llama_cpp.llama_vocab_is_eog(vocab, eos):
+                # llama_cpp fills the response text only where it stops by itself: an end-of-generation
+                # token makes it return the text so far (finish "stop"); it is neither evaluated nor counted
+                yield eos
+        finally:
+            gen.close()
 
     def _dflash_tokens(self, prompt: list[int], sp: SamplingParams, stats: GenerationStats,
                        req: _Request | None, stop_ids: set[int]) -> Iterator[int]:

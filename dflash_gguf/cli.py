@@ -16,14 +16,18 @@ import json
 import sys
 import time
 
-from dflash_gguf.options import PROG, add_model_args, load_llama, setup_logging
+from dflash_gguf.options import PROG, add_flag, add_model_args, load_llama, setup_logging
 
 EPILOG = """\
 model selection (generate, chat, serve):
   --pair DIR                     a directory made by `dflash-gguf convert` (pair.json + target + drafter)
-  --model TARGET.gguf --draft DRAFTER.gguf
+  -m TARGET.gguf -md DRAFTER.gguf
                                  a target and a DFlash/DFlash2 drafter converted against it
-  --model TARGET.gguf            no drafter: plain decoding (same output, no speed-up)
+  -m TARGET.gguf                 no drafter: plain decoding (same output, no speed-up)
+
+Flags follow llama.cpp's names (-m/--model, -md/--model-draft, -c/--ctx-size, -t/--threads,
+-ngl/--n-gpu-layers, --draft-max, -n/--n-predict) in every command; the older names (--draft,
+--n-ctx, --draft-n-max, --max-tokens) still work.
 
 Output is always exactly what plain decoding of the target gives (lossless); the drafter only
 changes the speed. `dflash-gguf COMMAND --help` describes each command.
@@ -53,8 +57,7 @@ def stats_line(stats, n_tokens: int, seconds: float) -> str:
 
 def _sampling_args(ap: argparse.ArgumentParser, max_tokens: int) -> None:
     g = ap.add_argument_group("sampling")
-    g.add_argument("-n", "--max-tokens", type=int, default=max_tokens,
-                   help=f"tokens to generate at most (default {max_tokens}; 0: until EOS or the context is full)")
+    add_flag(g, "n_predict", default=max_tokens)
     g.add_argument("--temperature", "--temp", type=float, default=0.0,
                    help="0 (default): greedy; > 0 samples (DFlash stays lossless: same distribution)")
     g.add_argument("--top-k", type=int, default=40)

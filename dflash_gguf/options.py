@@ -8,26 +8,70 @@ PROG = "dflash-gguf"
 DEFAULT_N_CTX = 4096
 
 
+# One definition per flag, named as llama.cpp names it (llama-cli, llama-server, llama-speculative);
+# the names this project used before stay as aliases. Every command that takes a flag adds it from
+# here, so ``--help`` says the same thing the same way everywhere.
+FLAGS: dict[str, tuple[tuple[str, ...], dict]] = {
+    "model": (("-m", "--model"), dict(metavar="TARGET.gguf", help="target model GGUF")),
+    "draft": (("-md", "--model-draft", "-d", "--draft"),
+              dict(dest="draft", metavar="DRAFTER.gguf", help="DFlash/DFlash2 drafter GGUF converted for that target")),
+    "ctx_size": (("-c", "--ctx-size", "--n-ctx"),
+                 dict(dest="n_ctx", type=int, default=None, metavar="N",
+                      help=f"context window in tokens (default: {DEFAULT_N_CTX}, or the model's training context if "
+                           "smaller; 0: the model's training context)")),
+    "threads": (("-t", "--threads"), dict(type=int, default=None, metavar="N", help="CPU threads (default: %s)")),
+    "gpu_layers": (("-ngl", "--gpu-layers", "--n-gpu-layers"),
+                   dict(dest="n_gpu_layers", type=int, default=0, metavar="N",
+                        help="target layers to offload to the GPU (default 0; -1: all)")),
+    "gpu_layers_draft": (("-ngld", "--gpu-layers-draft", "--n-gpu-layers-draft"),
+                         dict(dest="draft_n_gpu_layers", type=int, default=None, metavar="N",
+                              help="drafter layers to offload to the GPU (default: as -ngl)")),
+    "draft_max": (("--draft-max", "--draft-n", "--draft-n-max", "--n-draft"),
+                  dict(dest="draft_n_max", type=int, default=None, metavar="N",
+                       help="tokens drafted per block at most (default and maximum: the drafter's block size - 1)")),
+    "draft_adaptive": (("--draft-adaptive", "--adaptive"),
+                       dict(dest="draft_adaptive", action=argparse.BooleanOptionalAction, default=True,
+                            help="speed gate (default on): draft per step as many tokens as currently pays, down "
+                                 "to plain decoding (at most --draft-max); --no-draft-adaptive drafts --draft-max "
+                                 "tokens every step")),
+    "n_predict": (("-n", "--n-predict", "--predict", "--max-tokens"),
+                  dict(dest="max_tokens", type=int, metavar="N",
+                       help="tokens to generate at most (default %(default)s; generate and chat: 0 means until EOS "
+                            "or the context is full)")),
+}
+
+
+def add_flag(group, name: str, default_text: str | None = None, **overrides) -> argparse.Action:
+    """Add the shared flag ``name`` (a key of :data:`FLAGS`) to ``group``.
+
+    ``default_text`` fills a ``%s`` in the help (for defaults a command computes); ``overrides``
+    change argparse keywords such as ``default`` or ``dest`` (never the wording).
+    """
+    names, kw = FLAGS[name]
+    kw = dict(kw, **overrides)
+    if "%s" in kw.get("help", ""):
+        kw["help"] = kw["help"] % (default_text or "half the CPU cores, as llama-cpp-python")
+    return group.add_argument(*names, **kw)
+
+
 def add_model_args(ap: argparse.ArgumentParser) -> None:
     """The model-selection and context options shared by generate, chat and serve."""
     g = ap.add_argument_group("model")
     g.add_argument("--pair", metavar="DIR", help="converted pair directory (pair.json, target*.gguf, drafter*.gguf)")
-    g.add_argument("-m", "--model", metavar="TARGET.gguf", help="target model GGUF")
-    g.add_argument("-d", "--draft", metavar="DRAFTER.gguf", help="DFlash/DFlash2 drafter GGUF for that target")
-    g.add_argument("--n-ctx", type=int, default=None,
-                   help=f"context window in tokens (default: {DEFAULT_N_CTX}, or the model's training context if "
-                        "smaller; 0: the model's training context)")
-    g.add_argument("-ngl", "--n-gpu-layers", type=int, default=0, help="layers to offload to the GPU (-1: all)")
-    g.add_argument("-t", "--threads", type=int, default=None, help="CPU threads (default: llama_cpp's choice)")
-    g.add_argument("--draft-n-max", type=int, default=None,
-                   help="tokens drafted per block (default and maximum: the drafter's block size - 1)")
-    g.add_argument("--draft-adaptive", action=argparse.BooleanOptionalAction, default=True,
-                   help="speed gate (default on): draft per step as many tokens as currently pays, down to plain "
-                        "decoding (at most --draft-n-max); --no-draft-adaptive drafts --draft-n-max tokens every step")
+    for name in ("model", "draft", "ctx_size", "gpu_layers", "gpu_layers_draft", "threads", "draft_max",
+                 "draft_adaptive"):
+        add_flag(g, name)
     g.add_argument("--no-dflash", action="store_true", help="load the drafter but decode plainly (for comparison)")
     g.add_argument("--chat-format", default=None,
                    help="llama_cpp chat format (chatml, llama-3, ...); default: the GGUF's chat template")
     g.add_argument("-v", "--verbose", action="store_true", help="show llama.cpp's log and debug messages")
+
+
+def resolve_n_ctx(n_ctx: int | None, target) -> int:
+    """``-c``'s value, or its default: DEFAULT_N_CTX, or the target's training context if smaller."""
+    if n_ctx is None:
+        return min(DEFAULT_N_CTX, _train_ctx(target) or DEFAULT_N_CTX)
+    return n_ctx
 
 
 def _train_ctx(path) -> int | None:
@@ -56,11 +100,8 @@ def load_llama(args: argparse.Namespace):
         target, draft = args.model, args.draft
     else:
         raise SystemExit(f"{PROG}: no model: pass --pair DIR, or --model TARGET.gguf [--draft DRAFTER.gguf]")
-    n_ctx = args.n_ctx
-    if n_ctx is None:
-        n_ctx = min(DEFAULT_N_CTX, _train_ctx(target) or DEFAULT_N_CTX)
-    kw = dict(n_ctx=n_ctx, n_gpu_layers=args.n_gpu_layers, draft_n_max=args.draft_n_max,
-              draft_adaptive=args.draft_adaptive,
+    kw = dict(n_ctx=resolve_n_ctx(args.n_ctx, target), n_gpu_layers=args.n_gpu_layers, draft_n_max=args.draft_n_max,
+              draft_adaptive=args.draft_adaptive, draft_n_gpu_layers=args.draft_n_gpu_layers,
               dflash=not args.no_dflash, chat_format=args.chat_format, verbose=args.verbose)
     if args.threads:
         kw.update(n_threads=args.threads, n_threads_batch=args.threads)

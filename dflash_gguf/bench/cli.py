@@ -41,27 +41,32 @@ NEAR_TIE = 1e-2   # top-2 logit gap below which batched-vs-single-row rounding m
 
 # --------------------------------------------------------------------------- chart
 def _parse(argv):
+    return parser().parse_args(argv)
+
+
+def parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="python -m dflash_gguf.bench", description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__.split("\n\n", 1)[1])
-    ap.add_argument("--model", "-m", type=Path, help="target GGUF (default: the shipped demo target)")
-    ap.add_argument("--draft", "-md", type=Path, help="DFlash drafter GGUF (default: the shipped demo drafter)")
+    from dflash_gguf.options import add_flag
+
+    m = ap.add_argument_group("model (without -m: the shipped demo pair)")
+    add_flag(m, "model", type=Path)
+    add_flag(m, "draft", type=Path)
+    add_flag(m, "threads", "cores, at most 8")
+    add_flag(m, "draft_max", dest="n_draft")
+    add_flag(m, "draft_adaptive", dest="adaptive")
     ap.add_argument("--prompts", nargs="+", default=["code"],
                     help="prompt sets (code, math, prose, all) or files with '### name' headers (default: code)")
-    ap.add_argument("--max-tokens", "-n", type=int, default=128, help="tokens generated per prompt (default 128)")
+    add_flag(ap, "n_predict", default=128)
     ap.add_argument("--trials", type=int, default=3, help="timed trials; each runs every prompt (default 3)")
     ap.add_argument("--warmup", type=int, default=1, help="untimed warm-up runs of each mode (default 1)")
-    ap.add_argument("--n-draft", type=int, default=None, help="tokens drafted per block (default: block size - 1)")
-    ap.add_argument("--adaptive", action=argparse.BooleanOptionalAction, default=True,
-                    help="speed gate (default on, as in the API): draft per step as many tokens as pays "
-                         "(at most --n-draft); --no-adaptive drafts --n-draft tokens every step")
-    ap.add_argument("--threads", "-t", type=int, default=None, help="CPU threads for every column (default: cores, max 8)")
     ap.add_argument("--no-upstream", action="store_true", help="skip the upstream llama.cpp column")
     ap.add_argument("--sweep-block", action="store_true", help="also run n_draft = 1 .. block_size - 1")
     ap.add_argument("--profile", action="store_true", help="also profile verify cost vs rows and draft cost")
     ap.add_argument("--out", type=Path, default=Path("bench-results"), help="output folder (default ./bench-results)")
     ap.add_argument("--tag", default=None, help="name of the result files (default results)")
     ap.add_argument("-v", "--verbose", action="store_true")
-    return ap.parse_args(argv)
+    return ap
 
 
 def main(argv=None) -> int:

@@ -14,15 +14,30 @@ Endpoints
 Concurrency: one model and one llama.cpp context per server. Generation requests are served one
 at a time in arrival order (an asyncio lock, held for the whole request including every chunk of
 a stream); llama.cpp runs on one dedicated worker thread, so /health, /metrics and /v1/models
-answer while a generation runs. A client that disconnects mid-stream stops its generation at the
-next chunk; the DFlash engine rolls both caches back and the next request is served normally.
+answer while a generation runs. A client that disconnects, streaming or not, stops its generation at
+the next token (``Llama.interrupt``); the DFlash engine rolls both caches back and the next request
+is served normally.
 
-Not supported: ``n``/``best_of`` > 1 (400), ``logprobs`` (400: the model runs without
-``logits_all``), usage in streams (``stream_options`` is accepted, no usage chunk is sent). A
-non-streaming request runs to its end even if its client goes away.
+Limits (``create_app(max_queue=, request_timeout=)``, ``--max-queue``, ``--request-timeout``):
+    * when ``max_queue`` requests already wait for the model, a new one gets **503** at once
+      (``Retry-After: 1``);
+    * a request not finished ``request_timeout`` seconds after it arrived (waiting included) is
+      stopped and gets **408** (``x-should-retry: false``, so OpenAI clients do not resend work that
+      already timed out); a stream past its first chunk has sent its status line, so it gets an
+      ``error`` event (code 408) instead and ends. 408, not 504: no upstream server is involved,
+      the time limit is this server's own.
+
+Streams: ``stream_options: {"include_usage": true}`` sends, before ``[DONE]``, one more chunk with
+``choices: []`` and ``usage`` (and the ``dflash`` object), and ``"usage": null`` in the others, as
+OpenAI does.
+
+Not supported, with a 400: ``n`` or ``best_of`` > 1 (llama_cpp.server silently returns one choice),
+``suffix`` (llama_cpp 0.3.36 builds fill-in-the-middle prompts with placeholder token id 0),
+``logprobs`` (the model runs without ``logits_all``). ``echo`` works as in llama_cpp.
 
 Errors are JSON ``{"error": {"message", "type", "param", "code"}}``: 400 for bad input (validation,
-context overflow, an unknown field), 404/405 for unknown routes, 500 only for server faults.
+context overflow, an unknown field), 404/405 for unknown routes, 408/503 as above, 500 only for
+server faults.
 """
 from __future__ import annotations
 
@@ -44,6 +59,7 @@ from dflash_gguf.server.schemas import ChatRequest, CompletionRequest
 
 log = logging.getLogger("dflash_gguf.server")
 _END = object()
+POLL_S = 0.05          # how often a running generation checks for a gone client or a passed deadline
 
 
 # --------------------------------------------------------------------------- errors
@@ -53,11 +69,22 @@ class BadRequest(ValueError):
         self.param = param
 
 
+class ServingError(Exception):
+    """A refusal decided by the serving state: 503 (queue full), 408 (timeout)."""
+
+    def __init__(self, status: int, message: str, type_: str, code: str, headers: dict | None = None):
+        super().__init__(message)
+        self.status, self.type, self.code, self.headers = status, type_, code, headers or {}
+
+
 def error_body(message: str, type_: str, param: str | None = None, code: Any = None) -> dict:
     return {"error": {"message": message, "type": type_, "param": param, "code": code}}
 
 
 def _error_response(exc: BaseException) -> JSONResponse:
+    if isinstance(exc, ServingError):
+        return JSONResponse(error_body(str(exc), exc.type, None, exc.code), status_code=exc.status,
+                            headers=exc.headers)
     if isinstance(exc, ValueError):   # bad input: validation, context overflow, unknown token ids, ...
         return JSONResponse(error_body(str(exc) or type(exc).__name__, "invalid_request_error",
                                        getattr(exc, "param", None)), status_code=400)
@@ -98,9 +125,17 @@ class _Lease:
 
 
 class _Server:
-    def __init__(self, llm, model_id: str):
+    def __init__(self, llm, model_id: str, max_queue: int | None = None, request_timeout: float | None = None):
+        if max_queue is not None and max_queue < 0:
+            raise ValueError(f"max_queue must be >= 0, got {max_queue}")
+        if request_timeout is not None and request_timeout <= 0:
+            raise ValueError(f"request_timeout must be > 0 seconds, got {request_timeout}")
         self.llm = llm
         self.model_id = model_id
+        self.max_queue = max_queue
+        self.request_timeout = request_timeout
+        self.interrupt = getattr(llm, "interrupt", None)   # dflash_gguf.Llama: stop at the next token
+        self._tasks: set[asyncio.Task] = set()
         self.created = int(time.time())
         self.lock = asyncio.Lock()
         self.worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="llama")   # the only thread touching llm
@@ -110,12 +145,60 @@ class _Server:
     async def run(self, fn: Callable, *args):
         return await asyncio.wrap_future(self.worker.submit(fn, *args))
 
-    async def acquire(self) -> None:
+    def admit(self) -> None:
+        """503 when ``max_queue`` requests already wait for the model."""
+        if self.max_queue is not None and self.lock.locked() and self.waiting >= self.max_queue:
+            self.metrics.rejected += 1
+            raise ServingError(503, f"server busy: {self.waiting} request(s) already waiting for the model "
+                                    f"(--max-queue {self.max_queue}); retry later", "server_busy", "queue_full",
+                               {"Retry-After": "1"})
+
+    def timed_out(self) -> ServingError:
+        self.metrics.timeouts += 1
+        return ServingError(408, f"request timed out after {self.request_timeout:g} s (--request-timeout); "
+                                 "its generation was stopped", "timeout_error", "request_timeout",
+                            {"x-should-retry": "false"})
+
+    async def acquire(self, deadline: float | None = None) -> None:
         self.waiting += 1
         try:
-            await self.lock.acquire()
+            if deadline is None:
+                await self.lock.acquire()
+            else:
+                await asyncio.wait_for(self.lock.acquire(), max(0.0, deadline - time.monotonic()))
+        except asyncio.TimeoutError:
+            raise self.timed_out() from None
         finally:
             self.waiting -= 1
+
+    async def watch(self, fn: Callable, args: tuple, request: Request, deadline: float | None):
+        """Run ``fn(*args)`` on the worker; ``(result, None)``, or ``(None, "disconnect" | "timeout")`` as
+        soon as the client is gone or the deadline passed (the generation is interrupted; the worker
+        finishes the call in the background, before any later job)."""
+        fut = asyncio.wrap_future(self.worker.submit(fn, *args))
+        while True:
+            done, _ = await asyncio.wait({fut}, timeout=POLL_S)
+            if done:
+                return fut.result(), None
+            why = None
+            if deadline is not None and time.monotonic() >= deadline:
+                why = "timeout"
+            elif await request.is_disconnected():
+                why = "disconnect"
+            if why is not None:
+                if self.interrupt is not None:
+                    task = asyncio.ensure_future(self._interrupt_until_done(fut))
+                    self._tasks.add(task)
+                    task.add_done_callback(self._tasks.discard)
+                fut.add_done_callback(_quiet)   # its result or error is no longer wanted
+                return None, why
+
+    async def _interrupt_until_done(self, fut) -> None:
+        """Keep the stop flag raised until the job ends (a call that had not started yet clears it when
+        it starts). The next request's job cannot start before ``fut`` is done: it needs the lock."""
+        while not fut.done():
+            self.interrupt()
+            await asyncio.sleep(POLL_S)
 
     def release(self, it: Iterator | None = None) -> None:
         """Close ``it`` on the worker (after any call still running there), then free the lock."""
@@ -133,30 +216,38 @@ class _Server:
         self.worker.submit(job)
 
     # ------------------------------------------------------------------ generation
-    async def generate(self, request: Request, endpoint: str, call: Callable[[], Any], stream: bool):
+    async def generate(self, request: Request, endpoint: str, call: Callable[[], Any], stream: bool,
+                       include_usage: bool = False):
         """Run ``call`` (a create_* call of the Llama) with the model to itself; JSON or an SSE stream."""
         self.metrics.in_flight += 1
         leased = False
+        deadline = time.monotonic() + self.request_timeout if self.request_timeout else None
         try:
-            await self.acquire()
+            self.admit()
+            await self.acquire(deadline)
             if not stream:
                 try:
-                    result = await self.run(call)
+                    result, why = await self.watch(call, (), request, deadline)
                 finally:
                     self.release()
+                if why is not None:
+                    return self._stopped(endpoint, why)
                 self.metrics.generation(result.get("dflash"), result.get("usage"))
                 self.metrics.request(endpoint, 200)
                 return JSONResponse(result)
             it = None
             try:
                 it = await self.run(call)
-                first = await self.run(next, it, _END)   # errors before the first chunk are HTTP errors
+                first, why = await self.watch(next, (it, _END), request, deadline)   # errors before it: HTTP errors
             except BaseException:
                 self.release(it)
                 raise
+            if why is not None:
+                self.release(it)
+                return self._stopped(endpoint, why)
             lease, leased = _Lease(self, it), True
             self.metrics.request(endpoint, 200)
-            return _SSEResponse(self._events(request, lease, first), lease)
+            return _SSEResponse(self._events(request, lease, first, deadline, include_usage), lease)
         except Exception as e:
             resp = _error_response(e)
             self.metrics.request(endpoint, resp.status_code)
@@ -165,18 +256,42 @@ class _Server:
             if not leased:
                 self.metrics.in_flight -= 1
 
-    async def _events(self, request: Request, lease: _Lease, first):
-        chunk = first
+    def _stopped(self, endpoint: str, why: str) -> JSONResponse:
+        if why == "timeout":
+            resp = _error_response(self.timed_out())
+        else:                      # nobody reads this answer; 499 as nginx logs a client that closed
+            self.metrics.disconnects += 1
+            log.info("client disconnected: generation stopped")
+            resp = JSONResponse(error_body("client closed the request", "invalid_request_error"), status_code=499)
+        self.metrics.request(endpoint, resp.status_code)
+        return resp
+
+    async def _events(self, request: Request, lease: _Lease, first, deadline: float | None, include_usage: bool):
+        chunk, last = first, None
         try:
             while chunk is not _END:
+                usage = chunk.pop("usage", None)     # dflash_gguf.Llama puts it on a stream's finish chunk
                 if chunk.get("choices") and chunk["choices"][0].get("finish_reason") is not None:
-                    self.metrics.generation(chunk.get("dflash"), chunk.get("usage"))
+                    self.metrics.generation(chunk.get("dflash"), usage)
+                    last = (chunk, usage)
+                if include_usage:
+                    chunk["usage"] = None
                 yield f"data: {json.dumps(chunk)}\n\n"
                 if await request.is_disconnected():
+                    why = "disconnect"
+                else:
+                    chunk, why = await self.watch(next, (lease.it, _END), request, deadline)
+                if why == "disconnect":
                     self.metrics.disconnects += 1
                     log.info("client disconnected: generation stopped")
                     return
-                chunk = await self.run(next, lease.it, _END)
+                if why == "timeout":
+                    err = self.timed_out()
+                    yield f"data: {json.dumps(error_body(str(err), err.type, None, 408))}\n\n"
+                    return
+            if include_usage and last is not None:
+                fin, usage = last
+                yield f"data: {json.dumps(_usage_chunk(fin, usage))}\n\n"
             yield "data: [DONE]\n\n"
         except asyncio.CancelledError:   # Starlette saw the disconnect first and cancelled the stream
             self.metrics.disconnects += 1
@@ -186,6 +301,20 @@ class _Server:
             yield f"data: {json.dumps(error_body(str(e), 'server_error'))}\n\n"
         finally:
             lease.release()
+
+
+def _usage_chunk(finish_chunk: dict, usage: dict | None) -> dict:
+    """The chunk OpenAI sends last with ``stream_options.include_usage``: no choices, the usage."""
+    out = {k: finish_chunk[k] for k in ("id", "object", "created", "model") if k in finish_chunk}
+    out.update(choices=[], usage=usage)
+    if "dflash" in finish_chunk:
+        out["dflash"] = finish_chunk["dflash"]
+    return out
+
+
+def _quiet(fut) -> None:
+    if not fut.cancelled() and fut.exception() is not None:
+        log.warning("an interrupted generation ended with %r", fut.exception())
 
 
 class _SSEResponse(StreamingResponse):
@@ -219,12 +348,18 @@ def _grammar(llm, text: str | None):
     return grammar
 
 
-def create_app(llm, model_id: str | None = None) -> FastAPI:
-    """A FastAPI app serving ``llm`` (a :class:`dflash_gguf.Llama`, or any ``llama_cpp.Llama``)."""
+def create_app(llm, model_id: str | None = None, *, max_queue: int | None = None,
+               request_timeout: float | None = None) -> FastAPI:
+    """A FastAPI app serving ``llm`` (a :class:`dflash_gguf.Llama`, or any ``llama_cpp.Llama``).
+
+    ``max_queue``: requests allowed to wait for the model (more get 503; None: no limit).
+    ``request_timeout``: seconds a request may take from arrival to its end (408; None: no limit).
+    With a plain ``llama_cpp.Llama`` a timed-out or abandoned generation runs to its end unseen.
+    """
     from pathlib import Path
 
     model_id = model_id or Path(llm.model_path).stem
-    srv = _Server(llm, model_id)
+    srv = _Server(llm, model_id, max_queue=max_queue, request_timeout=request_timeout)
     app = FastAPI(title="dflash-gguf", version=__version__,
                   description="OpenAI-compatible server with lossless DFlash speculative decoding")
     app.state.server = srv
@@ -269,13 +404,14 @@ def create_app(llm, model_id: str | None = None) -> FastAPI:
     async def completions(body: CompletionRequest, request: Request):
         kw = body.sampling_kwargs()
         kw.update(max_tokens=body.max_tokens if body.max_tokens is not None else 16, echo=body.echo,
-                  logprobs=body.logprobs, suffix=body.suffix, stream=body.stream, model=model_id)
+                  logprobs=body.logprobs, stream=body.stream, model=model_id)
         grammar = _grammar(llm, body.grammar)
         if grammar is not None:
             kw["grammar"] = grammar
         prompt = body.prompt
         _check_prompt(llm, prompt)
-        return await srv.generate(request, "/v1/completions", lambda: llm.create_completion(prompt, **kw), body.stream)
+        return await srv.generate(request, "/v1/completions", lambda: llm.create_completion(prompt, **kw), body.stream,
+                                  body.include_usage())
 
     @app.post("/v1/chat/completions")
     async def chat(body: ChatRequest, request: Request):
@@ -292,7 +428,8 @@ def create_app(llm, model_id: str | None = None) -> FastAPI:
                 raise BadRequest("chat_template_kwargs needs a dflash_gguf.Llama", "chat_template_kwargs")
             kw["chat_template_kwargs"] = body.chat_template_kwargs
         return await srv.generate(request, "/v1/chat/completions",
-                                  lambda: llm.create_chat_completion(messages, **kw), body.stream)
+                                  lambda: llm.create_chat_completion(messages, **kw), body.stream,
+                                  body.include_usage())
 
     return app
 

@@ -23,7 +23,13 @@ def parser(prog: str = "python -m dflash_gguf.server") -> argparse.ArgumentParse
     g = ap.add_argument_group("server")
     g.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1; 0.0.0.0: all)")
     g.add_argument("--port", type=int, default=8000, help="port (default 8000)")
-    g.add_argument("--model-alias", default=None, help="model id shown by /v1/models (default: the target's name)")
+    g.add_argument("-a", "--alias", "--model-alias", dest="model_alias", default=None,
+                   help="model id shown by /v1/models (default: the target's name)")
+    g.add_argument("--max-queue", type=int, default=None, metavar="N",
+                   help="requests allowed to wait while one runs; more get 503 at once (default: no limit)")
+    g.add_argument("--request-timeout", type=float, default=None, metavar="S",
+                   help="seconds from a request's arrival to its end; then it is stopped and gets 408 "
+                        "(default: no limit)")
     add_model_args(ap)
     return ap
 
@@ -36,7 +42,7 @@ def main(argv: list[str] | None = None, prog: str = "python -m dflash_gguf.serve
     args = parser(prog).parse_args(argv)
     setup_logging(args.verbose, logging.INFO)
     llm = load_llama(args)
-    app = create_app(llm, args.model_alias)
+    app = create_app(llm, args.model_alias, max_queue=args.max_queue, request_timeout=args.request_timeout)
     uvicorn.run(app, host=args.host, port=args.port, log_level="debug" if args.verbose else "info")
     return 0
 

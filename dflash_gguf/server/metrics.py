@@ -15,6 +15,7 @@ class Metrics:
         self.prompt_tokens = self.completion_tokens = 0
         self.spec = GenerationStats()          # every DFlash generation since start, merged
         self.dflash_requests = self.plain_requests = self.disconnects = 0
+        self.timeouts = self.rejected = 0      # --request-timeout expired; 503 because --max-queue was full
         self.fallbacks: dict[str, int] = {}   # plain decoding with a drafter loaded, by reason
         self.last_tokens_per_second = 0.0
         self.in_flight = 0
@@ -53,6 +54,7 @@ class Metrics:
             "dflash_tokens_per_second": round(st.tokens_per_second, 2) if st.t_decode > 0 else None,
             "last_tokens_per_second": self.last_tokens_per_second,
             "client_disconnects": self.disconnects,
+            "timeouts": self.timeouts, "rejected_queue_full": self.rejected,
             "fallbacks": [{"reason": r, "count": n} for r, n in sorted(self.fallbacks.items())],
         }
 
@@ -84,7 +86,10 @@ class Metrics:
         metric("acceptance_length", "gauge", "mean tokens committed per DFlash step since start", d["acceptance_length"])
         metric("tokens_per_second", "gauge", "DFlash decode speed since start (after prefill)",
                d["dflash_tokens_per_second"])
-        metric("client_disconnects_total", "counter", "streams stopped because the client went away",
+        metric("client_disconnects_total", "counter", "generations stopped because the client went away",
                d["client_disconnects"])
+        metric("timeouts_total", "counter", "requests stopped by --request-timeout", d["timeouts"])
+        metric("rejected_total", "counter", "requests refused with 503 because --max-queue requests were waiting",
+               d["rejected_queue_full"])
         metric("uptime_seconds", "gauge", "seconds since the server started", d["uptime_seconds"])
         return "".join(out)

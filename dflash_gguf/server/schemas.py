@@ -1,7 +1,8 @@
 """Request bodies of the OpenAI-compatible server (pydantic v2), and how they map onto ``Llama``.
 
 Unknown fields are rejected (400) so that a typo never silently changes sampling. The OpenAI
-fields this server cannot honour (``n > 1``, ``best_of > 1``) are rejected too. Extensions in the
+fields this server cannot honour (``n > 1``, ``best_of > 1``, ``suffix``) are rejected too, with a
+message saying why (llama_cpp.server ignores ``n`` and ``best_of`` and answers with one choice). Extensions in the
 llama.cpp tradition: ``top_k``, ``min_p``, ``typical_p``, ``repeat_penalty``, ``mirostat_*``,
 ``grammar`` (GBNF), ``dflash`` (per-request on/off) and, for chat, ``chat_template_kwargs``.
 """
@@ -42,9 +43,19 @@ class _Sampling(_Strict):
     stream_options: Optional[StreamOptions] = None
     logit_bias: Optional[Dict[str, float]] = None
     grammar: Optional[str] = Field(None, description="GBNF grammar (served by the plain path)")
-    n: int = Field(1, ge=1, le=1, description="only 1 is supported")
+    n: Optional[int] = Field(1, description="only 1 is supported")
     user: Optional[str] = None
     dflash: Optional[bool] = Field(None, description="false: plain decoding for this request")
+
+    @field_validator("n")
+    @classmethod
+    def _n(cls, v):
+        if v is not None and v != 1:
+            raise ValueError(f"n={v} is not supported: one choice per request (send n=1, or one request per choice)")
+        return v
+
+    def include_usage(self) -> bool:
+        return bool(self.stream and self.stream_options is not None and self.stream_options.include_usage)
 
     @field_validator("stop")
     @classmethod
@@ -82,7 +93,22 @@ class CompletionRequest(_Sampling):
     suffix: Optional[str] = None
     echo: bool = False
     logprobs: Optional[int] = Field(None, ge=0, le=20)
-    best_of: int = Field(1, ge=1, le=1, description="only 1 is supported")
+    best_of: Optional[int] = Field(1, description="only 1 is supported")
+
+    @field_validator("best_of")
+    @classmethod
+    def _best_of(cls, v):
+        if v is not None and v != 1:
+            raise ValueError(f"best_of={v} is not supported: one candidate per request (send best_of=1)")
+        return v
+
+    @field_validator("suffix")
+    @classmethod
+    def _suffix(cls, v):
+        if v is not None:
+            raise ValueError("suffix (fill-in-the-middle) is not supported: llama_cpp 0.3.36 builds FIM prompts "
+                             "with placeholder token id 0, not the model's FIM tokens; put the text in the prompt")
+        return v
 
     @field_validator("prompt")
     @classmethod

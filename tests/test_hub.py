@@ -1,0 +1,137 @@
+"""Hugging Face Hub downloads, offline against a local cache laid out as huggingface_hub lays it out
+(``models--org--name/{blobs,refs/main,snapshots/<rev>/...}``): no network in these tests."""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from dflash_gguf import Llama
+from dflash_gguf.pair import sha256_file
+from support import KW, pair, plain  # noqa: F401 (fixtures)
+
+hub = pytest.importorskip("huggingface_hub", reason="huggingface_hub (the [hub] extra) is not installed")
+from dflash_gguf.hub import HubFileNotFound  # noqa: E402
+
+REV = "0123456789abcdef0123456789abcdef01234567"
+
+
+def put_repo(cache: Path, repo_id: str, files: dict[str, Path]) -> Path:
+    """Store ``files`` as huggingface_hub does: content-addressed blobs, a snapshot of symlinks, refs/main."""
+    root = cache / ("models--" + repo_id.replace("/", "--"))
+    snap = root / "snapshots" / REV
+    (root / "blobs").mkdir(parents=True, exist_ok=True)
+    snap.mkdir(parents=True, exist_ok=True)
+    (root / "refs").mkdir(exist_ok=True)
+    (root / "refs" / "main").write_text(REV)
+    for name, src in files.items():
+        digest = hashlib.sha256(src.read_bytes()).hexdigest()
+        blob = root / "blobs" / digest
+        if not blob.exists():
+            shutil.copyfile(src, blob)
+        link = snap / name
+        link.parent.mkdir(parents=True, exist_ok=True)
+        link.symlink_to(os.path.relpath(blob, link.parent))
+    return snap
+
+
+def manifest(tmp: Path, target: Path, drafter: Path) -> Path:
+    doc = {"format": "dflash-gguf-pair", "format_version": 1, "kind": "dflash", "block_size": 8, "mask_token_id": 3,
+           "target_layers": [1], "target": {"file": "target.gguf", "size": target.stat().st_size,
+                                            "sha256": sha256_file(target), "type": "f32"},
+           "drafter": {"file": "drafter.gguf", "size": drafter.stat().st_size, "sha256": sha256_file(drafter),
+                       "type": "f32"}}
+    p = tmp / "pair.json"
+    p.write_text(json.dumps(doc))
+    return p
+
+
+@pytest.fixture(scope="module")
+def cache(pair, tmp_path_factory):
+    c = tmp_path_factory.mktemp("hub")
+    put_repo(c, "org/tiny-target-GGUF", {"tiny-target-f32.gguf": pair.target, "README.md": _readme(c)})
+    put_repo(c, "org/tiny-drafter-GGUF", {"drafter-f32.gguf": pair.drafter})
+    put_repo(c, "org/tiny-pair", {"target.gguf": pair.target, "drafter.gguf": pair.drafter,
+                                  "pair.json": manifest(c, pair.target, pair.drafter)})
+    put_repo(c, "org/half-pair", {"pair.json": manifest(c, pair.target, pair.drafter), "target.gguf": pair.target})
+    return c
+
+
+def _readme(c: Path) -> Path:
+    p = c / "README.md"
+    p.write_text("# tiny\n")
+    return p
+
+
+@pytest.fixture
+def offline(cache, monkeypatch):
+    import huggingface_hub.constants as constants
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("HF_HUB_CACHE", str(cache))
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(cache))
+    return cache
+
+
+def test_from_pretrained_offline_from_the_cache(offline, plain):
+    want = plain("def main(", max_tokens=16, temperature=0)["choices"][0]["text"]
+    llm = Llama.from_pretrained("org/tiny-target-GGUF", "*.gguf", draft_repo_id="org/tiny-drafter-GGUF",
+                                draft_filename="drafter-*.gguf", **KW)
+    try:
+        assert Path(llm.model_path).name == "tiny-target-f32.gguf" and REV in llm.model_path
+        out = llm("def main(", max_tokens=16, temperature=0)
+        assert out["choices"][0]["text"] == want and out["dflash"]["enabled"] is True
+    finally:
+        llm.close()
+
+
+def test_from_pair_pretrained_offline(offline, plain):
+    want = plain("import os\n", max_tokens=12, temperature=0)["choices"][0]["text"]
+    llm = Llama.from_pair_pretrained("org/tiny-pair", **KW)
+    try:
+        out = llm("import os\n", max_tokens=12, temperature=0)
+        assert out["choices"][0]["text"] == want and out["dflash"]["enabled"] is True
+    finally:
+        llm.close()
+
+
+def test_offline_missing_files_are_clear_errors(offline):
+    with pytest.raises(HubFileNotFound, match="HF_HUB_OFFLINE=1"):
+        Llama.from_pretrained("org/not-downloaded", "*.gguf", **KW)
+    with pytest.raises(HubFileNotFound, match=r"no file matching '\*q4_0.gguf' in org/tiny-target-GGUF \(offline"):
+        Llama.from_pretrained("org/tiny-target-GGUF", "*q4_0.gguf", **KW)
+    with pytest.raises(HubFileNotFound, match="drafter.gguf named by pair.json not in the cache"):
+        Llama.from_pair_pretrained("org/half-pair", **KW)
+    with pytest.raises(ValueError, match="draft_filename"):
+        Llama.from_pretrained("org/tiny-target-GGUF", "*.gguf", draft_repo_id="org/tiny-drafter-GGUF", **KW)
+
+
+def test_convert_cli_offline_hub_ids_fail_clearly(cache, tmp_path):
+    env = dict(os.environ, HF_HUB_OFFLINE="1", HF_HUB_CACHE=str(cache))
+    r = subprocess.run([sys.executable, "-m", "dflash_gguf.convert", "org/missing-target", "org/missing-drafter",
+                        "-o", str(tmp_path / "out")], capture_output=True, text=True, env=env, timeout=120)
+    assert r.returncode == 1, r.stderr
+    assert "org/missing-target" in r.stderr and "HF_HUB_OFFLINE=1" in r.stderr and "Traceback" not in r.stderr
+    assert not (tmp_path / "out").exists()
+
+
+def test_convert_fetches_checkpoints_from_the_cache(cache, pair, offline):
+    """Hub ids resolve to snapshot folders holding what the converter reads (validated like local folders)."""
+    from dflash_gguf.convert.validate import validate_pair
+    from dflash_gguf.hub import checkpoint
+
+    files = {p.name: p for p in pair.target_hf.iterdir() if p.is_file()}
+    put_repo(offline, "org/tiny-target-hf", files)
+    put_repo(offline, "org/tiny-drafter-hf", {p.name: p for p in pair.drafter_hf.iterdir() if p.is_file()})
+    t, d = checkpoint("org/tiny-target-hf"), checkpoint("org/tiny-drafter-hf")
+    assert REV in str(t) and (t / "config.json").is_file()
+    spec = validate_pair(t, d)
+    assert spec.kind == "dflash" and spec.block_size == 8
+    assert checkpoint(str(pair.target_hf)) == pair.target_hf      # a local folder stays itself
