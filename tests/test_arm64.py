@@ -163,7 +163,7 @@ def test_python_loop_under_qemu_matches_x86_on_the_demo_pair():
 
 
 @pytest.mark.parametrize("qtype,expect", [("q8_0", "primary q8 kernel feature SME"),
-                                          ("q4_0", "primary q4 kernel feature")])
+                                          ("q4_0", "primary q4 kernel feature I8MM")])
 def test_kleidiai_kernels_under_qemu_match_x86(demo_quantized, qtype, expect):
     """KleidiAI build, qemu -cpu max (SME, SVE, i8mm, dotprod; no SME2): ggml selects KleidiAI
     kernels and puts the weights in CPU_KLEIDIAI buffers, and greedy DFlash gives the x86 tokens.

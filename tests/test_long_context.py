@@ -27,7 +27,7 @@ import pytest
 
 import tiny
 from dflash_gguf.engine import Context, ContextOptions, Model
-from dflash_gguf.errors import ContextOverflowError
+from dflash_gguf.errors import ContextFullError, ContextOverflowError
 from dflash_gguf.spec import DFlashDecoder, GenerationStats
 
 SIZES = (16384, 32768)
@@ -205,3 +205,23 @@ def test_api_rejects_a_prompt_over_the_context(models):
         assert out["dflash"]["n_prompt"] == SIZES[0] - 100
     finally:
         llm.close()
+
+
+def test_drafter_context_smaller_than_the_prompt_is_a_clear_error(models):
+    """A drafter context shorter than the target's fills first: ContextFullError naming the drafter
+    injection (no abort), both caches are cleared, and a prompt that fits still decodes losslessly."""
+    pair = models.pair("qwen3", "dflash", 8)
+    tm, dm = Model(pair.target), Model(pair.drafter)
+    tc = Context(tm, ContextOptions(n_ctx=SIZES[0], n_batch=512, n_threads=1))
+    dc = Context(dm, ContextOptions(n_ctx=4096, n_batch=512, n_threads=1), other=tc)
+    try:
+        dec = DFlashDecoder(tc, dc)
+        prompt = long_prompt(tm, 6000)
+        with pytest.raises(ContextFullError, match="into the drafter.*no KV slot"):
+            list(dec.generate(prompt, 8))
+        assert dec.cache == [] and tc.pos_max() == -1 and dc.pos_max() == -1
+        short = prompt[:3000]
+        assert list(dec.generate(short, 16, stop_tokens=[])) == \
+            list(DFlashDecoder(tc, None).generate(short, 16, stop_tokens=[]))
+    finally:
+        dc.close(), tc.close(), dm.close(), tm.close()
