@@ -347,7 +347,7 @@ def main(argv: list[str] | None = None) -> int:
                         jobs=args.jobs)
     try:
         summary = build(opts)
-    except BuildError as e:
+    except (BuildError, build_cross.CrossError) as e:
         log.error("%s", e)
         return 1
     print(json.dumps(summary, indent=2))
