@@ -5,8 +5,10 @@ VPY      = $(VENV)/bin/python
 STAMP    = $(VENV)/.deps-installed
 
 CROSS   ?= aarch64-linux-gnu
+# KleidiAI v1.24.0 source archive for offline arm64 builds; without one upstream downloads it
+KLEIDIAI_SRC ?= $(firstword $(wildcard vendor/kleidiai-v1.24.0-src.tar.gz ../shared/vendor/kleidiai-v1.24.0-src.tar.gz))
 
-.PHONY: demo test lint build tools cross venv clean-cache help
+.PHONY: demo test lint build tools cross cross-kleidiai venv clean-cache help
 
 help:
 	@echo "make demo    - set up everything, then run the offline DFlash demo on the shipped pair"
@@ -14,7 +16,8 @@ help:
 	@echo "make build   - build/install the patched llama-cpp-python (cached; FORCE=1 rebuilds)"
 	@echo "make tools   - also build upstream's reference binaries (llama-speculative-simple, ...)"
 	@echo "make lint    - ruff over the whole tree (configured in pyproject.toml)"
-	@echo "make cross   - cross-build the patched library + reference loop for $(CROSS) (needs its g++)"
+	@echo "make cross   - cross-build the patched library, reference loop and an installable wheel for $(CROSS)"
+	@echo "make cross-kleidiai - the same with KleidiAI's Arm kernels (KLEIDIAI_SRC=archive or folder, offline)"
 
 $(VPY):
 	$(PY) -m venv $(VENV)
@@ -46,13 +49,16 @@ lint: venv
 cross: venv
 	$(VPY) -m dflash_gguf.build --cross $(CROSS)
 
+cross-kleidiai: venv
+	$(VPY) -m dflash_gguf.build --cross $(CROSS) --platform kleidiai $(if $(KLEIDIAI_SRC),--kleidiai-src $(KLEIDIAI_SRC),)
+
 demo: build
 	$(VPY) -m dflash_gguf.demo
 
 test: tools $(VENV)/.test-deps
 	@if command -v $(CROSS)-g++ >/dev/null && command -v qemu-aarch64-static >/dev/null; then \
-		$(MAKE) cross; \
-	else echo "no $(CROSS)-g++ or qemu-aarch64-static: the arm64 check will be skipped"; fi
+		$(MAKE) cross-kleidiai || echo "note: the KleidiAI cross build failed: the arm64 checks will be skipped"; \
+	else echo "no $(CROSS)-g++ or qemu-aarch64-static: the arm64 checks will be skipped"; fi
 	$(VPY) -m pytest -q
 
 clean-cache:

@@ -29,7 +29,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from dflash_gguf import paths
+from dflash_gguf import build_cross, paths
 from dflash_gguf.pair import sha256_file
 
 log = logging.getLogger("dflash_gguf.build")
@@ -60,43 +60,51 @@ class BuildOptions:
     sdist: str | None = None              # a local sdist instead of fetching it
     jobs: int = os.cpu_count() or 2
 
+    @property
+    def cross_variant(self) -> str | None:
+        """Name of a cross build in the cache's pointers: the triple, plus ``-kleidiai`` for that platform."""
+        if not self.cross:
+            return None
+        return self.cross + ("-kleidiai" if self.platform == "kleidiai" else "")
+
     def all_cmake_args(self) -> list[str]:
         args = list(DEFAULT_CMAKE_ARGS)
         if self.platform == "metal":
             args += ["-DGGML_METAL=ON", "-DGGML_METAL_EMBED_LIBRARY=ON"]
         elif self.platform == "kleidiai":
-            if not self.kleidiai_src:
-                raise BuildError(
-                    "--platform kleidiai needs --kleidiai-src DIR: upstream downloads KleidiAI v1.24.0 "
-                    "at configure time; unpack kleidiai-v1.24.0-src.tar.gz (from ARM-software/kleidiai "
-                    "releases) on a connected machine and pass its folder")
-            src = Path(self.kleidiai_src).resolve()
-            if not (src / "CMakeLists.txt").exists():
-                raise BuildError(f"--kleidiai-src {src} has no CMakeLists.txt: pass the unpacked KleidiAI source")
-            args += ["-DGGML_CPU_KLEIDIAI=ON", f"-DFETCHCONTENT_SOURCE_DIR_KLEIDIAI={src}"]
+            target = (self.cross or platform.machine()).split("-")[0]
+            if target not in ("aarch64", "arm64"):
+                raise BuildError("--platform kleidiai builds Arm64 kernels: build on an arm64 machine or add "
+                                 "--cross aarch64-linux-gnu")
+            args += ["-DGGML_CPU_KLEIDIAI=ON"]
+            if self.kleidiai_src:   # offline: a folder or the release archive; else upstream downloads it
+                try:
+                    src = build_cross.kleidiai_source(self.kleidiai_src)
+                except build_cross.CrossError as e:
+                    raise BuildError(str(e)) from None
+                args.append(f"-DFETCHCONTENT_SOURCE_DIR_KLEIDIAI={src}")
         elif self.platform != "cpu":
             raise BuildError(f"unknown --platform {self.platform!r}: choose cpu, metal or kleidiai")
         if self.cross:
-            args += cross_cmake_args(self.cross)
+            args += cross_cmake_args(self.cross, self.platform)
         return args + list(self.cmake_args)
 
 
-def cross_cmake_args(triple: str) -> list[str]:
-    cc, cxx = f"{triple}-gcc", f"{triple}-g++"
-    if not shutil.which(cc) or not shutil.which(cxx):
-        raise BuildError(f"cross compiler {cc}/{cxx} not found: install gcc-{triple.replace('_', '-')} "
-                         f"and g++-{triple.replace('_', '-')} (Debian: apt-get install g++-aarch64-linux-gnu)")
-    proc = triple.split("-")[0]
-    return ["-DCMAKE_SYSTEM_NAME=Linux", f"-DCMAKE_SYSTEM_PROCESSOR={proc}",
-            f"-DCMAKE_C_COMPILER={cc}", f"-DCMAKE_CXX_COMPILER={cxx}", "-DGGML_NATIVE=OFF",
-            "-DGGML_OPENMP=OFF", "-DLLAMA_OPENSSL=OFF"]
+def cross_cmake_args(triple: str, platform_: str = "cpu") -> list[str]:
+    try:
+        return build_cross.cross_cmake_args(triple, platform_)
+    except build_cross.CrossError as e:
+        raise BuildError(str(e)) from None
 
 
 # --------------------------------------------------------------------------- hashing
 
 def build_key(series: str, opts: BuildOptions) -> str:
-    flags = json.dumps({"cmake": opts.all_cmake_args(), "machine": platform.machine(),
-                        "python": f"{sys.version_info[0]}.{sys.version_info[1]}"}, sort_keys=True)
+    flags = {"cmake": opts.all_cmake_args(), "machine": platform.machine(),
+             "python": f"{sys.version_info[0]}.{sys.version_info[1]}"}
+    if opts.cross:
+        flags["toolchain"] = build_cross.toolchain_id(opts.cross)
+    flags = json.dumps(flags, sort_keys=True)
     return hashlib.sha256(f"{SDIST_SHA256}\n{series}\n{flags}".encode()).hexdigest()[:20]
 
 
@@ -206,8 +214,7 @@ def build_wheel(tree: Path, key: str, opts: BuildOptions) -> Path:
         log.info("using cached wheel %s", wheels[-1].name)
         return wheels[-1]
     if opts.cross:
-        raise BuildError("--cross builds the library only (use --with-tools or build_library); "
-                         "a wheel for another architecture cannot be installed here")
+        raise BuildError("a --cross wheel is packed from the cross-built libraries (build_cross.make_wheel)")
     shutil.rmtree(wheel_dir, ignore_errors=True)
     tmp_dir = Path(tempfile.mkdtemp(prefix="wheel-", dir=paths.cache_dir()))
     env = dict(os.environ, CMAKE_ARGS=" ".join(opts.all_cmake_args()),
@@ -299,7 +306,14 @@ def build(opts: BuildOptions) -> dict:
         summary["wheel"] = str(wheel)
     if opts.with_tools or opts.cross:
         summary["tools"] = str(build_tools(tree, key, opts))
-        paths.tools_pointer(opts.cross).write_text(summary["tools"])
+        paths.tools_pointer(opts.cross_variant).write_text(summary["tools"])
+    if opts.cross:   # an installable wheel of the cross-built library (see build_cross)
+        wheel_dir = paths.cache_dir() / "wheels" / key
+        wheels = sorted(wheel_dir.glob("llama_cpp_python-*.whl")) if wheel_dir.exists() else []
+        wheel = wheels[-1] if wheels and not opts.force else build_cross.make_wheel(
+            tree, Path(summary["tools"]), wheel_dir, SDIST_VERSION)
+        build_cross.wheel_pointer(opts.cross_variant).write_text(str(wheel))
+        summary["wheel"] = str(wheel)
     summary["seconds"] = round(time.time() - t0, 1)
     log.info("build ready in %.1f s", summary["seconds"])
     return summary
@@ -310,7 +324,8 @@ def main(argv: list[str] | None = None) -> int:
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--platform", default="cpu", choices=["cpu", "metal", "kleidiai"],
                     help="cpu (default, GGML_NATIVE), metal (macOS), kleidiai (Arm64 SME/SME2 kernels)")
-    ap.add_argument("--kleidiai-src", help="unpacked KleidiAI v1.24.0 source (upstream would download it)")
+    ap.add_argument("--kleidiai-src", help="KleidiAI v1.24.0 source: its folder or kleidiai-v1.24.0-src.tar.gz "
+                    "(offline; without it upstream downloads the archive at configure time)")
     ap.add_argument("--cross", help="cross-compile the library for a GNU triple, e.g. aarch64-linux-gnu")
     ap.add_argument("--cmake-arg", action="append", default=[], dest="cmake_args", help="extra CMake -D flag")
     ap.add_argument("--with-tools", action="store_true",
@@ -325,7 +340,7 @@ def main(argv: list[str] | None = None) -> int:
                         jobs=args.jobs)
     try:
         summary = build(opts)
-    except BuildError as e:
+    except (BuildError, build_cross.CrossError) as e:
         log.error("%s", e)
         return 1
     print(json.dumps(summary, indent=2))

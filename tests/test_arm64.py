@@ -1,24 +1,40 @@
 """The aarch64 cross-build (``python -m dflash_gguf.build --cross aarch64-linux-gnu``) runs.
 
-Under qemu-user, the cross-built patched library and upstream's DFlash loop decode a tiny GGUF
-pair and must give the tokens that our engine gives on x86-64. qemu 7.2 emulates NEON/SVE but
-not SME2, so this checks the generic Arm CPU path only; SME2 and KleidiAI are not exercised here.
+Under qemu-user (``-cpu max``: NEON, SVE, dotprod, i8mm and SME, but not SME2):
+
+* upstream's ``llama-speculative-simple`` from the cross build decodes a tiny GGUF pair and gives
+  the tokens our engine gives on x86-64;
+* the project's own Python loop (engine + spec over cffi) runs in an emulated aarch64 CPython with
+  the cross-built wheel installed by pip, plain == DFlash == the x86 engine on the demo pair;
+* the KleidiAI build (``--platform kleidiai``) selects KleidiAI's SME kernels (Q8_0) and its
+  dotprod/i8mm kernels (Q4_0; Q8_0 with SME off), shown by ggml's own log, with the x86 tokens.
+  KleidiAI's SME2-only kernels cannot run under qemu 7.2 and stay untested.
 """
 from __future__ import annotations
 
+import hashlib
+import json
+import os
+import re
 import shutil
 import subprocess
+import zipfile
+from pathlib import Path
 
 import pytest
 
-from dflash_gguf import paths
+from dflash_gguf import build_cross, paths
+from dflash_gguf.demo import demo_pair
 from dflash_gguf.engine import Context, ContextOptions, Model
 from dflash_gguf.spec import DFlashDecoder, GenerationStats, SpecOptions
 
 TRIPLE = "aarch64-linux-gnu"
-BIN = paths.tools_dir(TRIPLE)
-QEMU = shutil.which("qemu-aarch64-static") or shutil.which("qemu-aarch64")
-pytestmark = pytest.mark.skipif(
+KAI = TRIPLE + "-kleidiai"
+# upstream's loop: from the plain cross build, else from the KleidiAI one (its F32 pair runs KleidiAI's
+# SME f32 kernel under qemu -cpu max; GGML_KLEIDIAI_SME=0 below keeps that check on ggml's own kernels)
+BIN = paths.tools_dir(TRIPLE) or paths.tools_dir(KAI)
+QEMU = build_cross.find_qemu()
+needs_upstream_bin = pytest.mark.skipif(
     BIN is None or not (BIN / "llama-speculative-simple").exists() or QEMU is None,
     reason="no aarch64 cross-build or no qemu-user (apt-get install g++-aarch64-linux-gnu qemu-user-static; "
            "make test builds it when both are present)")
@@ -26,6 +42,7 @@ pytestmark = pytest.mark.skipif(
 PROMPT = "def main(argv):\n    parser = argparse.ArgumentParser("
 
 
+@needs_upstream_bin
 def test_cross_built_library_is_arm64():
     lib = next(BIN.glob("libllama.so*"))
     out = subprocess.run(["file", "-L", str(lib)], capture_output=True, text=True).stdout \
@@ -36,12 +53,13 @@ def test_cross_built_library_is_arm64():
         assert "aarch64" in out or "ARM aarch64" in out
 
 
+@needs_upstream_bin
 def test_dflash_under_qemu_matches_x86_engine(models):
     pair = models.pair("qwen3", "dflash", 8)
     cmd = [QEMU, "-L", f"/usr/{TRIPLE}", str(BIN / "llama-speculative-simple"), "-m", str(pair.target),
            "-md", str(pair.drafter), "--spec-type", "draft-dflash", "--spec-draft-n-max", "7", "-p", PROMPT,
            "-n", "24", "--temp", "0", "--top-k", "1", "--seed", "42", "-c", "256", "-t", "2", "-lv", "4"]
-    r = subprocess.run(cmd, capture_output=True, timeout=600, env={"LD_LIBRARY_PATH": str(BIN)})
+    r = subprocess.run(cmd, capture_output=True, timeout=600, env={"LD_LIBRARY_PATH": str(BIN), "GGML_KLEIDIAI_SME": "0"})
     err = r.stderr.decode("utf-8", "replace")
     assert r.returncode == 0, err[-2000:]
     assert "n_accept" in err
@@ -54,3 +72,120 @@ def test_dflash_under_qemu_matches_x86_engine(models):
     text = tm.detokenize(out)
     dc.close(), tc.close(), dm.close(), tm.close()
     assert text in r.stdout, f"x86 engine {text!r} not in the arm64 output {r.stdout!r}"
+
+
+# ---------------------------------------------------------------------------------------------
+# Our own Python DFlash loop on an emulated aarch64 CPython (the cross-built wheel installed with
+# pip), for the plain cross build and the KleidiAI one. See dflash_gguf/build_cross.py.
+# ---------------------------------------------------------------------------------------------
+
+GUEST_SCRIPT = Path(__file__).with_name("arm_guest.py")
+DEMO_PROMPT = "def read_lines(path):\n    \"\"\"Return the lines of a text file.\"\"\"\n"
+N_GUEST = 32
+
+
+def _guest(variant: str):
+    wheel = build_cross.cross_wheel(variant)
+    if wheel is None:
+        how = "make cross" if variant == TRIPLE else "make cross-kleidiai"
+        pytest.skip(f"no aarch64 wheel for {variant} ({how} builds it when {TRIPLE}-g++ is installed)")
+    if QEMU is None:
+        pytest.skip("no qemu-user (apt-get install qemu-user-static)")
+    try:
+        return wheel, *build_cross.guest_python(wheel)
+    except build_cross.CrossError as e:
+        pytest.skip(f"no emulated aarch64 Python: {e}")
+
+
+def run_guest(variant: str, target: Path, drafter: Path, *, plain: bool = False, env: dict | None = None,
+              n: int = N_GUEST) -> dict:
+    _, cmd, genv = _guest(variant)
+    args = [*cmd, str(GUEST_SCRIPT), "--target", str(target), "--drafter", str(drafter), "--prompt", DEMO_PROMPT,
+            "-n", str(n)] + (["--plain"] if plain else [])
+    r = subprocess.run(args, capture_output=True, text=True, timeout=900, env={**genv, **(env or {})})
+    assert r.returncode == 0, r.stderr[-3000:]
+    return json.loads(r.stdout.strip().splitlines()[-1])
+
+
+def x86_tokens(target: Path, drafter: Path, n: int = N_GUEST) -> list[int]:
+    tm, dm = Model(target), Model(drafter)
+    tc = Context(tm, ContextOptions(n_ctx=256, n_threads=1))
+    dc = Context(dm, ContextOptions(n_ctx=256, n_threads=1), other=tc)
+    out = list(DFlashDecoder(tc, dc).generate(tm.tokenize(DEMO_PROMPT.encode()), n))
+    dc.close(), tc.close(), dm.close(), tm.close()
+    return out
+
+
+@pytest.fixture(scope="module")
+def demo_quantized():
+    """The shipped demo pair quantized to Q4_0 and Q8_0 with llama.cpp's own quantizer (cached by
+    the pair's manifest, which holds the files' sha256)."""
+    from dflash_gguf.convert.quantize import quantize_file
+
+    tag = hashlib.sha256((demo_pair()[0].parent / "pair.json").read_bytes()).hexdigest()[:12]
+    root = Path(os.environ.get("DFLASH_GGUF_TEST_MODELS") or paths.cache_dir() / "test-models") / f"demo-quantized-{tag}"
+    out = {}
+    for q in ("q4_0", "q8_0"):
+        d = root / q
+        d.mkdir(parents=True, exist_ok=True)
+        for src in demo_pair():
+            if not (d / src.name).exists():
+                quantize_file(src, d / (src.name + ".part"), q, threads=1)
+                os.replace(d / (src.name + ".part"), d / src.name)
+        out[q] = (d / "target.gguf", d / "drafter.gguf")
+    return out
+
+
+def _any_variant() -> str:
+    """The plain cross build if there is one, else the KleidiAI build (make test builds only that one)."""
+    return TRIPLE if build_cross.cross_wheel(TRIPLE) is not None else KAI
+
+
+def test_cross_wheel_is_an_installable_aarch64_wheel():
+    wheel, cmd, env = _guest(_any_variant())
+    assert wheel.name.endswith("-py3-none-linux_aarch64.whl")
+    with zipfile.ZipFile(wheel) as zf:
+        names = zf.namelist()
+        lib = zf.read("llama_cpp/lib/libllama.so")
+    assert lib[:4] == b"\x7fELF" and int.from_bytes(lib[18:20], "little") == 183   # EM_AARCH64
+    assert "llama_cpp/llama_cpp.py" in names and any(n.endswith(".dist-info/RECORD") for n in names)
+    site = Path(env["PYTHONPATH"].split(os.pathsep)[0])      # pip installed it there, with its dependencies
+    assert (site / "llama_cpp" / "lib" / "libllama.so").exists()
+    assert list(site.glob("llama_cpp_python-*.dist-info")) and list(site.glob("numpy")) and list(site.glob("cffi"))
+
+
+def test_python_loop_under_qemu_matches_x86_on_the_demo_pair():
+    """The project's own loop (engine + spec, via cffi) on aarch64: plain == DFlash == the x86 engine."""
+    target, drafter = demo_pair()
+    # in a KleidiAI build, SME off keeps this on ggml's own kernels (the F16/F32 demo weights)
+    got = run_guest(_any_variant(), target, drafter, plain=True, env={"GGML_KLEIDIAI_SME": "0"})
+    assert got["machine"] == "aarch64"
+    assert got["dflash"] == got["plain"], "lossless on aarch64: DFlash must equal plain decoding"
+    assert got["dflash"] == x86_tokens(target, drafter)
+    assert got["tau"] > 1.5, f"the demo drafter should be accepted often (tau {got['tau']})"
+
+
+@pytest.mark.parametrize("qtype,expect", [("q8_0", "primary q8 kernel feature SME"),
+                                          ("q4_0", "primary q4 kernel feature I8MM")])
+def test_kleidiai_kernels_under_qemu_match_x86(demo_quantized, qtype, expect):
+    """KleidiAI build, qemu -cpu max (SME, SVE, i8mm, dotprod; no SME2): ggml selects KleidiAI
+    kernels and puts the weights in CPU_KLEIDIAI buffers, and greedy DFlash gives the x86 tokens.
+    Cannot pass with KleidiAI off: ggml only logs these lines when it is compiled in."""
+    target, drafter = demo_quantized[qtype]
+    got = run_guest(KAI, target, drafter, plain=True)
+    log = "\n".join(got["log"])
+    print(f"{qtype} under qemu: tau {got['tau']:.2f}, {got['seconds']}\n{log}")
+    assert expect in log, log
+    assert re.search(r"CPU_KLEIDIAI model buffer size = +[1-9]", log), log
+    assert got["dflash"] == got["plain"]
+    assert got["dflash"] == x86_tokens(target, drafter)
+    assert got["tau"] > 1.5, f"the quantized demo drafter should still be accepted often (tau {got['tau']})"
+
+
+def test_kleidiai_sme_off_falls_back_to_neon_kernels(demo_quantized):
+    """GGML_KLEIDIAI_SME=0 disables the SME kernels: Q8_0 then runs KleidiAI's i8mm/dotprod kernels."""
+    target, drafter = demo_quantized["q8_0"]
+    got = run_guest(KAI, target, drafter, env={"GGML_KLEIDIAI_SME": "0"}, n=16)
+    log = "\n".join(got["log"])
+    assert re.search(r"primary q8 kernel feature (I8MM|DOTPROD)", log), log
+    assert got["dflash"] == x86_tokens(target, drafter, n=16)
