@@ -203,15 +203,17 @@ class CaseResult:
 
 
 def tolerance(err_cpu: float) -> float:
-    """How far AMX may be from the exact product, given how far the plain CPU path is.
+    """How far AMX may be from the exact product (relative to max |exact|), given the CPU path's error.
 
-    Both paths quantize the activations to the same 8-bit block type (Q8_0, Q8_1 or Q8_K) and
-    accumulate the same integer dot products, so they differ only by float rounding of the block
-    scales and the order of the float sums: AMX must be as close to the exact product as the CPU
-    path (a factor 2 for rounding noise) plus 1e-3 of the output range for the float32 sums. A
-    wrong block, row or column is off by the size of the values themselves (order 1).
+    For the quantized types both paths quantize the activations to the same 8-bit block type (Q8_0,
+    Q8_1 or Q8_K) and sum the same integer products; they differ only in the order of the float32
+    sums of the block results (measured: |AMX - CPU| <= 5e-7 at K = 512, while each is 7e-3 to 1.2e-2
+    from the exact product of the dequantized weights). F16: the CPU path rounds the activations to
+    F16 (2.8e-4 from exact), the AMX path keeps them in F32 (2e-7). So AMX must be no further from the
+    exact product than the CPU path, plus 1e-4 for float32 summation order at K up to a few
+    thousand. A wrong block, row, column or tile shape is off by the size of the values (order 1).
     """
-    return 2.0 * err_cpu + 1e-3
+    return err_cpu + 1e-4
 
 
 def parse_rows(spec: str) -> list[int]:
@@ -225,7 +227,7 @@ def parse_rows(spec: str) -> list[int]:
     return rows
 
 
-def run_grid(ggml: Ggml, types: list[str], rows: list[int], k_for: dict[str, int], n: int,
+def run_grid(ggml: Ggml, types: list[str], rows: list[int], k: int, n: int,
              batch: int, threads: int, seed: int = 0):
     bufts = ggml.extra_bufts()
     if "AMX" not in bufts:
@@ -239,7 +241,6 @@ def run_grid(ggml: Ggml, types: list[str], rows: list[int], k_for: dict[str, int
     try:
         for name in types:
             t = GGML_TYPES[name]
-            k = k_for[name]
             w = rng.standard_normal((n, k)).astype(np.float32)
             wq = ggml.quantize(t, w)
             wd = ggml.dequantize(t, wq, n, k).astype(np.float64)
@@ -264,7 +265,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--lib-dir", type=Path, default=None, help="directory with libggml*.so (default: the llama_cpp wheel's)")
     ap.add_argument("--types", default=",".join(AMX_TYPES), help="comma-separated ggml types")
     ap.add_argument("--rows", default="1-17,31,32,33,64,100", help="row counts (src1 ne1), e.g. 1-17,32,100")
-    ap.add_argument("--k", type=int, default=0, help="inner size (default: 2 blocks of 256 + 0, i.e. 512)")
+    ap.add_argument("--k", type=int, default=512, help="inner size, a multiple of 256 for the K-quants (default 512)")
     ap.add_argument("--n", type=int, default=160, help="output columns (a multiple of 32)")
     ap.add_argument("--batch", type=int, default=1, help="src1 ne2 (weights broadcast over it)")
     ap.add_argument("--threads", type=int, default=2)
@@ -277,10 +278,12 @@ def main(argv: list[str] | None = None) -> int:
         log.error("this CPU has no AMX-INT8 (amx_int8, amx_tile, avx512_vnni in /proc/cpuinfo)")
         return 2
     ggml = Ggml(args.lib_dir or default_lib_dir())
+    if "AMX" not in ggml.extra_bufts():
+        log.error("this ggml registers no AMX buffer type (built without AMX-INT8, or GGML_CPU_AMX=0)")
+        return 3
     types = [t.strip().lower() for t in args.types.split(",") if t.strip()]
-    k_for = {t: args.k or 512 for t in types}
     failed = 0
-    for res in run_grid(ggml, types, parse_rows(args.rows), k_for, args.n, args.batch, args.threads, args.seed):
+    for res in run_grid(ggml, types, parse_rows(args.rows), args.k, args.n, args.batch, args.threads, args.seed):
         failed += not res.ok
         print(json.dumps(asdict(res)), flush=True)
     log.info("%s", "all cases match" if not failed else f"{failed} case(s) differ")
