@@ -81,7 +81,7 @@ def parse(argv=None):
     ap.add_argument("--gen-len", type=int, default=160)
     ap.add_argument("--train-seqs", type=int, default=512)
     ap.add_argument("--val-seqs", type=int, default=32)
-    ap.add_argument("--outtype", default="f16", help="GGUF weight type (f16, bf16, f32; q8_0 crashes in ggml's AMX kernels on AMX CPUs)")
+    ap.add_argument("--outtype", default="f16", help="GGUF weight type (f16, bf16, f32, q8_0)")
     ap.add_argument("--upstream-convert", action="store_true", help="use upstream's converter even if ours exists")
     ap.add_argument("--verify-tokens", type=int, default=96)
     ap.add_argument("--log-every", type=float, default=30.0, help="seconds between progress lines")

@@ -223,7 +223,7 @@ def test_drafter_decode_with_out_row0(reference_case):
 
 
 # ---------------------------------------------------------------- quantized pairs
-# quantized pairs would crash at the first decode on AMX-INT8 CPUs without patches/0004
+# quantized pairs crashed at the first decode with ggml's AMX path before patches/0006 (tests/test_amx.py)
 @pytest.mark.parametrize("qtype,ftype", [("q4_0", 2)])
 def test_quantized_pair_is_lossless(pairs, qtype, ftype):
     from dflash_gguf.engine import Model

@@ -238,7 +238,7 @@ only later (this run: {wall:.0f} min of wall time for all stages on a shared 2-c
   {d['batch_seqs']} sequences, {d['minutes']:.1f} min; held-out loss {d['val_loss']:.2f}, teacher-forced
   acceptance length {d['val_tau_torch']:.2f} (per-position prefix acceptance {per}).
 - **Conversion**: {cv['how']}, `--outtype {cv['outtype']}`.
-  (Q8_0 is avoided on purpose: on CPUs with Intel AMX, ggml's AMX Q8_0 matmul crashed on this model.)
+  (F16 was chosen when ggml's AMX Q8_0 matmul crashed on Intel AMX CPUs; `patches/0006` fixes that crash.)
 
 ## Measured
 

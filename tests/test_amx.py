@@ -1,0 +1,140 @@
+"""ggml's AMX path (Intel AMX-INT8): MUL_MAT against the plain CPU path, and DFlash end to end.
+
+Everything runs in child processes: a fault in the AMX kernels (the tile-config segfault that
+patches/0006 fixes) must fail a test, not kill the test run, and ``GGML_CPU_AMX`` only takes effect
+when ggml is loaded. Skipped, with the reason, where the CPU has no AMX-INT8 or the installed
+library was built without the AMX kernels.
+"""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from dflash_gguf.amx import AMX_TYPES, cpu_has_amx_int8
+
+pytestmark = pytest.mark.skipif(not cpu_has_amx_int8(),
+                                reason="this CPU has no AMX-INT8 (amx_int8/amx_tile/avx512_vnni in /proc/cpuinfo)")
+
+ROOT = Path(__file__).resolve().parents[1]
+DEMO = ROOT / "dflash_gguf" / "data" / "demo"
+# every row count a DFlash step verifies (1..17: block 16 plus the pending token) and prompt batches
+ROWS = "1-17,32,33,100"
+
+
+def _run(args: list[str], amx: str, timeout: int = 300) -> subprocess.CompletedProcess:
+    env = dict(os.environ, GGML_CPU_AMX=amx)
+    return subprocess.run([sys.executable, *args], env=env, capture_output=True, text=True, timeout=timeout)
+
+
+def _died(p: subprocess.CompletedProcess) -> str:
+    sig = -p.returncode if p.returncode < 0 else None
+    return (f"the child process died (signal {sig})" if sig else f"exit {p.returncode}") + f":\n{p.stderr[-3000:]}"
+
+
+def _grid(extra: list[str]) -> list[dict]:
+    p = _run(["-m", "dflash_gguf.amx", *extra], "1")
+    if p.returncode == 3:
+        pytest.skip("the installed ggml registers no AMX buffer type (built without AMX-INT8 kernels)")
+    cases = [json.loads(line) for line in p.stdout.splitlines() if line.startswith("{")]
+    if p.returncode not in (0, 1):
+        last = cases[-1] if cases else None
+        pytest.fail(f"MUL_MAT through the AMX buffer type: {_died(p)}\nlast case that finished: {last}")
+    return cases
+
+
+def _bad(cases: list[dict]) -> list[str]:
+    return [f"{c['type']} k={c['k']} n={c['n']} rows={c['rows']} batch={c['batch']}: AMX error {c['err_amx']:.3g}, "
+            f"CPU error {c['err_cpu']:.3g} (relative to the exact product)" for c in cases if not c["ok"]]
+
+
+def test_mul_mat_every_amx_type_and_row_count():
+    """Each AMX type x rows 1..17 and prompt batches: AMX as close to the exact product as the CPU path."""
+    cases = _grid(["--types", ",".join(AMX_TYPES), "--rows", ROWS, "--k", "512", "--n", "160", "--threads", "2"])
+    assert len(cases) == len(AMX_TYPES) * (17 + 3)
+    assert not _bad(cases), "\n".join(_bad(cases))
+
+
+def test_mul_mat_one_thread_and_wide_k():
+    cases = _grid(["--types", "q4_0,q8_0,q6_k", "--rows", "1,2,16,17", "--k", "2048", "--n", "96", "--threads", "1"])
+    assert len(cases) == 12 and not _bad(cases), "\n".join(_bad(cases))
+
+
+def test_mul_mat_broadcast_over_batches():
+    """src1 with ne[2] > 1 against one 2-D weight (the batch offsets patches/0006 fixes)."""
+    cases = _grid(["--types", "q4_0,q4_k,f16", "--rows", "1,2,17", "--batch", "3", "--n", "64"])
+    assert len(cases) == 9 and not _bad(cases), "\n".join(_bad(cases))
+
+
+# ---------------------------------------------------------------- end to end
+def _generate(target: Path, drafter: Path, amx: str, n: int = 48) -> dict:
+    p = _run([__file__, str(target), str(drafter), str(n)], amx)
+    assert p.returncode == 0, f"greedy generation with GGML_CPU_AMX={amx}: {_died(p)}"
+    return json.loads(p.stdout.strip().splitlines()[-1])
+
+
+@pytest.fixture(scope="module")
+def demo_pairs(tmp_path_factory):
+    """The shipped demo pair (F16) and its target quantized by llama.cpp's quantizer."""
+    from dflash_gguf.convert.quantize import quantize_file
+
+    out = {"f16": (DEMO / "target.gguf", DEMO / "drafter.gguf")}
+    d = tmp_path_factory.mktemp("amx-demo")
+    for q in ("q8_0", "q4_0", "q4_k_m"):
+        t = d / f"target-{q}.gguf"
+        quantize_file(DEMO / "target.gguf", t, q, threads=1)
+        out[q] = (t, DEMO / "drafter.gguf")
+    dq = d / "drafter-q8_0.gguf"
+    quantize_file(DEMO / "drafter.gguf", dq, "q8_0", threads=1)
+    out["q8_0+q8_0 drafter"] = (out["q8_0"][0], dq)
+    return out
+
+
+@pytest.mark.parametrize("kind", ["f16", "q8_0", "q4_0", "q4_k_m", "q8_0+q8_0 drafter"])
+def test_dflash_amx_on_equals_off_and_plain(demo_pairs, kind):
+    target, drafter = demo_pairs[kind]
+    on = _generate(target, drafter, "1")
+    if not on["amx"]:
+        pytest.skip("the installed ggml registers no AMX buffer type (built without AMX-INT8 kernels)")
+    off = _generate(target, drafter, "0")
+    assert not off["amx"]
+    assert on["dflash"] == on["plain"], "AMX on: DFlash differs from plain decoding"
+    assert off["dflash"] == off["plain"]
+    assert on["plain"] == off["plain"], "plain decoding with AMX on differs from AMX off"
+    assert on["tau"] > 1.5, on      # the demo drafter is right often: several rows per verify
+
+
+def test_tiny_quantized_pair_amx_on_equals_off(models, tmp_path):
+    from dflash_gguf.convert.quantize import quantize_file
+
+    p = models.pair("qwen3", "dflash", 8)
+    t, d = tmp_path / "t.gguf", tmp_path / "d.gguf"
+    quantize_file(p.target, t, "q4_0", threads=1)
+    quantize_file(p.drafter, d, "q8_0", threads=1)
+    on, off = _generate(t, d, "1", 32), _generate(t, d, "0", 32)
+    assert on["dflash"] == on["plain"] == off["plain"] == off["dflash"]
+
+
+def _child(target: str, drafter: str, n: int) -> None:
+    """Greedy plain and DFlash tokens of one pair in this process, as JSON on stdout."""
+    from dflash_gguf.amx import Ggml, default_lib_dir
+    from dflash_gguf.engine import Context, ContextOptions, Model
+    from dflash_gguf.spec import DFlashDecoder, GenerationStats
+
+    with Model(target) as tm, Model(drafter) as dm:
+        prompt = tm.tokenize(b"def read_lines(path):\n    \"\"\"Return the lines of a text file.\"\"\"\n")
+        opts = ContextOptions(n_ctx=512, n_batch=128, n_ubatch=128, n_threads=1)
+        with Context(tm, opts) as tctx, Context(dm, opts, other=tctx) as dctx:
+            plain = list(DFlashDecoder(tctx, None).generate(prompt, n, stop_tokens=[]))
+            stats = GenerationStats()
+            spec = list(DFlashDecoder(tctx, dctx).generate(prompt, n, stop_tokens=[], stats=stats))
+    amx = "AMX" in Ggml(default_lib_dir()).extra_bufts()
+    print(json.dumps({"plain": plain, "dflash": spec, "tau": stats.tau, "amx": amx}))
+
+
+if __name__ == "__main__":
+    _child(sys.argv[1], sys.argv[2], int(sys.argv[3]))
