@@ -135,7 +135,7 @@ def report(results: dict, max_rows: int) -> str:
         lines += [hdr, "|---|" + "---|---|" * len(modes)]
         for k in range(1, max_rows + 1):
             cells = []
-            for m, s in modes.items():
+            for s in modes.values():
                 v, lo, hi = s["verify_ms"][k]
                 cells.append(f"{v:.1f} ({lo:.1f}..{hi:.1f}) | {s['ratio'][k]:.2f}")
             lines.append(f"| {k} | " + " | ".join(cells) + " |")

@@ -84,7 +84,7 @@ class Ggml:
         self.base = ctypes.CDLL(str(lib_dir / "libggml-base.so"), mode=mode)
         self.cpu = ctypes.CDLL(str(lib_dir / "libggml-cpu.so"), mode=mode)
         self.ggml = ctypes.CDLL(str(lib_dir / "libggml.so"), mode=mode)
-        P, S, I64, I = ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int64, ctypes.c_int
+        P, S, I64, I = ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int64, ctypes.c_int  # noqa: E741 (ctypes type aliases)
         sig = {
             (self.base, "ggml_init"): (P, [_InitParams]),
             (self.base, "ggml_free"): (None, [P]),
