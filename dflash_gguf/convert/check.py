@@ -25,6 +25,7 @@ class CheckResult:
     n_tokens: int = 0
     first_mismatch: int | None = None
     acceptance_length: float = 0.0
+    draft_vocab: int | None = None      # rows of the drafter's own reduced head (None: the full shared head)
 
 
 def check_pair(pair_dir: str | os.PathLike, *, n_tokens: int = 32, prompt: bytes = DEFAULT_PROMPT,
@@ -44,17 +45,19 @@ def check_pair(pair_dir: str | os.PathLike, *, n_tokens: int = 32, prompt: bytes
 
 
 def _run(m, name: str, n_tokens: int, prompt: bytes, threads: int | None) -> CheckResult:
+    from dflash_gguf.convert import draft_vocab
     from dflash_gguf.engine import Context, ContextOptions, Model
     from dflash_gguf.spec import DFlashDecoder, GenerationStats
 
     with Model(m.target.path) as tm, Model(m.drafter.path) as dm:
+        tm_vocab = tm.n_vocab
         tokens = tm.tokenize(prompt, add_bos=True)
         n_ctx = max(256, len(tokens) + n_tokens + 2 * m.block_size + 16)
         opts = ContextOptions(n_ctx=n_ctx, n_batch=512, n_ubatch=512, n_threads=threads)
         with Context(tm, opts) as tctx, Context(dm, opts, other=tctx) as dctx:
             plain = list(DFlashDecoder(tctx, None).generate(tokens, n_tokens, stop_tokens=[]))
             dec = DFlashDecoder(tctx, dctx)
-            problem = _metadata_problem(m, dec.info)
+            problem = _metadata_problem(m, dec.info) or draft_vocab.check_manifest(m, m.drafter.path)
             if problem:
                 return CheckResult(False, f"FAIL {name}: {problem}")
             stats = GenerationStats()
@@ -66,9 +69,12 @@ def _run(m, name: str, n_tokens: int, prompt: bytes, threads: int | None) -> Che
         return CheckResult(False, f"FAIL {name}: speculative output differs from plain decoding at token {i} "
                                   f"({got} vs {want}): the engine is not lossless on this pair",
                            n_tokens=len(spec), first_mismatch=i, acceptance_length=stats.tau)
+    dv = (m.data.get("draft_vocab") or {}).get("size")
+    head = f"draft head {dv} of {tm_vocab} tokens" if dv else "full draft head"
     return CheckResult(True, f"PASS {name}: {len(spec)} tokens with the {m.kind} drafter equal plain decoding "
-                             f"(target {m.target.type}, drafter {m.drafter.type}, block {m.block_size}, acceptance "
-                             f"length {stats.tau:.2f})", n_tokens=len(spec), acceptance_length=stats.tau)
+                             f"(target {m.target.type}, drafter {m.drafter.type}, block {m.block_size}, {head}, "
+                             f"acceptance length {stats.tau:.2f})", n_tokens=len(spec), acceptance_length=stats.tau,
+                       draft_vocab=dv)
 
 
 def _metadata_problem(m, info) -> str | None:
