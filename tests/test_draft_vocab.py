@@ -77,7 +77,9 @@ def test_choice_errors():
         dv.choose(v, 1)
     with pytest.raises(PairError, match="selector_top_k"):
         dv.choose(v, 3, min_size=4)
-    assert dv.choose(v, 3).ids.tolist() == [0, 1, 4]   # 'ab' is the first merge; a, b rank just before it
+    # 'a' and 'b' rank just before 'ab', the first merge using them (a symbol is at least that frequent)
+    assert dv.choose(v, 3).ids.tolist() == [0, 1, 2]
+    assert dv.choose(v, 4).ids.tolist() == [0, 1, 2, 3]
     with pytest.raises(PairError, match="needs a reduced head|--draft-vocab N"):
         dv.precheck("off", ["x.txt"], 512)
     with pytest.raises(PairError, match="no such file"):

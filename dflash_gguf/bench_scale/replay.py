@@ -84,7 +84,8 @@ class ReplayProposer:
         self.steps += 1
         L = len(ctx)
         u = self.rng.random()
-        if L > len(self.ref) or ctx[self._ok:L] != self.ref[self._ok:L]:
+        start = self._ok if L >= self._ok else 0     # a shorter context: a new generation
+        if L > len(self.ref) or ctx[start:L] != self.ref[start:L]:
             self.diverged += 1
             self._ok = 0
             return [(int(ctx[-1]) + 1) % self.n_vocab] * n
