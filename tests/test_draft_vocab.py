@@ -140,22 +140,23 @@ def test_reduced_head_proposes_only_kept_tokens_and_stays_lossless(models, tmp_p
     p = models.pair("qwen3", kind, 8)
     v = dv.read_vocab(p.target)
     full = _proposals(p.target, p.drafter)
-    # keep about half the vocabulary, and make sure some of the full head's proposals are kept, some not
     proposed = sorted({t for block in full for t in block})
-    c = dv.choose(v, 256, extra_required=proposed[::2])
-    out = tmp_path / f"{kind}-dv256.gguf"
-    qtype, source = dv.write_reduced_drafter(p.drafter, p.target, c.ids, out)
-    assert dv.draft_vocab_size(out) == 256 and "target" in source
-    kept = set(c.ids.tolist())
-    red = _proposals(p.target, out)
-    flat = [t for block in red for t in block]
-    assert flat and set(flat) <= kept, "the reduced head proposed a token outside d2t"
-    if kind == "dflash":   # per row argmax: the same token wherever the full head's choice was kept
-        same = [(a, b) for fa, fb in zip(full, red) for a, b in zip(fa, fb) if a in kept]
-        assert same and all(a == b for a, b in same)
-        assert any(a not in kept for block in full for a in block)
-    plain, spec, tau = _lossless(p.target, out)
-    assert spec == plain
+    # head A keeps (every other one of) the full head's proposals, head B drops all of them
+    for label, keep, drop in (("A", proposed[::2], set(proposed[1::2])), ("B", [], set(proposed))):
+        ids = np.array(sorted(keep + [t for t in range(v.n_vocab) if t not in drop and t not in keep][:256 - len(keep)]))
+        out = tmp_path / f"{kind}-{label}.gguf"
+        qtype, source = dv.write_reduced_drafter(p.drafter, p.target, ids, out)
+        assert dv.draft_vocab_size(out) == 256 and source == "target token_embd.weight" and qtype == "F32"
+        kept = set(ids.tolist())
+        red = _proposals(p.target, out)
+        flat = [t for block in red for t in block]
+        assert flat and set(flat) <= kept, "the reduced head proposed a token outside d2t"
+        if kind == "dflash":   # per-row argmax: the same token wherever the full head's choice was kept
+            pairs = [(a, b) for fa, fb in zip(full, red) for a, b in zip(fa, fb)]
+            assert all(a == b for a, b in pairs if a in kept)
+            assert label == "B" or any(a in kept for a, _ in pairs)
+        plain, spec, tau = _lossless(p.target, out)
+        assert spec == plain
 
 
 def test_reduced_head_of_an_untied_target(models, tmp_path):
