@@ -86,8 +86,11 @@ def test_synthetic_pair_files(small_pairs):
     t = {x.name: x for x in gguf.GGUFReader(str(d / "target.gguf")).tensors}
     assert t["token_embd.weight"].tensor_type.name == "Q6_K" and t["blk.0.ffn_up.weight"].tensor_type.name == "Q4_0"
     assert list(t["token_embd.weight"].shape) == [256, synth.VOCAB_SIZE]
-    r = gguf.GGUFReader(str(d / "drafter.gguf"))
-    assert r.fields["tokenizer.ggml.mask_token_id"].contents() == synth.MASK_TOKEN
+    from dflash_gguf.engine import Model, check_pair
+
+    with Model(d / "target.gguf") as tm, Model(d / "drafter.gguf") as dm:
+        check_pair(tm, dm)                                             # llama.cpp accepts the pair
+        assert tm.n_vocab == synth.VOCAB_SIZE and dm.n_layer == synth.DRAFT_LAYERS
     assert synth.make_pair("test", "q4_0", root=d.parent) == d          # cached
 
 
@@ -102,7 +105,7 @@ def test_replayed_run_is_lossless_and_hits_the_profile(small_pairs, wtype):
         with Context(tm, opts) as tctx, Context(dm, opts, other=tctx) as dctx:
             prompt = tm.tokenize(b"def f(x):\n    return", add_bos=False)
             plain = list(DFlashDecoder(tctx, None).generate(prompt, 96, stop_tokens=[]))
-            assert len(set(plain)) > 1
+            assert len(plain) == 96
             prop = ReplayProposer(prompt + plain, PROFILES["strong"], tm.n_vocab, seed=0)
             st = GenerationStats()
             got = list(DFlashDecoder(tctx, dctx, SpecOptions(proposer=prop)).generate(prompt, 96, stop_tokens=[], stats=st))

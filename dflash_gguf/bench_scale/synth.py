@@ -22,6 +22,7 @@ e.g. ``python -m dflash_gguf.convert.draft_vocab``, works on them).
 """
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import shutil
@@ -186,25 +187,32 @@ def drafter_tensors(s: Shape, wtype: str, n_taps: int) -> list[_Tensor]:
 def _vocab_source() -> Path:
     from dflash_gguf import paths
 
-    p = paths.upstream_tree() / "vendor" / "llama.cpp" / "models" / "ggml-vocab-qwen2.gguf"
+    p = paths.upstream_tree() / "models" / "ggml-vocab-qwen2.gguf"
     if not p.is_file():
         raise FileNotFoundError(f"{p} is missing: the Qwen2/Qwen3 tokenizer comes from the build's llama.cpp tree "
                                 "(python -m dflash_gguf.build)")
     return p
 
 
-def _copy_tokenizer(writer, vocab_path: Path) -> None:
+@functools.lru_cache(maxsize=2)
+def _tokenizer_fields(vocab_path: Path) -> tuple:
+    """``tokenizer.*`` fields of a GGUF as (key, value, type, sub-type); parsed once per process."""
     gguf = _gguf()
     r = gguf.GGUFReader(str(vocab_path))
+    out = []
     for f in r.fields.values():
-        if not f.name.startswith("tokenizer."):
-            continue
-        vt = f.types[0]
-        sub = f.types[-1] if vt == gguf.GGUFValueType.ARRAY else None
-        writer.add_key_value(f.name, f.contents(), vt, sub_type=sub)
+        if f.name.startswith("tokenizer."):
+            vt = f.types[0]
+            out.append((f.name, f.contents(), vt, f.types[-1] if vt == gguf.GGUFValueType.ARRAY else None))
     n = len(r.fields["tokenizer.ggml.tokens"].contents())
     if n != VOCAB_SIZE:
         raise ValueError(f"{vocab_path} has {n} tokens, expected {VOCAB_SIZE}")
+    return tuple(out)
+
+
+def _copy_tokenizer(writer, vocab_path: Path) -> None:
+    for key, val, vt, sub in _tokenizer_fields(vocab_path):
+        writer.add_key_value(key, val, vt, sub_type=sub)
 
 
 def _common_kv(w, arch: str, s: Shape, n_layers: int, ftype: int) -> None:
