@@ -188,6 +188,9 @@ def test_corpus_choice_counts_tokens(models, tmp_path):
         used = set(tok.tokenize(b"return self.value\nwhile True:\n    pass\n"))
     assert used <= set(c.ids.tolist())
     assert c.manifest()["corpus"][0]["file"] == "corpus.txt"
+    b = dv.choose(v, 64, builtin=True)
+    assert b.method == "builtin-corpus" and len(b.corpus) >= 10 and b.corpus_tokens > 100_000
+    assert dv.choose(v, 64, [corpus], builtin=True).method == "corpus"     # given files win
 
 
 # ---------------------------------------------------------------- convert integration
@@ -197,7 +200,7 @@ def test_convert_with_draft_vocab_records_and_checks(models, tmp_path):
     convert_pair(p.target_hf, p.drafter_hf, out, outtype="f32", threads=1, draft_vocab="128")
     m = load_manifest(out)
     rec = m.data["draft_vocab"]
-    assert rec["size"] == 128 and rec["of"] == 512 and rec["method"] == "tokenizer-rank"
+    assert rec["size"] == 128 and rec["of"] == 512 and rec["method"] == "builtin-corpus"
     assert rec["head_type"] == "F32" and dv.draft_vocab_size(m.drafter.path) == 128
     r = check_pair(out, n_tokens=24, threads=1)
     assert r.ok, r.message

@@ -91,6 +91,7 @@ def run_case(case: dict) -> dict:
     out = {"target": case["target"], "n_prompt": len(prompt_ids), "tokens": n_tok, "trials": trials,
            "threads": threads, "drafters": {}}
     plain = DFlashDecoder(tctx, None)
+    log.info("target loaded; plain reference run (%d tokens)", n_tok)
     ref, _ = _gen(plain, prompt_ids, n_tok)
     reference = prompt_ids + ref
     out["load_s"] = round(time.perf_counter() - t_load, 2)
@@ -100,7 +101,10 @@ def run_case(case: dict) -> dict:
         dctx = Context(dm, opts, other=tctx)
         probe = DFlashDecoder(tctx, dctx)
         n_draft = probe.n_draft
+        log.info("drafter %s: measuring costs", label)
         costs = measure_costs(tctx, dctx, prompt_ids, n_draft, case["repeats"])
+        log.info("drafter %s: t1 %.1f ms, verify(16) %.1f ms, draft %.1f ms", label, costs["t1_ms"],
+                 costs["verify_ms"][16], costs["draft_ms"])
         runs = {}
         for spec in case["profiles"]:
             name, cum = parse_profile(spec)
@@ -117,6 +121,8 @@ def run_case(case: dict) -> dict:
                 prop = None if base == "own" else ReplayProposer(reference, r["cum"], tm.n_vocab, seed=trial)
                 dec = DFlashDecoder(tctx, dctx, SpecOptions(proposer=prop, adaptive=name.endswith("+gate")))
                 toks, st = _gen(dec, prompt_ids, n_tok)
+                log.info("drafter %s trial %d %s: %.2f tok/s (plain %.2f), tau %.2f", label, trial, name,
+                         st.tokens_per_second, plain_tps[-1], st.tau)
                 r["tps"].append(st.tokens_per_second)
                 r["tau"] = round(st.tau, 3)
                 r["exact"] = toks == ref

@@ -4,7 +4,8 @@
     python -m dflash_gguf.bench_scale.vocab --pair DIR --sizes 8192 32768 --corpus FILE...
 
 For every head size N and token choice (``lowest-ids`` - the N smallest ids, the naive choice;
-``tokenizer-rank`` - the offline default; ``corpus`` - frequencies over ``--corpus`` files) it writes the
+``tokenizer-rank`` - the tokenizer's merge order alone; ``builtin-corpus`` - the default, counts over
+Python's standard library then the merge order; ``corpus`` - frequencies over ``--corpus`` files) it writes the
 reduced drafter to a temporary file, runs greedy generation over the bench prompts (our loop,
 fixed n_draft) and reports the acceptance length next to the full head's, plus whether every output
 equalled plain decoding. Each prompt runs from an empty cache; acceptance is the pooled
@@ -15,7 +16,6 @@ from __future__ import annotations
 import argparse
 import logging
 import sys
-import sysconfig
 import tempfile
 from pathlib import Path
 
@@ -24,17 +24,6 @@ import numpy as np
 log = logging.getLogger("dflash_gguf.bench_scale")
 
 DEMO_DIR = Path(__file__).resolve().parent.parent / "data" / "demo"
-# a calibration corpus a user of the demo pair has at hand: Python standard-library modules
-STDLIB_CORPUS = ("argparse.py", "textwrap.py", "dataclasses.py", "functools.py", "json/encoder.py", "json/decoder.py",
-                 "pathlib.py", "shutil.py", "subprocess.py", "logging/__init__.py", "collections/__init__.py",
-                 "inspect.py", "typing.py", "tempfile.py", "string.py", "csv.py")
-
-
-def stdlib_corpus() -> list[Path]:
-    root = Path(sysconfig.get_paths()["stdlib"])
-    return [root / n for n in STDLIB_CORPUS if (root / n).is_file()]
-
-
 def _run(target: Path, drafter: Path, prompts: list[str], n_tok: int, threads: int) -> tuple[float, int, list]:
     from dflash_gguf.engine import Context, ContextOptions, Model
     from dflash_gguf.spec import DFlashDecoder, GenerationStats
@@ -67,9 +56,10 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m dflash_gguf.bench_scale.vocab", description=__doc__.split("\n\n")[0])
     ap.add_argument("--pair", default=str(DEMO_DIR), help="converted pair directory (default: the demo pair)")
     ap.add_argument("--sizes", nargs="+", type=int, default=[512, 1024, 2048])
-    ap.add_argument("--corpus", nargs="*", default=None, help="calibration text files (default: 16 standard-library "
-                    "modules for the demo pair; none otherwise)")
+    ap.add_argument("--corpus", nargs="*", default=None, help="also measure a choice by these calibration files")
     ap.add_argument("--prompts", nargs="+", default=["all"], help="bench prompt sets or files (default: all)")
+    ap.add_argument("--methods", nargs="+", default=None, help="only these choices (lowest-ids, tokenizer-rank, "
+                    "builtin-corpus, corpus)")
     ap.add_argument("-n", "--tokens", type=int, default=128)
     ap.add_argument("-t", "--threads", type=int, default=2)
     a = ap.parse_args(argv)
@@ -78,7 +68,7 @@ def main(argv: list[str] | None = None) -> int:
 
     set_log_handler()
     m = load_manifest(a.pair)
-    corpus = a.corpus if a.corpus is not None else (stdlib_corpus() if Path(a.pair).resolve() == DEMO_DIR.resolve() else [])
+    corpus = a.corpus or []
     prompts = [p["text"] for p in load_prompts(a.prompts)]
     v = dv.read_vocab(m.target.path)
     tau_full, ex, _ = _run(m.target.path, m.drafter.path, prompts, a.tokens, a.threads)
@@ -87,18 +77,22 @@ def main(argv: list[str] | None = None) -> int:
           flush=True)
     with tempfile.TemporaryDirectory(prefix="dflash-dv-") as tmp:
         for n in a.sizes:
-            choices = {"lowest-ids": np.arange(n, dtype=np.int64), "tokenizer-rank": dv.choose(v, n).ids}
-            cov = {}
+            b = dv.choose(v, n, builtin=True)
+            choices = {"lowest-ids": np.arange(n, dtype=np.int64), "tokenizer-rank": dv.choose(v, n).ids,
+                       "builtin-corpus (default)": b.ids}
+            cov = {"builtin-corpus (default)": b.corpus_coverage}
             if corpus:
                 c = dv.choose(v, n, corpus)
                 choices["corpus"] = c.ids
                 cov["corpus"] = c.corpus_coverage
             for method, ids in choices.items():
+                if a.methods and method.split()[0] not in a.methods:
+                    continue
                 out = Path(tmp) / f"d-{n}-{method}.gguf"
                 dv.write_reduced_drafter(m.drafter.path, m.target.path, ids, out)
                 tau, ex, _ = _run(m.target.path, out, prompts, a.tokens, a.threads)
                 rows.append((method, n, tau, ex, cov.get(method)))
-                print(f"N={n:6d} {method:15s}: acceptance length {tau:.3f} ({tau / tau_full:.1%} of full), "
+                print(f"N={n:6d} {method:25s}: acceptance length {tau:.3f} ({tau / tau_full:.1%} of full), "
                       f"{ex}/{len(prompts)} outputs == plain", flush=True)
                 out.unlink()
     print()

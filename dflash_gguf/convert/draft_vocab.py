@@ -274,6 +274,24 @@ def corpus_counts(v: Vocab, files: list[str | os.PathLike], chunk: int = 1 << 20
     return counts, info
 
 
+# The offline default calibration text: Python's standard library, present wherever the converter runs -
+# the English of Python's documentation (pydoc_data/topics.py) and a spread of modules (code, comments,
+# docstrings). Its token counts decide first; the tokenizer's merge rank orders every token it never uses.
+BUILTIN_CORPUS = ("pydoc_data/topics.py", "argparse.py", "textwrap.py", "dataclasses.py", "functools.py",
+                  "json/encoder.py", "pathlib.py", "shutil.py", "subprocess.py", "logging/__init__.py",
+                  "collections/__init__.py", "inspect.py", "typing.py", "tempfile.py", "csv.py", "email/message.py",
+                  "http/client.py", "unittest/case.py", "asyncio/base_events.py", "enum.py", "statistics.py",
+                  "datetime.py", "difflib.py")
+
+
+def builtin_corpus() -> list[Path]:
+    """The default calibration files that exist on this machine (may be empty)."""
+    import sysconfig
+
+    root = Path(sysconfig.get_paths()["stdlib"])
+    return [root / n for n in BUILTIN_CORPUS if (root / n).is_file()]
+
+
 def parse_size(value: str | int | None) -> str | int | None:
     """``--draft-vocab`` value: an integer N, ``auto`` or ``off`` (clear error otherwise)."""
     if value is None or isinstance(value, int):
@@ -322,8 +340,14 @@ def resolve_size(size: str | int | None, n_vocab: int) -> int | None:
 
 
 def choose(v: Vocab, n: int, corpus: list[str | os.PathLike] | None = None, *, min_size: int = 1,
-           extra_required: list[int] | None = None) -> Choice:
-    """Choose ``n`` token ids for the draft head (see the module docstring)."""
+           extra_required: list[int] | None = None, builtin: bool = False) -> Choice:
+    """Choose ``n`` token ids for the draft head (see the module docstring).
+
+    ``corpus`` files count first; without them, ``builtin=True`` counts over :func:`builtin_corpus`,
+    and otherwise only the tokenizer's own rank decides."""
+    label = "corpus"
+    if not corpus and builtin:
+        corpus, label = builtin_corpus(), "builtin-corpus"
     if n >= v.n_vocab:
         raise PairError(f"--draft-vocab {n} is not smaller than the target vocabulary ({v.n_vocab} tokens)")
     if n < min_size:
@@ -339,7 +363,7 @@ def choose(v: Vocab, n: int, corpus: list[str | os.PathLike] | None = None, *, m
         counts, info = corpus_counts(v, corpus)
         total = int(counts.sum())
         order = np.lexsort((rank, -counts))       # by count, then by the tokenizer's rank
-        method = "corpus"
+        method = label
         seen = int((counts > 0).sum())
         if seen < n - len(req):
             log.info("the corpus uses %d distinct tokens; the other %d rows follow the tokenizer's ranking",
@@ -457,7 +481,7 @@ def apply(drafter: Path, target: Path, size: str | int | None, corpus: list[str 
             raise PairError("--vocab-corpus needs a reduced head: pass --draft-vocab N")
         why = "off" if size in (None, "off") else f"auto: vocabulary of {v.n_vocab} < {AUTO_MIN_VOCAB} tokens"
         return {"size": None, "of": v.n_vocab, "why": why}
-    c = choose(v, n, corpus, min_size=_selector_top_k(drafter))
+    c = choose(v, n, corpus, min_size=_selector_top_k(drafter), builtin=True)
     qtype, source = write_reduced_drafter(drafter, target, c.ids, drafter)
     log.info("draft head: %d of %d tokens (%s%s), rows from the %s (%s)", n, v.n_vocab, c.method,
              f", corpus coverage {c.corpus_coverage:.1%}" if c.corpus_coverage is not None else "", source, qtype)
