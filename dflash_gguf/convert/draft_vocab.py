@@ -23,7 +23,9 @@ Which tokens (the only thing that matters for acceptance):
   training corpus, so a token made by an earlier merge is more frequent. A base symbol (byte or single
   character) is at least as frequent as the most frequent merged token that contains it, so it takes
   that token's rank; this matters for SentencePiece, which lists its character alphabet (``▁``, ``e``,
-  ``(``...) after all merges, at the highest ids. Byte-fallback pieces come last, unused/padding never;
+  ``(``...) after all merges, at the highest ids. Byte-fallback pieces come last, except those for
+  ASCII characters no piece spells (a SentencePiece vocabulary often has no ``\n`` piece: every newline
+  is the byte piece ``<0x0A>``), which come first; unused/padding tokens never;
 * always kept: control tokens, the special ids in the GGUF (BOS/EOS/EOT/...), and every token of the
   chat template rendered for an empty conversation (``<|im_start|>``, ``assistant``, ...).
 
@@ -159,8 +161,15 @@ def tokenizer_rank(v: Vocab) -> np.ndarray:
                 break
     finite = rank[np.isfinite(rank)]
     top = (finite.max() + 1) if len(finite) else 0.0
-    byte = v.types == BYTE                        # fallback pieces: after every normal token, in id order
+    low = (finite.min() - 1) if len(finite) else 0.0
+    byte = v.types == BYTE                        # fallback pieces: after every normal token, in id order,
     rank[byte] = top + np.arange(n)[byte]
+    for j in np.nonzero(byte)[0]:                 # except common ASCII the pieces cannot spell ('\n' in a
+        m = re.fullmatch(r"<0x([0-9A-Fa-f]{2})>", v.tokens[j])   # SentencePiece vocabulary): first
+        if m:
+            ch = chr(int(m.group(1), 16))
+            if (ch in "\t\n\r" or " " <= ch <= "~") and ch not in single and ("▁" if ch == " " else ch) not in single:
+                rank[j] = low
     return rank
 
 
