@@ -200,7 +200,7 @@ def test_convert_with_draft_vocab_records_and_checks(models, tmp_path):
     convert_pair(p.target_hf, p.drafter_hf, out, outtype="f32", threads=1, draft_vocab="128")
     m = load_manifest(out)
     rec = m.data["draft_vocab"]
-    assert rec["size"] == 128 and rec["of"] == 512 and rec["method"] == "builtin-corpus"
+    assert rec["size"] == 128 and rec["of"] == 512 and rec["method"] == "tokenizer-rank"
     assert rec["head_type"] == "F32" and dv.draft_vocab_size(m.drafter.path) == 128
     r = check_pair(out, n_tokens=24, threads=1)
     assert r.ok, r.message

@@ -4,8 +4,8 @@
     python -m dflash_gguf.bench_scale.vocab --pair DIR --sizes 8192 32768 --corpus FILE...
 
 For every head size N and token choice (``lowest-ids`` - the N smallest ids, the naive choice;
-``tokenizer-rank`` - the tokenizer's merge order alone; ``builtin-corpus`` - the default, counts over
-Python's standard library then the merge order; ``corpus`` - frequencies over ``--corpus`` files) it writes the
+``tokenizer-rank`` - the default, the tokenizer's merge order; ``builtin-corpus`` - counts over
+Python's standard library (documentation + modules) then the merge order; ``corpus`` - frequencies over ``--corpus`` files) it writes the
 reduced drafter to a temporary file, runs greedy generation over the bench prompts (our loop,
 fixed n_draft) and reports the acceptance length next to the full head's, plus whether every output
 equalled plain decoding. Each prompt runs from an empty cache; acceptance is the pooled
@@ -78,9 +78,9 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory(prefix="dflash-dv-") as tmp:
         for n in a.sizes:
             b = dv.choose(v, n, builtin=True)
-            choices = {"lowest-ids": np.arange(n, dtype=np.int64), "tokenizer-rank": dv.choose(v, n).ids,
-                       "builtin-corpus (default)": b.ids}
-            cov = {"builtin-corpus (default)": b.corpus_coverage}
+            choices = {"lowest-ids": np.arange(n, dtype=np.int64), "tokenizer-rank (default)": dv.choose(v, n).ids,
+                       "builtin-corpus": b.ids}
+            cov = {"builtin-corpus": b.corpus_coverage}
             if corpus:
                 c = dv.choose(v, n, corpus)
                 choices["corpus"] = c.ids

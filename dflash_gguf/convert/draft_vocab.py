@@ -283,9 +283,10 @@ def corpus_counts(v: Vocab, files: list[str | os.PathLike], chunk: int = 1 << 20
     return counts, info
 
 
-# The offline default calibration text: Python's standard library, present wherever the converter runs -
-# the English of Python's documentation (pydoc_data/topics.py) and a spread of modules (code, comments,
-# docstrings). Its token counts decide first; the tokenizer's merge rank orders every token it never uses.
+# A calibration text present wherever the converter runs: Python's standard library - the English of
+# Python's documentation (pydoc_data/topics.py) and a spread of modules (code, comments, docstrings).
+# Measured as a default on the demo pair and not chosen (BENCHMARKS.md): the tokenizer's merge order,
+# learnt on the model's own training text, kept as much acceptance from N = 1024 up.
 BUILTIN_CORPUS = ("pydoc_data/topics.py", "argparse.py", "textwrap.py", "dataclasses.py", "functools.py",
                   "json/encoder.py", "pathlib.py", "shutil.py", "subprocess.py", "logging/__init__.py",
                   "collections/__init__.py", "inspect.py", "typing.py", "tempfile.py", "csv.py", "email/message.py",
@@ -490,7 +491,7 @@ def apply(drafter: Path, target: Path, size: str | int | None, corpus: list[str 
             raise PairError("--vocab-corpus needs a reduced head: pass --draft-vocab N")
         why = "off" if size in (None, "off") else f"auto: vocabulary of {v.n_vocab} < {AUTO_MIN_VOCAB} tokens"
         return {"size": None, "of": v.n_vocab, "why": why}
-    c = choose(v, n, corpus, min_size=_selector_top_k(drafter), builtin=True)
+    c = choose(v, n, corpus, min_size=_selector_top_k(drafter))
     qtype, source = write_reduced_drafter(drafter, target, c.ids, drafter)
     log.info("draft head: %d of %d tokens (%s%s), rows from the %s (%s)", n, v.n_vocab, c.method,
              f", corpus coverage {c.corpus_coverage:.1%}" if c.corpus_coverage is not None else "", source, qtype)
