@@ -118,7 +118,8 @@ def run_case(case: dict) -> dict:
             plain_tps.append(st.tokens_per_second)
             for name, r in runs.items():
                 base = name.removesuffix("+gate")
-                prop = None if base == "own" else ReplayProposer(reference, r["cum"], tm.n_vocab, seed=trial)
+                seed = [trial, list(runs).index(base)]       # independent draws per profile and trial
+                prop = None if base == "own" else ReplayProposer(reference, r["cum"], tm.n_vocab, seed=seed)
                 dec = DFlashDecoder(tctx, dctx, SpecOptions(proposer=prop, adaptive=name.endswith("+gate")))
                 toks, st = _gen(dec, prompt_ids, n_tok)
                 log.info("drafter %s trial %d %s: %.2f tok/s (plain %.2f), tau %.2f", label, trial, name,
