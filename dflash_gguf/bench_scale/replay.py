@@ -39,7 +39,8 @@ PROFILES = {
     "none": [0.0] * 15,
 }
 DESCRIPTIONS = {
-    "demo": "demo pair's measured profile (k=1..7: 0.78 0.68 0.61 0.56 0.51 0.46 0.42; geometric tail for 8..15)",
+    "demo": "demo pair's measured profile (k=1..7: 0.78 0.68 0.61 0.56 0.51 0.46 0.42; geometric tail for 8..15; "
+            "acceptance length 7.30 at 15 drafted)",
     "strong": "strong block-16 profile P(a>=i) = 0.885^i",
     "none": "never-right drafter (every proposal wrong)",
 }
