@@ -7,7 +7,6 @@ full head wherever that token was kept, and that generation stays equal to plain
 from __future__ import annotations
 
 import json
-import shutil
 import subprocess
 import sys
 from pathlib import Path
