@@ -140,9 +140,7 @@ def tokenizer_rank(v: Vocab) -> np.ndarray:
             if j is not None and rank[j] == np.inf:
                 rank[j] = i
     elif v.scores is not None:                     # SentencePiece: higher score = earlier merge / likelier
-        multi = np.array([len(t) > 1 for t in v.tokens])
-        rank[normal & multi] = -v.scores[normal & multi]
-        rank[normal & ~multi] = -v.scores[normal & ~multi]
+        rank[normal] = -v.scores[normal]
     else:                                          # no evidence at all: the id order
         rank[normal] = np.arange(n)[normal]
     # a base symbol is at least as frequent as the most frequent merged token containing it
