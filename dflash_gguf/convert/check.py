@@ -25,6 +25,7 @@ class CheckResult:
     n_tokens: int = 0
     first_mismatch: int | None = None
     acceptance_length: float = 0.0
+    draft_vocab: int | None = None      # rows of the drafter's own reduced head (None: the full shared head)
 
 
 def check_pair(pair_dir: str | os.PathLike, *, n_tokens: int = 32, prompt: bytes = DEFAULT_PROMPT,
@@ -44,16 +45,18 @@ def check_pair(pair_dir: str | os.PathLike, *, n_tokens: int = 32, prompt: bytes
 
 
 def _run(m, name: str, n_tokens: int, prompt: bytes, threads: int | None) -> CheckResult:
+    from dflash_gguf.convert import draft_vocab
     from dflash_gguf.engine import ContextOptions, Model
     from dflash_gguf.pair import compare_with_plain, open_pair
 
     with Model(m.target.path) as probe:
+        tm_vocab = probe.n_vocab
         tokens = probe.tokenize(prompt, add_bos=True)
     n_ctx = max(256, len(tokens) + n_tokens + 2 * m.block_size + 16)
     opts = ContextOptions(n_ctx=n_ctx, n_batch=512, n_ubatch=512, n_threads=threads)
     with open_pair(m.target.path, m.drafter.path, opts) as pair:
         dec = pair.decoder()
-        problem = _metadata_problem(m, dec.info)
+        problem = _metadata_problem(m, dec.info) or draft_vocab.check_manifest(m, m.drafter.path)
         if problem:
             return CheckResult(False, f"FAIL {name}: {problem}")
         c = compare_with_plain(pair, tokens, n_tokens, decoder=dec, stop_tokens=[])
@@ -65,9 +68,12 @@ def _run(m, name: str, n_tokens: int, prompt: bytes, threads: int | None) -> Che
         return CheckResult(False, f"FAIL {name}: speculative output differs from plain decoding at token {i} "
                                   f"({got} vs {want}): the engine is not lossless on this pair",
                            n_tokens=len(spec), first_mismatch=i, acceptance_length=tau)
+    dv = (m.data.get("draft_vocab") or {}).get("size")
+    head = f"draft head {dv} of {tm_vocab} tokens" if dv else "full draft head"
     return CheckResult(True, f"PASS {name}: {len(spec)} tokens with the {m.kind} drafter equal plain decoding "
-                             f"(target {m.target.type}, drafter {m.drafter.type}, block {m.block_size}, acceptance "
-                             f"length {tau:.2f})", n_tokens=len(spec), acceptance_length=tau)
+                             f"(target {m.target.type}, drafter {m.drafter.type}, block {m.block_size}, {head}, "
+                             f"acceptance length {tau:.2f})", n_tokens=len(spec), acceptance_length=tau,
+                       draft_vocab=dv)
 
 
 def _metadata_problem(m, info) -> str | None:

@@ -16,6 +16,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from dflash_gguf.convert import draft_vocab as dvocab
 from dflash_gguf.convert import manifest as mf
 from dflash_gguf.convert import upstream
 from dflash_gguf.convert.errors import OutputError
@@ -64,7 +65,8 @@ def plan(outtype: str, quantize: str | None, drafter_outtype: str | None) -> tup
 
 def convert_pair(target_dir: str | os.PathLike, drafter_dir: str | os.PathLike, out_dir: str | os.PathLike, *,
                  outtype: str = "f16", quantize: str | None = None, drafter_outtype: str | None = None,
-                 threads: int | None = None, force: bool = False) -> mf.PairManifest:
+                 threads: int | None = None, force: bool = False, draft_vocab: str | int | None = "auto",
+                 vocab_corpus: list[str] | None = None) -> mf.PairManifest:
     """Convert a Hugging Face target + DFlash drafter into a validated GGUF pair directory.
 
     Raises :class:`PairError` (bad inputs, checked before any heavy work), :class:`OutputError`
@@ -78,6 +80,8 @@ def convert_pair(target_dir: str | os.PathLike, drafter_dir: str | os.PathLike, 
              "GGUF target_layers %s, mask token %d)", spec.target_arch, spec.target.architecture, spec.n_layer,
              spec.hidden_size, spec.vocab_size, spec.kind, spec.block_size, spec.target_layer_ids,
              spec.gguf_target_layers, spec.mask_token_id)
+    top_k = (spec.drafter.get("dflash_config") or {}).get("selector_top_k") or spec.drafter.get("selector_top_k")
+    dvocab.precheck(draft_vocab, vocab_corpus, spec.vocab_size, min_size=int(top_k or 1))
     upstream.check_dependencies()
     upstream.converter_script()
     out = Path(out_dir).expanduser().absolute()
@@ -89,9 +93,11 @@ def convert_pair(target_dir: str | os.PathLike, drafter_dir: str | os.PathLike, 
         t_name, d_name = _file_names(spec, t_recipe.final_type, d_recipe.final_type)
         t_file = _produce(spec.target.path, staging / t_name, t_recipe, None, threads, "target")
         d_file = _produce(spec.drafter.path, staging / d_name, d_recipe, spec.target.path, threads, "drafter")
+        dv = dvocab.apply(d_file, t_file, dvocab.parse_size(draft_vocab), vocab_corpus)
         log.info("writing %s (sha256 of both files)", mf.MANIFEST)
-        mf.write_manifest(staging, mf.build_manifest(spec, t_file, t_recipe.final_type, d_file,
-                                                     d_recipe.final_type))
+        doc = mf.build_manifest(spec, t_file, t_recipe.final_type, d_file, d_recipe.final_type)
+        doc["draft_vocab"] = dv
+        mf.write_manifest(staging, doc)
         _publish(staging, out)
         published = True
     except OutputError:

@@ -1,0 +1,101 @@
+"""Replayed acceptance: a proposer that is right exactly as often as a given acceptance profile says.
+
+A random-weight drafter is never right, so speed at a realistic acceptance cannot be measured with
+it. The decoder's ``OverrideProposer`` replaces the drafter's proposal *after* the drafter
+has run (its cost is paid every step, its cache gets every feature injection); the replacement is
+the target's own plain continuation (known from a plain run) cut at a point drawn from the profile:
+with ``cum[i] = P(at least i + 1 drafted tokens accepted)`` one uniform draw ``u`` per step gives
+``a = #{i : cum[i] > u}`` accepted tokens, so every position's acceptance matches the profile exactly
+in expectation. The token at ``a`` is made wrong on purpose (the true token + 1).
+"""
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+from typing import Sequence
+
+import numpy as np
+
+log = logging.getLogger("dflash_gguf.bench.scale")
+
+# The demo pair's measured per-position acceptance (BENCHMARKS.md section 2: ours, all 19 prompts,
+# block 8, k = 1..7); positions 8..15 continue with the last measured conditional rate (0.42 / 0.46).
+_DEMO_MEASURED = [0.78, 0.68, 0.61, 0.56, 0.51, 0.46, 0.42]
+
+
+def _geometric_tail(head: list[float], n: int) -> list[float]:
+    out = list(head)
+    r = head[-1] / head[-2]
+    while len(out) < n:
+        out.append(out[-1] * r)
+    return out
+
+
+PROFILES = {
+    "demo": _geometric_tail(_DEMO_MEASURED, 15),
+    # a strong block-16 drafter: P(a >= i) = 0.885^i, acceptance length 7.46 at 15 drafted tokens
+    "strong": [0.885 ** i for i in range(1, 16)],
+    "none": [0.0] * 15,
+}
+DESCRIPTIONS = {
+    "demo": "demo pair's measured profile (k=1..7: 0.78 0.68 0.61 0.56 0.51 0.46 0.42; geometric tail for 8..15; "
+            "acceptance length 7.30 at 15 drafted)",
+    "strong": "strong block-16 profile P(a>=i) = 0.885^i",
+    "none": "never-right drafter (every proposal wrong)",
+}
+
+
+def parse_profile(spec: str) -> tuple[str, list[float]]:
+    """A named profile, ``p1,p2,...`` (P(a >= i) for i = 1..) or a JSON file holding that list."""
+    if spec in PROFILES:
+        return spec, PROFILES[spec]
+    p = Path(spec)
+    try:
+        vals = json.loads(p.read_text()) if p.is_file() else [float(x) for x in spec.split(",") if x.strip()]
+    except (ValueError, OSError) as e:
+        raise ValueError(f"acceptance profile {spec!r}: not a profile name ({', '.join(PROFILES)}), a comma list "
+                         f"or a JSON list file ({e})") from e
+    if isinstance(vals, dict):
+        vals = vals.get("per_position_acceptance") or vals.get("profile") or []
+    vals = [float(x) for x in vals]
+    if not vals or any(not 0.0 <= x <= 1.0 for x in vals) or any(b > a + 1e-9 for a, b in zip(vals, vals[1:])):
+        raise ValueError(f"acceptance profile {spec!r} must be a non-increasing list of P(accepted >= i) in [0, 1]")
+    return (p.stem if p.is_file() else "custom"), vals
+
+
+def expected_tau(cum: Sequence[float], n: int) -> float:
+    """Expected tokens per step (accepted + the target's own) when drafting ``n`` tokens."""
+    return 1.0 + float(sum(list(cum)[:n]))
+
+
+class ReplayProposer:
+    """A proposal function (for ``OverrideProposer``) that replays ``reference`` (prompt + plain continuation) at a profile."""
+
+    def __init__(self, reference: Sequence[int], cum: Sequence[float], n_vocab: int, seed: int = 0):
+        self.ref = [int(t) for t in reference]
+        self.cum = np.asarray(cum, dtype=np.float64)
+        self.n_vocab = n_vocab
+        self.rng = np.random.default_rng(seed)
+        self._ok = 0               # length of the context prefix already known to match the reference
+        self.diverged = 0          # steps whose context left the reference (batched-rounding near-ties)
+        self.steps = 0
+
+    def __call__(self, ctx: list[int], n: int) -> list[int]:
+        self.steps += 1
+        L = len(ctx)
+        u = self.rng.random()
+        start = self._ok if L >= self._ok else 0     # a shorter context: a new generation
+        if L > len(self.ref) or ctx[start:L] != self.ref[start:L]:
+            self.diverged += 1
+            self._ok = 0
+            return [(int(ctx[-1]) + 1) % self.n_vocab] * n
+        self._ok = L
+        truth = self.ref[L:L + n]
+        truth += [(truth[-1] + 1) % self.n_vocab if truth else 0] * (n - len(truth))
+        cum = self.cum[:n]
+        a = int((cum > u).sum()) if len(cum) else 0
+        out = list(truth)
+        if a < n:
+            out[a] = (truth[a] + 1) % self.n_vocab
+        return out
