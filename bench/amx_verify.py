@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import os
 import statistics
 import subprocess
@@ -29,6 +30,8 @@ import time
 from pathlib import Path
 
 import numpy as np
+
+log = logging.getLogger("dflash_gguf.bench.amx_verify")
 
 # P(at least i drafted tokens accepted), i = 1..15 (block 16): the demo pair's measured profile with
 # a geometric tail, and a strong block-16 drafter (0.885^i), as in the scale benchmark
@@ -122,7 +125,7 @@ def summarize(runs: list[dict], max_rows: int) -> dict:
     if all("draft_ms" in r for r in runs):
         s["draft_ms"] = med([r["draft_ms"] for r in runs])
         step = s["draft_ms"][0] + s["verify_ms"][max_rows][0]
-        s["speedup"] = {name: tau(p) * t1 / step for name, p in PROFILES.items()}
+        s["speedup"] = {name: tau(p[:max_rows - 1]) * t1 / step for name, p in PROFILES.items()}
         s["break_even_tau"] = step / t1
     return s
 
@@ -144,7 +147,7 @@ def report(results: dict, max_rows: int) -> str:
             extra = f"64-token prompt {v:.0f} ms ({lo:.0f}..{hi:.0f})"
             if "draft_ms" in s:
                 d = s["draft_ms"]
-                extra += (f"; draft (15 tokens) {d[0]:.1f} ms ({d[1]:.1f}..{d[2]:.1f}); break-even tau "
+                extra += (f"; draft ({max_rows - 1} tokens) {d[0]:.1f} ms ({d[1]:.1f}..{d[2]:.1f}); break-even tau "
                           f"{s['break_even_tau']:.2f}; cost-model speed-up: "
                           + ", ".join(f"{p} {x:.2f}x" for p, x in s["speedup"].items()))
             lines.append(f"\nAMX {m}: {extra}")
@@ -176,18 +179,19 @@ def main(argv: list[str] | None = None) -> int:
         ap.error("give --pair DIR or --model GGUF")
     modes = [m.strip() for m in args.modes.split(",") if m.strip()]
     results, raw = {}, {}
-    print(f"load before: {os.getloadavg()}", file=sys.stderr)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s", datefmt="%H:%M:%S")
+    log.info("load average before: %s", os.getloadavg())
     for name, model, draft in cases:
         runs = {m: [] for m in modes}
         for t in range(args.trials):
             for m in modes:
                 r = run_one(model, draft if draft and draft.is_file() else None, m, args)
                 runs[m].append(r)
-                print(f"{name} trial {t + 1} AMX {m}: t1 {r['verify_ms']['1']:.1f} ms, "
-                      f"t16 {r['verify_ms'][str(args.max_rows)]:.1f} ms, load {os.getloadavg()[0]:.1f}", file=sys.stderr)
+                log.info("%s trial %d AMX %s: t1 %.1f ms, t%d %.1f ms, load %.1f", name, t + 1, m,
+                         r["verify_ms"]["1"], args.max_rows, r["verify_ms"][str(args.max_rows)], os.getloadavg()[0])
         raw[name] = runs
         results[name] = {m: summarize(runs[m], args.max_rows) for m in modes}
-    print(f"load after: {os.getloadavg()}", file=sys.stderr)
+    log.info("load average after: %s", os.getloadavg())
     print(report(results, args.max_rows))
     if args.out:
         args.out.write_text(json.dumps({"summary": results, "runs": raw, "args": vars(args)}, default=str, indent=1))

@@ -37,6 +37,11 @@ AMX_TYPES = {"q4_0": 32, "q4_1": 32, "q8_0": 32, "q4_k": 256, "q5_k": 256, "q6_k
              "iq4_xs": 256, "f16": 16}
 
 
+# types ggml's CPU_REPACK buffer repacks on x86 with AVX2/AVX-512 (ggml-cpu/repack.cpp); the timing
+# mode compares AMX with it only for these (others are not placed in that buffer)
+REPACKED = {"q4_0", "q4_k", "iq4_nl"}
+
+
 def cpu_flags() -> set[str]:
     """The CPU feature flags of this Linux machine (empty elsewhere)."""
     try:
@@ -189,6 +194,41 @@ class Ggml:
             self.ggml_free(wctx)
 
 
+def time_mul_mat(ggml: Ggml, backend: int, buft: int, type_id: int, wq: np.ndarray, n: int, k: int,
+                 rows: list[int], repeats: int) -> dict[int, float]:
+    """Fastest of ``repeats`` graph computes of one MUL_MAT (weights set once) per row count, seconds."""
+    import time
+
+    out = {}
+    wctx = ggml.ggml_init(_InitParams(ggml.ggml_tensor_overhead() * 4, None, True))
+    w = ggml.ggml_new_tensor_2d(wctx, type_id, k, n)
+    wbuf = ggml.ggml_backend_alloc_ctx_tensors_from_buft(wctx, buft)
+    ggml.ggml_backend_tensor_set(w, wq.ctypes.data, 0, wq.nbytes)
+    rng = np.random.default_rng(1)
+    try:
+        for m in rows:
+            cctx = ggml.ggml_init(_InitParams(ggml.ggml_tensor_overhead() * 8 + ggml.ggml_graph_overhead(), None, True))
+            xt = ggml.ggml_new_tensor_2d(cctx, GGML_TYPES["f32"], k, m)
+            y = ggml.ggml_mul_mat(cctx, w, xt)
+            graph = ggml.ggml_new_graph(cctx)
+            ggml.ggml_build_forward_expand(graph, y)
+            cbuf = ggml.ggml_backend_alloc_ctx_tensors_from_buft(cctx, ggml.ggml_backend_cpu_buffer_type())
+            x = rng.standard_normal((m, k)).astype(np.float32)
+            ggml.ggml_backend_tensor_set(xt, x.ctypes.data, 0, x.nbytes)
+            ts = []
+            for _ in range(repeats + 1):
+                t0 = time.perf_counter()
+                ggml.ggml_backend_graph_compute(backend, graph)
+                ts.append(time.perf_counter() - t0)
+            out[m] = min(ts[1:])
+            ggml.ggml_backend_buffer_free(cbuf)
+            ggml.ggml_free(cctx)
+    finally:
+        ggml.ggml_backend_buffer_free(wbuf)
+        ggml.ggml_free(wctx)
+    return out
+
+
 @dataclass
 class CaseResult:
     type: str
@@ -270,6 +310,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--batch", type=int, default=1, help="src1 ne2 (weights broadcast over it)")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--time", type=int, default=0, metavar="REPEATS",
+                    help="instead of checking, time one MUL_MAT per row count on each buffer type (fastest of REPEATS)")
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(name)s: %(message)s")
 
@@ -282,6 +324,24 @@ def main(argv: list[str] | None = None) -> int:
         log.error("this ggml registers no AMX buffer type (built without AMX-INT8, or GGML_CPU_AMX=0)")
         return 3
     types = [t.strip().lower() for t in args.types.split(",") if t.strip()]
+    if args.time:
+        bufts = {"AMX": ggml.extra_bufts()["AMX"], "CPU": ggml.ggml_backend_cpu_buffer_type()}
+        if "CPU_REPACK" in ggml.extra_bufts():
+            bufts["CPU_REPACK"] = ggml.extra_bufts()["CPU_REPACK"]
+        backend = ggml.ggml_backend_cpu_init()
+        ggml.ggml_backend_cpu_set_n_threads(backend, args.threads)
+        rng = np.random.default_rng(args.seed)
+        for name in types:
+            t = GGML_TYPES[name]
+            wq = ggml.quantize(t, rng.standard_normal((args.n, args.k)).astype(np.float32))
+            for bname, buft in bufts.items():
+                if bname == "CPU_REPACK" and name not in REPACKED:
+                    continue
+                ts = time_mul_mat(ggml, backend, buft, t, wq, args.n, args.k, parse_rows(args.rows), args.time)
+                print(json.dumps({"type": name, "k": args.k, "n": args.n, "threads": args.threads, "buft": bname,
+                                  "ms": {m: round(v * 1e3, 4) for m, v in ts.items()}}), flush=True)
+        ggml.ggml_backend_free(backend)
+        return 0
     failed = 0
     for res in run_grid(ggml, types, parse_rows(args.rows), args.k, args.n, args.batch, args.threads, args.seed):
         failed += not res.ok

@@ -26,8 +26,11 @@ DEMO = ROOT / "dflash_gguf" / "data" / "demo"
 ROWS = "1-17,32,33,100"
 
 
-def _run(args: list[str], amx: str, timeout: int = 300) -> subprocess.CompletedProcess:
-    env = dict(os.environ, GGML_CPU_AMX=amx)
+def _run(args: list[str], amx: str | None, timeout: int = 300) -> subprocess.CompletedProcess:
+    """Run a child with GGML_CPU_AMX=amx (None: unset, i.e. the default of patches/0004)."""
+    env = {k: v for k, v in os.environ.items() if k != "GGML_CPU_AMX"}
+    if amx is not None:
+        env["GGML_CPU_AMX"] = amx
     return subprocess.run([sys.executable, *args], env=env, capture_output=True, text=True, timeout=timeout)
 
 
@@ -71,7 +74,7 @@ def test_mul_mat_broadcast_over_batches():
 
 
 # ---------------------------------------------------------------- end to end
-def _generate(target: Path, drafter: Path, amx: str, n: int = 48) -> dict:
+def _generate(target: Path, drafter: Path, amx: str | None, n: int = 48) -> dict:
     p = _run([__file__, str(target), str(drafter), str(n)], amx)
     assert p.returncode == 0, f"greedy generation with GGML_CPU_AMX={amx}: {_died(p)}"
     return json.loads(p.stdout.strip().splitlines()[-1])
@@ -117,6 +120,15 @@ def test_tiny_quantized_pair_amx_on_equals_off(models, tmp_path):
     quantize_file(p.drafter, d, "q8_0", threads=1)
     on, off = _generate(t, d, "1", 32), _generate(t, d, "0", 32)
     assert on["dflash"] == on["plain"] == off["plain"] == off["dflash"]
+
+
+def test_amx_is_the_default_for_quantized_weights(demo_pairs):
+    """patches/0004: unset GGML_CPU_AMX means AMX on (the same tokens as GGML_CPU_AMX=1)."""
+    target, drafter = demo_pairs["q4_0"]
+    default, on = _generate(target, drafter, None, 24), _generate(target, drafter, "1", 24)
+    if not on["amx"]:
+        pytest.skip("the installed ggml registers no AMX buffer type (built without AMX-INT8 kernels)")
+    assert default["amx"] and default["dflash"] == on["dflash"] == default["plain"]
 
 
 def _child(target: str, drafter: str, n: int) -> None:
