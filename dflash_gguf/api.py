@@ -25,6 +25,7 @@ import inspect
 import json
 import logging
 import os
+import threading
 import weakref
 from dataclasses import dataclass
 from pathlib import Path
@@ -36,6 +37,8 @@ import llama_cpp.llama_chat_format as llama_chat_format
 
 from dflash_gguf import _bindings as B
 from dflash_gguf.engine import Context, ContextOptions, Model
+from dflash_gguf.errors import BusyError, ModelFileError
+from dflash_gguf.gguf_check import check_gguf, check_manifest
 from dflash_gguf.sampling import SamplingParams
 from dflash_gguf.spec import DFlashDecoder, GenerationStats, SpecOptions, common_prefix_len
 
@@ -65,7 +68,7 @@ def check_grammar(llm: llama_cpp.Llama, grammar) -> None:
     llama_cpp.llama_sampler_free(sampler)
 
 
-def pair_files(path: str | os.PathLike) -> tuple[Path, Path]:
+def pair_files(path: str | os.PathLike, *, verify: bool = False) -> tuple[Path, Path]:
     """(target.gguf, drafter.gguf) of a converted pair directory (or its ``pair.json``).
 
     Reads ``pair.json`` through :func:`dflash_gguf.convert.load_manifest` (which checks the files);
@@ -81,7 +84,8 @@ def pair_files(path: str | os.PathLike) -> tuple[Path, Path]:
         except ImportError:   # converter not installed: read the manifest ourselves
             doc = json.loads((root / "pair.json").read_text(encoding="utf-8"))
             return _manifest_file(root, doc, "target"), _manifest_file(root, doc, "drafter")
-        m = load_manifest(root)
+        m = load_manifest(root, verify=verify)
+        check_manifest(m.data, m.drafter.path)
         return Path(m.target.path), Path(m.drafter.path)
     targets, drafters = sorted(root.glob("target*.gguf")), sorted(root.glob("drafter*.gguf"))
     if len(targets) == 1 and len(drafters) == 1:
@@ -113,6 +117,9 @@ class Llama(llama_cpp.Llama):
             draft_n_max), from measured step costs and acceptance (see dflash_gguf.gate).
         dflash: default for every call; each call can override it with ``dflash=True/False``.
         draft_n_gpu_layers: layers of the drafter to offload (default: as the target).
+        draft_use_mmap: map the drafter file (default). ``False`` reads it into memory, so that the
+            file may change or be truncated on disk while the Llama runs (a mapped file truncated
+            in place kills the process with SIGBUS; the target follows llama_cpp's ``use_mmap``).
 
     After each generation ``self.last_dflash_stats`` holds its :class:`GenerationStats` (``None``
     after a plain fallback) and responses carry the same numbers as a top-level ``"dflash"`` object.
@@ -120,7 +127,7 @@ class Llama(llama_cpp.Llama):
 
     def __init__(self, model_path: str, *, draft_model_path: str | os.PathLike | None = None,
                  draft_n_max: int | None = None, draft_adaptive: bool = False, dflash: bool = True,
-                 draft_n_gpu_layers: int | None = None,
+                 draft_n_gpu_layers: int | None = None, draft_use_mmap: bool = True,
                  **kwargs):
         if draft_n_max is not None and draft_n_max < 0:
             raise ValueError(f"draft_n_max must be >= 0 (0: no drafting), got {draft_n_max}")
@@ -135,7 +142,20 @@ class Llama(llama_cpp.Llama):
         self.draft_n_max = draft_n_max
         self.draft_adaptive = draft_adaptive
         self.draft_n_gpu_layers = draft_n_gpu_layers
-        super().__init__(model_path, **kwargs)
+        self.draft_use_mmap = draft_use_mmap
+        self._owner_lock = threading.RLock()
+        self._owner: tuple[int, weakref.ref] | None = None   # (thread, generation) in flight
+        # llama.cpp aborts the process on some inconsistent files: check both before it loads either
+        if Path(model_path).is_file():
+            check_gguf(model_path, role="target")
+        if self.draft_model_path:
+            check_gguf(self.draft_model_path, role="drafter")
+        try:
+            super().__init__(model_path, **kwargs)
+        except ValueError as e:
+            if str(e).startswith("Failed to load model"):
+                raise ModelFileError(f"llama.cpp could not load {model_path} (see the llama.cpp log)") from e
+            raise
         if self.draft_model_path:
             self._stack.callback(self._close_dflash)   # LIFO: freed before the target context
             self._open_drafter()
@@ -144,14 +164,17 @@ class Llama(llama_cpp.Llama):
 
     # ------------------------------------------------------------------ construction
     @classmethod
-    def from_pair(cls, path: str | os.PathLike, **kwargs) -> "Llama":
-        """Open a converted pair directory (``pair.json`` + ``target*.gguf`` + ``drafter*.gguf``)."""
-        target, drafter = pair_files(path)
+    def from_pair(cls, path: str | os.PathLike, *, verify: bool = False, **kwargs) -> "Llama":
+        """Open a converted pair directory (``pair.json`` + ``target*.gguf`` + ``drafter*.gguf``).
+
+        ``verify=True`` also checks both files against the sha256 sums in ``pair.json``.
+        """
+        target, drafter = pair_files(path, verify=verify)
         return cls(str(target), draft_model_path=str(drafter), **kwargs)
 
     def _open_drafter(self) -> None:
         ngl = self.draft_n_gpu_layers if self.draft_n_gpu_layers is not None else self.model_params.n_gpu_layers
-        self._draft_model = Model(self.draft_model_path, n_gpu_layers=ngl)
+        self._draft_model = Model(self.draft_model_path, n_gpu_layers=ngl, use_mmap=self.draft_use_mmap)
         info = B.ffi.new("struct llama_dflash_drafter_info *")
         B.check(B.lib.llama_dflash_get_drafter_info(self._draft_model.cptr, info),
                 f"reading the drafter {Path(self.draft_model_path).name}")
@@ -205,7 +228,8 @@ class Llama(llama_cpp.Llama):
     def __getstate__(self):
         state = super().__getstate__()
         state.update(draft_model_path=self.draft_model_path, draft_n_max=self.draft_n_max, dflash=self.dflash,
-                     draft_n_gpu_layers=self.draft_n_gpu_layers, draft_adaptive=self.draft_adaptive)
+                     draft_n_gpu_layers=self.draft_n_gpu_layers, draft_adaptive=self.draft_adaptive,
+                     draft_use_mmap=self.draft_use_mmap)
         return state
 
     # ------------------------------------------------------------------ introspection
@@ -344,7 +368,34 @@ class Llama(llama_cpp.Llama):
             return "logprobs requested"
         return sampling.unsupported()
 
-    def generate(self, tokens: Sequence[int], top_k: int = 40, top_p: float = 0.95, min_p: float = 0.05,
+    def _check_free(self) -> None:
+        """Raise BusyError when another thread has a generation in flight on this Llama."""
+        with self._owner_lock:
+            owner = self._owner
+            if owner is None or owner[0] == threading.get_ident():
+                return
+            gen = owner[1]()
+            if gen is not None and gen.gi_frame is not None:   # alive and not finished
+                raise BusyError("this Llama is generating in another thread; llama.cpp contexts are not "
+                                "thread-safe: use one Llama per thread or serialize the calls")
+
+    def generate(self, *args, **kwargs):
+        """Token generator (``llama_cpp.Llama.generate``'s signature), through DFlash when possible.
+
+        One generation at a time: a call from a second thread while one is in flight raises
+        :class:`~dflash_gguf.errors.BusyError` (the caches are never touched by two threads).
+        """
+        with self._owner_lock:
+            self._check_free()
+            guarded = self._guarded(self._generate(*args, **kwargs))
+            self._owner = (threading.get_ident(), weakref.ref(guarded))
+            return guarded
+
+    @staticmethod
+    def _guarded(gen):
+        return (yield from gen)
+
+    def _generate(self, tokens: Sequence[int], top_k: int = 40, top_p: float = 0.95, min_p: float = 0.05,
                  typical_p: float = 1.0, temp: float = 0.80, repeat_penalty: float = 1.0, reset: bool = True,
                  frequency_penalty: float = 0.0, presence_penalty: float = 0.0, tfs_z: float = 1.0,
                  mirostat_mode: int = 0, mirostat_tau: float = 5.0, mirostat_eta: float = 0.1,
@@ -441,14 +492,21 @@ class Llama(llama_cpp.Llama):
 
     # ------------------------------------------------------------------ overrides keeping views in step
     def reset(self):
+        self._check_free()
         self._finish_live()
         super().reset()
 
+    def eval(self, tokens: Sequence[int]):
+        self._check_free()
+        return super().eval(tokens)
+
     def load_state(self, state) -> None:
+        self._check_free()
         self._finish_live()
         super().load_state(state)
 
     def save_state(self):
+        self._check_free()
         self._finish_live()
         return super().save_state()
 
@@ -471,11 +529,13 @@ def _signature(base, **extra) -> inspect.Signature:
     return sig.replace(parameters=params)
 
 
+Llama.generate.__signature__ = inspect.signature(Llama._generate)
 Llama.create_completion.__signature__ = _signature(llama_cpp.Llama.create_completion, dflash=None)
 Llama.__call__.__signature__ = _signature(llama_cpp.Llama.__call__, dflash=None)
 Llama.create_chat_completion.__signature__ = _signature(llama_cpp.Llama.create_chat_completion, dflash=None,
                                                         chat_template_kwargs=None)
 Llama.__init__.__signature__ = _signature(llama_cpp.Llama.__init__, draft_model_path=None, draft_n_max=None,
-                                          draft_adaptive=False, dflash=True, draft_n_gpu_layers=None)
+                                          draft_adaptive=False, dflash=True, draft_n_gpu_layers=None,
+                                          draft_use_mmap=True)
 
 __all__ = ["Llama", "check_grammar", "pair_files"]
