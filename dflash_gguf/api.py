@@ -37,7 +37,7 @@ import llama_cpp.llama_chat_format as llama_chat_format
 
 from dflash_gguf import _bindings as B
 from dflash_gguf.engine import Context, ContextOptions, Model
-from dflash_gguf.errors import BusyError, ModelFileError
+from dflash_gguf.errors import BusyError, ModelFileError, ModelNotFoundError
 from dflash_gguf.gguf_check import check_gguf, check_manifest
 from dflash_gguf.sampling import SamplingParams
 from dflash_gguf.spec import DFlashDecoder, GenerationStats, SpecOptions, common_prefix_len
@@ -146,10 +146,11 @@ class Llama(llama_cpp.Llama):
         self._owner_lock = threading.RLock()
         self._owner: tuple[int, weakref.ref] | None = None   # (thread, generation) in flight
         # llama.cpp aborts the process on some inconsistent files: check both before it loads either
-        if Path(model_path).is_file():
-            check_gguf(model_path, role="target")
-        if self.draft_model_path:
-            check_gguf(self.draft_model_path, role="drafter")
+        for path, role in ((model_path, "target"), (self.draft_model_path, "drafter")):
+            if path and not Path(path).is_file():
+                raise ModelNotFoundError(f"{role} model file not found: {path}")
+            if path:
+                check_gguf(path, role=role)
         try:
             super().__init__(model_path, **kwargs)
         except ValueError as e:

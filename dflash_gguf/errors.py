@@ -72,6 +72,10 @@ class ModelFileError(DFlashError, ValueError):
     """A model file is truncated, corrupt or inconsistent (found before llama.cpp loads it)."""
 
 
+class ModelNotFoundError(DFlashError, FileNotFoundError, ValueError):
+    """A model file does not exist (a ValueError too, as llama_cpp raises for a missing path)."""
+
+
 class StateFileError(DFlashError, OSError):
     """A saved state could not be written or read (disk full, permissions, a damaged file)."""
 

@@ -42,7 +42,7 @@ _GGML_FALLBACK = {0: (1, 4), 1: (1, 2), 2: (32, 18), 3: (32, 20), 6: (32, 22), 7
                   15: (256, 292), 16: (256, 66), 17: (256, 74), 18: (256, 98), 19: (256, 50), 20: (32, 18),
                   21: (256, 110), 22: (256, 82), 23: (256, 136), 24: (1, 1), 25: (1, 2), 26: (1, 4),
                   27: (1, 8), 28: (1, 8), 29: (256, 56), 30: (1, 2), 34: (256, 54), 35: (256, 66),
-                  39: (32, 17)}
+                  39: (32, 17), 40: (64, 36), 41: (128, 18), 42: (64, 18)}
 
 
 def ggml_type_sizes() -> dict[int, tuple[int, int]]:
@@ -334,7 +334,7 @@ def _check_model(h: GGUFHeader, r: _Reader) -> None:
     _arch_int(h, arch, "attention.key_length", r, lo=1, hi=1 << 16)
     _arch_int(h, arch, "attention.value_length", r, lo=1, hi=1 << 16)
     _arch_int(h, arch, "feed_forward_length", r, lo=0, hi=1 << 24, per_layer=n_layer)
-    _arch_int(h, arch, "context_length", r, lo=1)
+    _arch_int(h, arch, "context_length", r, lo=1, hi=1 << 25)   # llama_cpp allocates n_ctx_train tokens per tokenize
     n_expert = _arch_int(h, arch, "expert_count", r, lo=0, hi=MAX_EXPERTS)
     ne = (n_expert or [0])[0]
     n_used = _arch_int(h, arch, "expert_used_count", r, lo=0, hi=MAX_EXPERTS, per_layer=n_layer)
@@ -438,6 +438,10 @@ def check_manifest(doc: dict, drafter: str | os.PathLike) -> None:
     from dflash_gguf.errors import PairMismatchError
 
     h = parse_gguf(drafter)
+    if h.arch != "dflash":
+        raise PairMismatchError(f"pair.json names {Path(drafter).name} as the drafter, but its general.architecture "
+                                f"is {h.arch!r}, not 'dflash' (target and drafter swapped?)")
+    _check_model(h, _Reader(None, h.size, Path(drafter)))
     have = {"kind": "dflash2" if h.get("dflash.selector_top_k", 0) else "dflash",
             "block_size": h.get("dflash.block_size", 16),
             "target_layers": list(h.get("dflash.target_layers", []) or []),

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from dflash_gguf.errors import ModelFileError, PairMismatchError
-from dflash_gguf.gguf_check import T_ARRAY, T_STRING, T_UINT32, check_gguf, check_manifest, parse_gguf
+from dflash_gguf.gguf_check import T_STRING, T_UINT32, check_gguf, check_manifest, parse_gguf
 from dflash_gguf.reliability import fuzz, mutate
 
 pytestmark = pytest.mark.reliability
@@ -66,23 +66,20 @@ def test_fuzz_generates_300_cases():
 
 
 # ----------------------------------------------------------------------------- crash classes, one by one
-# Each of these aborted the Python process inside llama.cpp (GGML_ASSERT -> SIGABRT, or a division
-# by zero -> SIGFPE) before the pre-validation; now Model(), Llama() and from_pair() raise ModelFileError.
+# Each of these aborted the Python process inside llama.cpp (GGML_ASSERT in llama_model::load_hparams ->
+# SIGABRT) before the pre-validation; now Model() and Llama() raise ModelFileError.
 CRASHERS = {
     "block_count 0": ("target", "qwen3.block_count", lambda: mutate.kv_raw("qwen3.block_count", T_UINT32, 0)),
     "block_count 600": ("target", "qwen3.block_count", lambda: mutate.kv_raw("qwen3.block_count", T_UINT32, 600)),
+    "drafter block_count 0": ("drafter", "dflash.block_count", lambda: mutate.kv_raw("dflash.block_count", T_UINT32, 0)),
     "expert_used_count without experts": ("target", "qwen3.expert_used_count",
                                           lambda: mutate.kv_raw("qwen3.expert_used_count", T_UINT32, 2)),
     "expert_count above the limit": ("target", "qwen3.expert_count",
                                      lambda: mutate.kv_raw("qwen3.expert_count", T_UINT32, 100000)),
     "unknown rope scaling type": ("target", "qwen3.rope.scaling.type",
                                   lambda: mutate.kv_raw("qwen3.rope.scaling.type", T_STRING, "cubic")),
-    "general.alignment of the wrong type": ("target", "general.alignment",
-                                            lambda: mutate.kv_raw("general.alignment", T_STRING, "32")),
-    "vocabulary of integers": ("target", "tokenizer.ggml.tokens",
-                               lambda: mutate.kv_raw("tokenizer.ggml.tokens", T_ARRAY, list(range(4096)), 5)),
-    "drafter head_count 0": ("drafter", "dflash.attention.head_count",
-                             lambda: mutate.kv_raw("dflash.attention.head_count", T_UINT32, 0)),
+    "more MTP layers than layers": ("target", "qwen3.nextn_predict_layers",
+                                    lambda: mutate.kv_raw("qwen3.nextn_predict_layers", T_UINT32, 99)),
 }
 
 
@@ -132,9 +129,12 @@ def test_swapped_manifest_is_refused(tmp_path):
     doc["block_size"] = 8
     doc["target"], doc["drafter"] = doc["drafter"], doc["target"]
     (d / "pair.json").write_text(json.dumps(doc))
-    t, dr = pair_files(d)
+    with pytest.raises(PairMismatchError, match="swapped"):
+        pair_files(d)
     with pytest.raises(ModelFileError, match="drafter, not a target"):
-        check_gguf(t, role="target")
+        check_gguf(d / "drafter.gguf", role="target")
+    with pytest.raises(ModelFileError, match="must be 'dflash'"):
+        check_gguf(d / "target.gguf", role="drafter")
     check_manifest(json.loads((DEMO / "pair.json").read_text()), DEMO / "drafter.gguf")
 
 

@@ -120,7 +120,7 @@ def load_manifest(pair_dir: str | os.PathLike, *, verify: bool = False) -> PairM
                             mask_token_id=int(doc["mask_token_id"]), data=doc)
     except ManifestError:
         raise
-    except (OSError, ValueError, KeyError, TypeError) as e:
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:   # AttributeError: not a JSON object
         raise ManifestError(f"{path} is damaged ({e}): convert the pair again") from e
 
 

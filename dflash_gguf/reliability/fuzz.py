@@ -122,7 +122,8 @@ def file_cases(base: Base, role: str, rng: random.Random, scale: int) -> list[tu
     muts += M.section_flips(h, rng, n_kv=3 * scale, n_ti=2 * scale, n_data=max(1, scale // 2))
     muts += M.tensor_edits(h, rng, n_type=2 * scale, n_shape=2 * scale)
     muts += M.absurd_counts(h, rng)
-    muts += M.hparam_edits(h, rng, n=4 * scale)
+    muts += M.hparam_edits(h, rng, n=8 * scale)
+    muts += M.hparam_additions(h)
     muts += M.kv_structure(h, rng, n_remove=2 * scale, n_retype=2 * scale)
     if role == "drafter":
         muts += M.drafter_fields(h, int(base.th.get(f"{base.th.arch}.block_count", 0)),
@@ -157,9 +158,9 @@ def pair_cases(base: Base, others: list[Base]) -> list[tuple[str, str, Callable]
     out.append(("pair", "pair.json: target and drafter entries swapped",
                 edit(lambda d: d.update(target=d["drafter"], drafter=d["target"]))))
     out.append(("pair", "pair.json: target entry names the drafter file (size, sha256 consistent)",
-                edit(lambda d: d.update(target=dict(d["drafter"]))))
+                edit(lambda d: d.update(target=dict(d["drafter"])))))
     out.append(("pair", "pair.json: drafter entry names the target file (size, sha256 consistent)",
-                edit(lambda d: d.update(drafter=dict(d["target"]))))
+                edit(lambda d: d.update(drafter=dict(d["target"])))))
     out.append(("pair", "pair.json: drafter file name does not exist",
                 edit(lambda d: d["drafter"].update(file="missing.gguf"))))
     out.append(("pair", "pair.json: file name with a directory part",
@@ -231,6 +232,10 @@ def sample(cases: list[Case], n: int, seed: int) -> list[Case]:
 # --------------------------------------------------------------------------- the worker (child process)
 def _worker(no_precheck: bool) -> int:
     """Read case directories from stdin; write one JSON line per stage to stdout."""
+    # the protocol gets the real stdout; anything else printing there (C or Python) goes to stderr
+    proto = os.fdopen(os.dup(1), "w", buffering=1)
+    os.dup2(2, 1)
+    sys.stdout = sys.stderr
     logging.basicConfig(level=logging.ERROR, stream=sys.stderr)
     from dflash_gguf.logs import set_log_handler
     set_log_handler()
@@ -283,7 +288,7 @@ def _worker(no_precheck: bool) -> int:
         job = json.loads(line)
         d = Path(job["dir"])
         for name in job.get("stages", STAGES):
-            print(json.dumps({"case": job["case"], "start": name}), flush=True)
+            print(json.dumps({"case": job["case"], "start": name}), file=proto, flush=True)
             try:
                 res = stages[name](d)
                 outcome, err = (res or "ok"), None
@@ -291,8 +296,9 @@ def _worker(no_precheck: bool) -> int:
                 outcome, err = "typed", f"{type(e).__name__}: {e}"
             except BaseException as e:   # SystemExit too: a loader must not exit the process
                 outcome, err = "untyped", f"{type(e).__name__}: {e}"
-            print(json.dumps({"case": job["case"], "stage": name, "outcome": outcome, "error": err}), flush=True)
-        print(json.dumps({"case": job["case"], "done": True}), flush=True)
+            print(json.dumps({"case": job["case"], "stage": name, "outcome": outcome, "error": err}), file=proto,
+                  flush=True)
+        print(json.dumps({"case": job["case"], "done": True}), file=proto, flush=True)
     return 0
 
 
@@ -317,7 +323,7 @@ class Worker:
         self.n += 1
         self.err_path = self.log_dir / f"worker-{self.n}.stderr"
         self.err = open(self.err_path, "wb")
-        env = dict(os.environ, OMP_NUM_THREADS="1")
+        env = dict(os.environ, OMP_NUM_THREADS="1", GGML_NO_BACKTRACE="1")
         self.proc = subprocess.Popen(self.args, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.err,
                                      text=True, bufsize=1, preexec_fn=self._limits, env=env)
         self.q: queue.Queue = queue.Queue()
@@ -331,12 +337,16 @@ class Worker:
 
     def stderr_tail(self, n: int = 6) -> str:
         self.err.flush()
-        lines = self.err_path.read_text(errors="replace").strip().splitlines()
-        return " | ".join(l.strip() for l in lines[-n:])
+        with open(self.err_path, "rb") as f:
+            f.seek(self.err_pos)
+            lines = f.read().decode(errors="replace").strip().splitlines()
+        key = [ln for ln in lines if any(k in ln for k in ("GGML_ASSERT", "error", "terminate", "what()", "Error"))]
+        return " | ".join(ln.strip() for ln in (key or lines)[-n:])
 
     def run(self, case_id: int, d: Path, timeout: float) -> dict:
         """Stage outcomes of one case, plus ``fatal`` ('crash: SIGABRT', 'timeout', ...) if the worker died."""
         res = {"stages": {}, "errors": {}}
+        self.err_pos = self.err_path.stat().st_size
         try:
             self.proc.stdin.write(json.dumps({"case": case_id, "dir": str(d)}) + "\n")
             self.proc.stdin.flush()
@@ -359,7 +369,10 @@ class Worker:
                 res["fatal"], res["stage"] = (f"crash: {name}" if sig else f"exit: {name}"), current
                 res["stderr"] = self.stderr_tail()
                 break
-            msg = json.loads(line)
+            try:
+                msg = json.loads(line)
+            except ValueError:
+                continue
             if "start" in msg:
                 current = msg["start"]
             elif "stage" in msg:
@@ -414,9 +427,11 @@ def tiny_bases(root: Path) -> list[Base]:
 
 
 def run(bases: list[Base], n_cases: int | None, *, seed: int = 0, scale: int = 3, no_precheck: bool = False,
-        timeout: float = 120.0, mem_gb: float = 8.0, keep: Path | None = None) -> dict:
+        timeout: float = 120.0, mem_gb: float = 8.0, keep: Path | None = None, only: list[int] | None = None) -> dict:
     cases = build_cases(bases, seed, scale)
     chosen = cases if n_cases is None else sample(cases, n_cases, seed)
+    if only:
+        chosen = [c for c in cases if c.id in only]
     by_name = {b.name: b for b in bases}
     work = Path(tempfile.mkdtemp(prefix="dflash-fuzz-"))
     results, t0 = [], time.monotonic()
@@ -476,13 +491,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--timeout", type=float, default=120.0, help="seconds per case before it counts as a hang")
     ap.add_argument("--json", type=Path, default=None, help="write the full report here")
     ap.add_argument("--keep", type=Path, default=None, help="copy failing case directories here")
+    ap.add_argument("--only", type=int, nargs="*", default=None, help="run only these case ids")
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.worker:
         return _worker(args.no_precheck)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s", datefmt="%H:%M:%S")
     rep = run(default_bases(args.tiny_dir), None if args.full else args.cases, seed=args.seed, scale=args.scale,
-              no_precheck=args.no_precheck, timeout=args.timeout, keep=args.keep)
+              no_precheck=args.no_precheck, timeout=args.timeout, keep=args.keep, only=args.only)
     print(summary(rep))
     if args.json:
         args.json.write_text(json.dumps(rep, indent=1))

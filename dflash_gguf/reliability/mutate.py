@@ -333,3 +333,35 @@ def drafter_fields(h: GGUFHeader, target_layers: int, target_vocab: int) -> list
     replace("general.architecture", kv_raw("general.architecture", T_STRING, "qwen3"),
             "drafter claims general.architecture = qwen3")
     return out
+
+
+def hparam_additions(h: GGUFHeader) -> list[FileMutation]:
+    """Keys the file does not have, added with values llama.cpp asserts on (MoE, rope, MTP layers)."""
+    arch = h.arch or "x"
+    n_layer = h.get(f"{arch}.block_count", 1) or 1
+    adds = [
+        ("expert_used_count without experts", [(f"{arch}.expert_used_count", T_UINT32, 2)]),
+        ("expert_count above llama.cpp's limit", [(f"{arch}.expert_count", T_UINT32, 100_000),
+                                                  (f"{arch}.expert_used_count", T_UINT32, 2)]),
+        ("more experts used than exist", [(f"{arch}.expert_count", T_UINT32, 4), (f"{arch}.expert_used_count", T_UINT32, 8)]),
+        ("experts without any used", [(f"{arch}.expert_count", T_UINT32, 4), (f"{arch}.expert_used_count", T_UINT32, 0)]),
+        ("expert groups without experts", [(f"{arch}.expert_group_count", T_UINT32, 2)]),
+        ("expert groups not dividing the experts", [(f"{arch}.expert_count", T_UINT32, 6),
+                                                    (f"{arch}.expert_used_count", T_UINT32, 2),
+                                                    (f"{arch}.expert_group_count", T_UINT32, 4),
+                                                    (f"{arch}.expert_group_used_count", T_UINT32, 1)]),
+        ("unknown rope scaling type", [(f"{arch}.rope.scaling.type", T_STRING, "cubic")]),
+        ("rope scaling type as a number", [(f"{arch}.rope.scaling.type", T_UINT32, 3)]),
+        ("more MTP layers than layers", [(f"{arch}.nextn_predict_layers", T_UINT32, n_layer + 5)]),
+        ("per-layer head counts of the wrong length", [(f"{arch}.attention.head_count", T_ARRAY, [4] * (n_layer + 3))]),
+    ]
+    out = []
+    for desc, entries in adds:
+        keys = {k for k, _, _ in entries}
+        raws = [kv_raw(k, t, v, T_INT32 if t == T_ARRAY else None) for k, t, v in entries]
+
+        def fn(d, keys=keys, raws=raws):
+            kvs = [x for kv, x in zip(h.kv_list, _raw_kvs(d, h)) if kv.key not in keys]
+            return rebuild(d, h, kvs + raws, _raw_tensors(d, h))
+        out.append(FileMutation("hparam-add", desc, fn))
+    return out
