@@ -117,9 +117,9 @@ class Llama(llama_cpp.Llama):
             draft_n_max), from measured step costs and acceptance (see dflash_gguf.gate).
         dflash: default for every call; each call can override it with ``dflash=True/False``.
         draft_n_gpu_layers: layers of the drafter to offload (default: as the target).
-        draft_use_mmap: map the drafter file (default). ``False`` reads it into memory, so that the
-            file may change or be truncated on disk while the Llama runs (a mapped file truncated
-            in place kills the process with SIGBUS; the target follows llama_cpp's ``use_mmap``).
+        draft_use_mmap: map the drafter file instead of reading it into memory (default False: a
+            drafter is small, and a mapped file that is truncated or rewritten in place kills the
+            process with SIGBUS; the target follows llama_cpp's ``use_mmap``, default True).
 
     After each generation ``self.last_dflash_stats`` holds its :class:`GenerationStats` (``None``
     after a plain fallback) and responses carry the same numbers as a top-level ``"dflash"`` object.
@@ -127,7 +127,7 @@ class Llama(llama_cpp.Llama):
 
     def __init__(self, model_path: str, *, draft_model_path: str | os.PathLike | None = None,
                  draft_n_max: int | None = None, draft_adaptive: bool = False, dflash: bool = True,
-                 draft_n_gpu_layers: int | None = None, draft_use_mmap: bool = True,
+                 draft_n_gpu_layers: int | None = None, draft_use_mmap: bool = False,
                  **kwargs):
         if draft_n_max is not None and draft_n_max < 0:
             raise ValueError(f"draft_n_max must be >= 0 (0: no drafting), got {draft_n_max}")
@@ -219,6 +219,8 @@ class Llama(llama_cpp.Llama):
 
     def _close_dflash(self) -> None:
         self._finish_live()
+        if self._decoder is not None:
+            self._decoder.closed = True   # a generator finalized later must not touch freed contexts
         self._decoder = None
         for name in ("_draft_ctx", "_draft_model"):   # context before model
             obj = getattr(self, name, None)
@@ -376,7 +378,9 @@ class Llama(llama_cpp.Llama):
             if owner is None or owner[0] == threading.get_ident():
                 return
             gen = owner[1]()
-            if gen is not None and gen.gi_frame is not None:   # alive and not finished
+            busy = gen is not None and gen.gi_frame is not None   # alive and not finished
+            del gen   # no strong reference may outlive this frame (a traceback would keep it alive)
+            if busy:
                 raise BusyError("this Llama is generating in another thread; llama.cpp contexts are not "
                                 "thread-safe: use one Llama per thread or serialize the calls")
 
@@ -537,6 +541,6 @@ Llama.create_chat_completion.__signature__ = _signature(llama_cpp.Llama.create_c
                                                         chat_template_kwargs=None)
 Llama.__init__.__signature__ = _signature(llama_cpp.Llama.__init__, draft_model_path=None, draft_n_max=None,
                                           draft_adaptive=False, dflash=True, draft_n_gpu_layers=None,
-                                          draft_use_mmap=True)
+                                          draft_use_mmap=False)
 
 __all__ = ["Llama", "check_grammar", "pair_files"]

@@ -63,7 +63,8 @@ class Model(_Handle):
         check_gguf(self.path)   # llama.cpp aborts the process on some inconsistent files: refuse first
         params = C.llama_model_default_params()
         params.n_gpu_layers = n_gpu_layers
-        params.use_mmap = use_mmap
+        if not use_mmap:   # this llama_cpp has load_mode, not use_mmap (a ctypes struct takes unknown names silently)
+            params.load_mode = C.LLAMA_LOAD_MODE_NONE
         ptr = C.llama_model_load_from_file(str(self.path).encode(), params)
         if not ptr:
             raise ModelFileError(f"llama.cpp could not load {self.path}: not a valid GGUF, truncated, or an "

@@ -151,6 +151,7 @@ class DFlashDecoder:
         if self.rollback == "snapshot" and target.n_rs_seq < self.n_draft:
             raise InvalidArgumentError(f"snapshot rollback needs n_rs_seq >= {self.n_draft}, target has {target.n_rs_seq}")
         self.cache: list[int] = []     # tokens whose KV is in the target (and features in the drafter)
+        self.closed = False            # set when the contexts are freed: a late generator cleanup then does nothing
         self._vocab = target.model.n_vocab
         bs = max(self.n_draft + 1, 1)
         self._draft = np.zeros(bs, dtype=np.int32)
@@ -220,6 +221,8 @@ class DFlashDecoder:
 
     def _finish_block(self, pos: int, k: int, n_rows: int, saved: bytes | None, stats: GenerationStats) -> None:
         """Keep the first ``k`` rows of the verify batch in both caches (of ``n_rows`` decoded)."""
+        if self.closed:
+            return
         t0 = time.perf_counter()
         if self.drafter is not None:
             B.check(B.lib.llama_dflash_inject(self.drafter.cptr, self.target.cptr, 0, pos, 0, k),

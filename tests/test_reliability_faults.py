@@ -80,17 +80,19 @@ def test_drafter_deleted_or_unreadable_after_load(tmp_path, fresh):
     llm.close()
 
 
-def test_drafter_truncated_in_place_after_load(tmp_path, fresh):
-    """Truncating a memory-mapped drafter in place would SIGBUS the process: load_drafter_in_memory
-    (``draft_use_mmap=False``) copies it instead, and generations continue."""
+def test_files_truncated_in_place_after_load(tmp_path, fresh):
+    """A memory-mapped file truncated in place SIGBUSes the process at the next read of a weight.
+    The drafter is read into memory by default (``draft_use_mmap=False``); the target too with
+    llama_cpp's ``use_mmap=False``. Then truncating both after load changes nothing."""
     d = tmp_path / "p"
     shutil.copytree(DEMO, d)
     code = f"""
         import os
         from dflash_gguf import Llama
-        llm = Llama({str(d / 'target.gguf')!r}, draft_model_path={str(d / 'drafter.gguf')!r}, draft_use_mmap=False,
+        llm = Llama({str(d / 'target.gguf')!r}, draft_model_path={str(d / 'drafter.gguf')!r}, use_mmap=False,
                     n_ctx=512, n_batch=64, n_threads=1, n_threads_batch=1, verbose=False, seed=0)
         os.truncate({str(d / 'drafter.gguf')!r}, 0)
+        os.truncate({str(d / 'target.gguf')!r}, 100)
         for p in {PROMPTS!r}:
             print(repr(llm(p, max_tokens={N}, temperature=0)["choices"][0]["text"]))
     """
@@ -181,6 +183,8 @@ def test_keyboard_interrupt_mid_block_keeps_caches_consistent(pair_dir, fresh):
     llm.close()
 
 
+# an interrupt that lands inside llama.cpp's log callback is swallowed by ctypes (reported, not raised)
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
 def test_keyboard_interrupt_at_random_moments(pair_dir, fresh):
     """SIGALRM at random sub-millisecond delays raises KeyboardInterrupt wherever Python is:
     drafting, verifying, injecting, rolling back, inside llama_cpp's completion code."""

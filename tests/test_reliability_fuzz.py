@@ -43,8 +43,8 @@ def _with_kv(src: Path, dst: Path, key: str, raw: bytes | None) -> Path:
 
 def test_fuzz_sample_no_crash(models, tmp_path):
     """A bounded sample over every mutation class, on the demo pair and a tiny DFlash2 pair."""
-    p = models.pair("qwen3", "dflash2", 4)
-    bases = fuzz.default_bases() + [fuzz.Base("tiny-qwen3-dflash2-b4", p.target, p.drafter)]
+    p = models.pair("qwen3", "dflash2", 8)
+    bases = fuzz.default_bases() + [fuzz.Base("tiny-qwen3-dflash2-b8", p.target, p.drafter)]
     rep = fuzz.run(bases, 60, seed=1, timeout=120)
     print(fuzz.summary(rep))
     assert rep["cases"] == 60
