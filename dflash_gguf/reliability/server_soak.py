@@ -211,7 +211,7 @@ def make_requests(n: int, seed: int, max_tokens: int) -> list[Req]:
             out.append(Req(i, "bad", ep, None, raw=json.dumps(body).encode()[:-3] + b"}{", expect=400))
         elif r < 0.82:
             bad = dict(body)
-            bad.update(rng.choice([{"max_tokens": "ten"}, {"temperature": "hot"}, {"stop": 5}, {"stream": "yes"},
+            bad.update(rng.choice([{"max_tokens": "ten"}, {"temperature": "hot"}, {"stop": 5}, {"stream": [1]},
                                    {"max_tokens": 0}, {"frobnicate": 1}, {"n": 3}]))
             out.append(Req(i, "bad", ep, bad, stream=False, expect=400))
         elif r < 0.86:
@@ -262,6 +262,8 @@ def send(port: int, q: Req, rng: random.Random) -> Result:
         return Result(q, status, text, ch.get("finish_reason"), tokens or 0, seconds=time.monotonic() - t0)
     except (OSError, http.client.HTTPException) as e:
         return Result(q, -1, error=f"{type(e).__name__}: {e}", seconds=time.monotonic() - t0)
+    except (KeyError, IndexError, TypeError, ValueError) as e:   # a 200 whose body is not what the API promises
+        return Result(q, -2, error=f"malformed response: {type(e).__name__}: {e}", seconds=time.monotonic() - t0)
 
 
 class Monitor(threading.Thread):
@@ -365,7 +367,7 @@ def run(pair: Path, n_requests: int, clients: int, max_tokens: int, *, seed: int
     m_tokens = m1["completion_tokens"] - m0["completion_tokens"]
     c_tokens = sum(r.tokens for r in completed)
     fives = [r for r in results if r.status >= 500]
-    wrong_status = [r for r in results if r.req.kind in ("good", "bad") and r.status != r.req.expect]
+    wrong_status = [r for r in results if (r.req.kind in ("good", "bad") and r.status != r.req.expect) or r.status == -2]
     rep = {
         "requests": len(results), "clients": clients, "max_tokens": max_tokens, "seed": seed,
         "kinds": {k: sum(r.req.kind == k for r in results) for k in ("good", "bad", "drop_stream", "drop_request")},
