@@ -11,14 +11,17 @@ Two phases, each measured after every cycle (``gc.collect()`` first):
    ``--reopen`` generations; a cycle = one open ... close.
 2. ``Model``/``Context``/``DFlashDecoder``: ``--cycles`` open - generate 16 tokens - close.
 
-The first cycle of each phase is warm-up (allocator arenas, llama.cpp's one-time tables, lazy
-imports). After it, the figures must stay flat: RSS within ``--rss-tol-mib`` (default 8 MiB)
+RSS here is the resident *anonymous* memory (``RssAnon``: heap and buffers; the model files'
+mapped pages are page cache, not a leak), measured after ``gc.collect()`` and glibc's
+``malloc_trim(0)``. The first cycle of each phase is warm-up (allocator arenas, llama.cpp's
+one-time tables, lazy imports). After it, the figures must stay flat: RSS within ``--rss-tol-mib`` (default 8 MiB)
 of the post-warm-up value, the same number of open file descriptors, and at most
 ``--gc-tol`` (default 100) more gc-tracked objects. The exit status is 1 when one is exceeded.
 """
 from __future__ import annotations
 
 import argparse
+import ctypes
 import gc
 import json
 import logging
@@ -33,24 +36,39 @@ log = logging.getLogger("dflash_gguf.reliability.leaks")
 DEMO_DIR = Path(__file__).resolve().parent.parent / "data" / "demo"
 
 
-def rss_bytes() -> int:
+def rss_bytes(field: str = "RssAnon") -> int:
+    """Resident anonymous memory (heap, buffers): the model files' mapped pages are not a leak and
+    come and go with the page cache, so they are left out (VmRSS counts them)."""
     with open("/proc/self/status") as f:
         for line in f:
-            if line.startswith("VmRSS:"):
+            if line.startswith(field + ":"):
                 return int(line.split()[1]) * 1024
     return 0
+
+
+def _trim() -> None:
+    """Give freed heap memory back to the OS (glibc), so that RSS shows what is still allocated."""
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
 
 
 def n_fds() -> int:
     return len(os.listdir("/proc/self/fd"))
 
 
-def snapshot() -> dict:
+def snapshot(types: bool = False):
+    """(rss, fds, gc objects[, Counter of types]); a tuple of ints is not tracked by gc itself."""
     gc.collect()
     gc.collect()
+    _trim()
     objs = gc.get_objects()
-    return {"rss": rss_bytes(), "fds": n_fds(), "gc_objects": len(objs),
-            "types": Counter(type(o).__name__ for o in objs)}
+    out = (rss_bytes(), n_fds(), len(objs))
+    if types:
+        out += (tuple(sorted(Counter(type(o).__name__ for o in objs).items())),)
+    del objs
+    return out
 
 
 def _prompts(seed: int):
@@ -89,11 +107,9 @@ def llama_phase(target: str, drafter: str, generations: int, reopen: int, seed: 
         state = None
         llm.close()
         del llm
-        s = snapshot()
-        s["generations"] = done
+        s = snapshot(types=not marks or done >= generations) + (done,)
         marks.append(s)
-        log.info("llama: %d generations, RSS %.1f MiB, %d fds, %d gc objects", done, s["rss"] / 2 ** 20, s["fds"],
-                 s["gc_objects"])
+        log.info("llama: %d generations, RSS %.1f MiB, %d fds, %d gc objects", done, s[0] / 2 ** 20, s[1], s[2])
     return marks
 
 
@@ -110,24 +126,32 @@ def engine_phase(target: str, drafter: str, cycles: int, per_mark: int) -> list[
                 list(dec.generate(t.tokenize(b"def main():"), 16))
         del dec, t, d, tc, dc
         if (i + 1) % per_mark == 0 or i + 1 == cycles:
-            s = snapshot()
-            s["cycles"] = i + 1
+            s = snapshot(types=not marks or i + 1 == cycles) + (i + 1,)
             marks.append(s)
-            log.info("engine: %d cycles, RSS %.1f MiB, %d fds, %d gc objects", i + 1, s["rss"] / 2 ** 20, s["fds"],
-                     s["gc_objects"])
+            log.info("engine: %d cycles, RSS %.1f MiB, %d fds, %d gc objects", i + 1, s[0] / 2 ** 20, s[1], s[2])
     return marks
 
 
-def judge(marks: list[dict], rss_tol: int, gc_tol: int) -> dict:
-    """Growth after the first (warm-up) mark; ``ok`` when within the tolerances."""
+def judge(marks: list[tuple], rss_tol: int, gc_tol: int) -> dict:
+    """Growth after the first (warm-up) mark; ``ok`` when within the tolerances.
+
+    A mark is (rss, fds, gc objects, [types,] count); types only on the first and the last.
+    """
     base, last = marks[0], marks[-1]
-    peak_rss = max(m["rss"] for m in marks[1:]) if len(marks) > 1 else last["rss"]
-    growth = {"rss_mib": round((last["rss"] - base["rss"]) / 2 ** 20, 2),
-              "rss_peak_mib": round((peak_rss - base["rss"]) / 2 ** 20, 2),
-              "fds": last["fds"] - base["fds"], "gc_objects": last["gc_objects"] - base["gc_objects"],
-              "gc_types": {k: v for k, v in (last["types"] - base["types"]).most_common(8)}}
-    growth["ok"] = (peak_rss - base["rss"] <= rss_tol and max(m["fds"] for m in marks) == base["fds"]
-                    and growth["gc_objects"] <= gc_tol)
+    rss = [m[0] for m in marks]
+    peak_rss = max(rss[1:]) if len(marks) > 1 else last[0]
+    xs = [m[-1] for m in marks]
+    slope = 0.0
+    if len(marks) > 2:   # least-squares trend of RSS after warm-up, MiB per 100 units (generations, cycles)
+        mx, my = sum(xs) / len(xs), sum(rss) / len(rss)
+        den = sum((x - mx) ** 2 for x in xs)
+        slope = sum((x - mx) * (y - my) for x, y in zip(xs, rss)) / den * 100 / 2 ** 20 if den else 0.0
+    grew = Counter(dict(last[3])) - Counter(dict(base[3])) if len(last) > 4 and len(base) > 4 else Counter()
+    growth = {"rss_mib": round((last[0] - base[0]) / 2 ** 20, 2), "rss_peak_mib": round((peak_rss - base[0]) / 2 ** 20, 2),
+              "rss_trend_mib_per_100": round(slope, 3),
+              "fds": last[1] - base[1], "fds_max": max(m[1] for m in marks) - base[1],
+              "gc_objects": last[2] - base[2], "gc_types": dict(grew.most_common(8))}
+    growth["ok"] = (peak_rss - base[0] <= rss_tol and growth["fds_max"] == 0 and growth["gc_objects"] <= gc_tol)
     return growth
 
 
@@ -137,7 +161,7 @@ def run(target: str, drafter: str, generations: int, reopen: int, cycles: int, *
     rss_tol = int(rss_tol_mib * 2 ** 20)
     lm = llama_phase(target, drafter, generations, reopen)
     em = engine_phase(target, drafter, cycles, max(1, cycles // 5))
-    strip = lambda ms: [{k: v for k, v in m.items() if k != "types"} for m in ms]   # noqa: E731
+    strip = lambda ms: [{"rss": m[0], "fds": m[1], "gc_objects": m[2], "count": m[-1]} for m in ms]   # noqa: E731
     rep = {"target": target, "drafter": drafter, "generations": generations, "reopen": reopen, "cycles": cycles,
            "tolerance": {"rss_mib": rss_tol_mib, "fds": 0, "gc_objects": gc_tol},
            "llama": {"marks": strip(lm), "growth": judge(lm, rss_tol, gc_tol)},
@@ -155,7 +179,8 @@ def summary(rep: dict) -> str:
         g = rep[phase]["growth"]
         m = rep[phase]["marks"]
         out.append(f"  {phase}: RSS {m[0]['rss'] / 2 ** 20:.1f} -> {m[-1]['rss'] / 2 ** 20:.1f} MiB "
-                   f"(growth {g['rss_mib']:+.2f}, peak {g['rss_peak_mib']:+.2f} MiB), fds {m[0]['fds']} -> "
+                   f"(growth {g['rss_mib']:+.2f}, peak {g['rss_peak_mib']:+.2f} MiB, trend {g['rss_trend_mib_per_100']:+.3f} "
+                   f"MiB per 100), fds {m[0]['fds']} -> "
                    f"{m[-1]['fds']}, gc objects {g['gc_objects']:+d} {g['gc_types'] or ''} -> "
                    f"{'OK' if g['ok'] else 'GROWTH'}")
     return "\n".join(out)
