@@ -150,6 +150,7 @@ class Soak:
             self.llm.decoder.opts.proposer = self.oracle
         self.rng = random.Random(seed)
         self.res = ConfigResult(cfg.name)
+        self.eog = set(int(t) for t in self.llm.decoder.target.model.eog_tokens)
 
     def close(self):
         self.llm.close()
@@ -172,8 +173,13 @@ class Soak:
         return self._take(llm.generate(tokens, temp=0.0, top_k=1, top_p=1.0, min_p=0.0, repeat_penalty=1.0), n)
 
     def reference(self, prompt: list[int], n: int) -> list[int]:
+        """Plain greedy tokens, up to and including the first end-of-generation token (as DFlash)."""
         self.ref.reset()
-        return self._greedy(self.ref, prompt, n)
+        out = self._greedy(self.ref, prompt, n)
+        for i, t in enumerate(out):
+            if t in self.eog:
+                return out[:i + 1]
+        return out
 
     def _logits_after(self, tokens: list[int]) -> np.ndarray:
         import llama_cpp
