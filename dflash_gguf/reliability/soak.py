@@ -19,10 +19,13 @@ wrong token planted at a random offset in a quarter of the blocks: blocks then c
 drafted tokens and every rollback path runs. The drafter still runs and receives every
 injection. The demo pair uses its own trained drafter.
 
-At a divergence the tool recomputes the reference logits at that position and reports the gap
-between the two tokens' logits; a divergence counts as a near-tie when the gap is below
-``--tie`` (default 1e-3): batched and one-row matrix kernels round differently, so two ways of
-running the same target can pick different tokens when the two best logits (almost) tie.
+At a divergence the tool recomputes the reference logits at that position (the whole prefix in
+one batch) and reports the gap between the two tokens' logits; a divergence counts as a near-tie
+when the gap is at most ``--tie`` (default 1e-3) or ``--rel-tie`` (default 2e-4) times the
+largest |logit| there: batched and one-row matrix kernels round differently (float32 sums in
+another order, errors growing with the magnitudes summed), so two ways of running the same
+target can pick different tokens when the two best logits (almost) tie. The tiny random targets
+have logits in the hundreds, the demo pair's are around 20.
 """
 from __future__ import annotations
 
@@ -88,6 +91,7 @@ class Divergence:
     dflash_token: int
     gap: float             # logit(plain) - logit(dflash) under the reference logits at that position
     top2_gap: float        # top-1 minus top-2 logit there
+    scale: float           # largest |logit| there (rounding differences grow with it)
     near_tie: bool
 
 
@@ -134,12 +138,12 @@ class Oracle:
 
 
 class Soak:
-    def __init__(self, cfg: Config, *, seed: int, tie: float, n_ctx: int = N_CTX):
+    def __init__(self, cfg: Config, *, seed: int, tie: float, rel_tie: float = 2e-4, n_ctx: int = N_CTX):
         import llama_cpp
 
         from dflash_gguf.api import Llama
 
-        self.cfg, self.tie, self.n_ctx = cfg, tie, n_ctx
+        self.cfg, self.tie, self.rel_tie, self.n_ctx = cfg, tie, rel_tie, n_ctx
         kw = dict(n_ctx=n_ctx, n_batch=128, n_threads=1, n_threads_batch=1, verbose=False, seed=0)
         self.llm = Llama(cfg.target, draft_model_path=cfg.drafter, **kw)
         self.ref = llama_cpp.Llama(cfg.target, **kw)
@@ -216,10 +220,12 @@ class Soak:
         b = got[j] if j < len(got) else -1
         top = np.sort(logits)[-2:]
         gap = float(logits[a] - logits[b]) if a >= 0 and b >= 0 else float("inf")
-        d = Divergence(self.cfg.name, kind, j, a, b, gap, float(top[1] - top[0]), abs(gap) < self.tie)
+        scale = float(np.max(np.abs(logits)))
+        d = Divergence(self.cfg.name, kind, j, a, b, gap, float(top[1] - top[0]), scale,
+                       abs(gap) <= max(self.tie, self.rel_tie * scale))
         self.res.divergences.append(d)
-        log.warning("%s: divergence in a %s turn at token %d: plain %d, dflash %d, logit gap %.2e (%s)",
-                    self.cfg.name, kind, j, a, b, gap, "near-tie" if d.near_tie else "NOT a near-tie")
+        log.warning("%s: divergence in a %s turn at token %d: plain %d, dflash %d, logit gap %.2e (largest |logit| "
+                    "%.1f: %s)", self.cfg.name, kind, j, a, b, gap, scale, "near-tie" if d.near_tie else "NOT a near-tie")
         return got
 
     # ------------------------------------------------------------------ conversations
@@ -316,10 +322,10 @@ def make_tiny(archs=ARCHS, kinds=KINDS, blocks=BLOCKS) -> Path:
     return root
 
 
-def run(configs: list[Config], tokens: int, *, seed: int = 0, tie: float = 1e-3) -> dict:
+def run(configs: list[Config], tokens: int, *, seed: int = 0, tie: float = 1e-3, rel_tie: float = 2e-4) -> dict:
     results = []
     for i, cfg in enumerate(configs):
-        s = Soak(cfg, seed=seed + i, tie=tie)
+        s = Soak(cfg, seed=seed + i, tie=tie, rel_tie=rel_tie)
         try:
             r = s.run(tokens)
         finally:
@@ -330,7 +336,7 @@ def run(configs: list[Config], tokens: int, *, seed: int = 0, tie: float = 1e-3)
         results.append(r)
     total = sum(r.tokens for r in results)
     ties = sum(r.near_ties for r in results)
-    return {"seed": seed, "tie_threshold": tie, "tokens_per_config": tokens, "tokens": total,
+    return {"seed": seed, "tie_threshold": tie, "rel_tie_threshold": rel_tie, "tokens_per_config": tokens, "tokens": total,
             "near_ties": ties, "other_divergences": sum(r.other for r in results),
             "near_ties_per_10k": round(ties * 10_000 / total, 3) if total else 0.0,
             "configs": [{**{k: v for k, v in asdict(r).items() if k != "divergences"},
@@ -349,7 +355,8 @@ def summary(rep: dict) -> str:
                      f"div {len(c['divergences'])} (ties {c['near_ties']}) {c['seconds']} s")
         for d in c["divergences"]:
             lines.append(f"      {d['turn']} turn, token {d['position']}: plain {d['plain_token']} dflash "
-                         f"{d['dflash_token']} gap {d['gap']:.2e} (top-2 gap {d['top2_gap']:.2e})")
+                         f"{d['dflash_token']} gap {d['gap']:.2e} (top-2 gap {d['top2_gap']:.2e}, largest |logit| "
+                         f"{d['scale']:.1f}) {'near-tie' if d['near_tie'] else 'NOT A NEAR-TIE'}")
     return "\n".join(lines)
 
 
@@ -365,6 +372,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--no-demo", action="store_true", help="leave out the demo pair")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--tie", type=float, default=1e-3, help="logit gap below which a divergence is a near-tie")
+    ap.add_argument("--rel-tie", type=float, default=2e-4,
+                    help="... or below this fraction of the largest |logit| at that position (default 2e-4)")
     ap.add_argument("--json", type=Path, default=None)
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s", datefmt="%H:%M:%S")
@@ -378,7 +387,7 @@ def main(argv: list[str] | None = None) -> int:
     configs = [] if args.no_demo else [demo_config()]
     if root is not None:
         configs += tiny_configs(root, archs, kinds, blocks)
-    rep = run(configs, 10_000 if args.full else args.tokens, seed=args.seed, tie=args.tie)
+    rep = run(configs, 10_000 if args.full else args.tokens, seed=args.seed, tie=args.tie, rel_tie=args.rel_tie)
     print(summary(rep))
     if args.json:
         args.json.write_text(json.dumps(rep, indent=1))
