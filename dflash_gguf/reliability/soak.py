@@ -91,6 +91,7 @@ class Divergence:
     dflash_token: int
     gap: float             # logit(plain) - logit(dflash) under the reference logits at that position
     top2_gap: float        # top-1 minus top-2 logit there
+    gap_incremental: float  # the same gap with the prefix decoded as the reference did (prompt, then 1 token a step)
     scale: float           # largest |logit| there (rounding differences grow with it)
     near_tie: bool
 
@@ -185,11 +186,14 @@ class Soak:
                 return out[:i + 1]
         return out
 
-    def _logits_after(self, tokens: list[int]) -> np.ndarray:
+    def _logits_after(self, tokens: list[int], steps: list[int] = ()) -> np.ndarray:
+        """Logits after ``tokens`` in one batch, then ``steps`` one token at a time."""
         import llama_cpp
 
         self.ref.reset()
         self.ref.eval(tokens)   # without logits_all only the last row has logits, and scores stay empty
+        for t in steps:
+            self.ref.eval([t])
         ptr = llama_cpp.llama_get_logits_ith(self.ref._ctx.ctx, -1)
         return np.ctypeslib.as_array(ptr, shape=(self.ref.n_vocab(),)).astype(np.float64)
 
@@ -221,11 +225,14 @@ class Soak:
         top = np.sort(logits)[-2:]
         gap = float(logits[a] - logits[b]) if a >= 0 and b >= 0 else float("inf")
         scale = float(np.max(np.abs(logits)))
-        d = Divergence(self.cfg.name, kind, j, a, b, gap, float(top[1] - top[0]), scale,
+        inc = self._logits_after(prompt, ref[:j])
+        gap_inc = float(inc[a] - inc[b]) if a >= 0 and b >= 0 else float("inf")
+        d = Divergence(self.cfg.name, kind, j, a, b, gap, float(top[1] - top[0]), gap_inc, scale,
                        abs(gap) <= max(self.tie, self.rel_tie * scale))
         self.res.divergences.append(d)
-        log.warning("%s: divergence in a %s turn at token %d: plain %d, dflash %d, logit gap %.2e (largest |logit| "
-                    "%.1f: %s)", self.cfg.name, kind, j, a, b, gap, scale, "near-tie" if d.near_tie else "NOT a near-tie")
+        log.warning("%s: divergence in a %s turn at token %d: plain %d, dflash %d, logit gap %.2e (one batch) / %.2e "
+                    "(as the reference ran), largest |logit| %.1f: %s", self.cfg.name, kind, j, a, b, gap, gap_inc, scale,
+                    "near-tie" if d.near_tie else "NOT a near-tie")
         return got
 
     # ------------------------------------------------------------------ conversations
@@ -355,7 +362,8 @@ def summary(rep: dict) -> str:
                      f"div {len(c['divergences'])} (ties {c['near_ties']}) {c['seconds']} s")
         for d in c["divergences"]:
             lines.append(f"      {d['turn']} turn, token {d['position']}: plain {d['plain_token']} dflash "
-                         f"{d['dflash_token']} gap {d['gap']:.2e} (top-2 gap {d['top2_gap']:.2e}, largest |logit| "
+                         f"{d['dflash_token']} gap {d['gap']:.2e} / {d['gap_incremental']:.2e} as run (top-2 gap "
+                         f"{d['top2_gap']:.2e}, largest |logit| "
                          f"{d['scale']:.1f}) {'near-tie' if d['near_tie'] else 'NOT A NEAR-TIE'}")
     return "\n".join(lines)
 
