@@ -78,7 +78,7 @@ def _prompts(seed: int):
         yield rng, gen_text(rng, rng.randint(2, 30))
 
 
-def llama_phase(target: str, drafter: str, generations: int, reopen: int, seed: int = 0) -> list[dict]:
+def llama_phase(target: str, drafter: str, generations: int, reopen: int, seed: int = 0, max_tokens: int = 64) -> list:
     from dflash_gguf.api import Llama
 
     kw = dict(n_ctx=512, n_batch=64, n_threads=1, n_threads_batch=1, verbose=False, seed=0)
@@ -90,7 +90,7 @@ def llama_phase(target: str, drafter: str, generations: int, reopen: int, seed: 
         state = None
         for _ in range(min(reopen, generations - done)):
             rng, text = next(prompts)
-            call = dict(max_tokens=rng.randint(4, 64), temperature=rng.choice([0.0, 0.0, 0.7]), seed=rng.randrange(1000))
+            call = dict(max_tokens=rng.randint(min(4, max_tokens), max_tokens), temperature=rng.choice([0.0, 0.0, 0.7]), seed=rng.randrange(1000))
             if rng.random() < 0.3:
                 call["stop"] = [rng.choice(["\n", ")", ":", "def"])]
             if rng.random() < 0.4:
@@ -156,13 +156,14 @@ def judge(marks: list[tuple], rss_tol: int, gc_tol: int) -> dict:
 
 
 def run(target: str, drafter: str, generations: int, reopen: int, cycles: int, *, rss_tol_mib: float = 8.0,
-        gc_tol: int = 100) -> dict:
+        gc_tol: int = 100, max_tokens: int = 64) -> dict:
     t0 = time.monotonic()
     rss_tol = int(rss_tol_mib * 2 ** 20)
-    lm = llama_phase(target, drafter, generations, reopen)
+    lm = llama_phase(target, drafter, generations, reopen, max_tokens=max_tokens)
     em = engine_phase(target, drafter, cycles, max(1, cycles // 5))
     strip = lambda ms: [{"rss": m[0], "fds": m[1], "gc_objects": m[2], "count": m[-1]} for m in ms]   # noqa: E731
     rep = {"target": target, "drafter": drafter, "generations": generations, "reopen": reopen, "cycles": cycles,
+           "max_tokens": max_tokens,
            "tolerance": {"rss_mib": rss_tol_mib, "fds": 0, "gc_objects": gc_tol},
            "llama": {"marks": strip(lm), "growth": judge(lm, rss_tol, gc_tol)},
            "engine": {"marks": strip(em), "growth": judge(em, rss_tol, gc_tol)},
@@ -194,6 +195,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--reopen", type=int, default=50)
     ap.add_argument("--cycles", type=int, default=50, help="Model/Context open/close cycles")
     ap.add_argument("--full", action="store_true", help="1,000 generations, reopen every 100, 300 cycles")
+    ap.add_argument("--max-tokens", type=int, default=64, help="largest max_tokens of a generation (default 64)")
     ap.add_argument("--rss-tol-mib", type=float, default=8.0)
     ap.add_argument("--gc-tol", type=int, default=100)
     ap.add_argument("--json", type=Path, default=None)
@@ -204,7 +206,7 @@ def main(argv: list[str] | None = None) -> int:
     from dflash_gguf.logs import set_log_handler
     set_log_handler()
     rep = run(args.model, args.draft, args.generations, args.reopen, args.cycles, rss_tol_mib=args.rss_tol_mib,
-              gc_tol=args.gc_tol)
+              gc_tol=args.gc_tol, max_tokens=args.max_tokens)
     print(summary(rep))
     if args.json:
         args.json.write_text(json.dumps(rep, indent=1))
