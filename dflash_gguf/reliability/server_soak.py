@@ -169,6 +169,7 @@ class Result:
     tokens: int = 0
     error: str | None = None
     seconds: float = 0.0
+    counted: bool = False  # the client saw the final chunk (the server counts the request's tokens then)
 
 
 _ODD = ["é", "ß", "→", "日本語", "😀", "\u200b", "Ω", "\u0800", "🧪🧬", "\ufffd", "Ⅻ", "ﬁ"]
@@ -251,7 +252,8 @@ def send(port: int, q: Req, rng: random.Random) -> Result:
                     finish = ch["finish_reason"]
                     tokens = (c.get("usage") or {}).get("completion_tokens") or (c.get("dflash") or {}).get("n_generated", 0)
             done = bool(chunks) and chunks[-1] == "[DONE]"
-            return Result(q, 200, "".join(text), finish if done else None, tokens, seconds=time.monotonic() - t0)
+            return Result(q, 200, "".join(text), finish if done else None, tokens, seconds=time.monotonic() - t0,
+                          counted=finish is not None)
         status, data = request(port, "POST", q.endpoint, raw)
         if status != 200:
             return Result(q, status, error=str(data)[:300], seconds=time.monotonic() - t0)
@@ -259,7 +261,7 @@ def send(port: int, q: Req, rng: random.Random) -> Result:
         text = ch.get("text") if "text" in ch else (ch.get("message") or {}).get("content")
         usage = data.get("usage") or {}
         tokens = usage.get("completion_tokens") if usage else (data.get("dflash") or {}).get("n_generated", 0)
-        return Result(q, status, text, ch.get("finish_reason"), tokens or 0, seconds=time.monotonic() - t0)
+        return Result(q, status, text, ch.get("finish_reason"), tokens or 0, seconds=time.monotonic() - t0, counted=True)
     except (OSError, http.client.HTTPException) as e:
         return Result(q, -1, error=f"{type(e).__name__}: {e}", seconds=time.monotonic() - t0)
     except (KeyError, IndexError, TypeError, ValueError) as e:   # a 200 whose body is not what the API promises
@@ -362,7 +364,7 @@ def run(pair: Path, n_requests: int, clients: int, max_tokens: int, *, seed: int
     seen = {s: sum(1 for r in results if r.status == s) for s in (200, 400)}
     n_half = sum(r.req.kind == "drop_request" for r in results)
     n_drop = sum(r.req.kind == "drop_stream" for r in results)
-    completed = [r for r in results if r.status == 200 and r.finish is not None]
+    completed = [r for r in results if r.status == 200 and r.counted]
     m_200, m_400 = count(m1, 200) - count(m0, 200), count(m1, 400) - count(m0, 400)
     m_tokens = m1["completion_tokens"] - m0["completion_tokens"]
     c_tokens = sum(r.tokens for r in completed)
