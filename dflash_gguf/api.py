@@ -36,6 +36,8 @@ import llama_cpp.llama_chat_format as llama_chat_format
 
 from dflash_gguf.engine import Context, ContextOptions, DrafterInfo, Model, clamp_n_draft
 from dflash_gguf.pair import pair_files
+from dflash_gguf.errors import BusyError, ModelFileError, ModelNotFoundError
+from dflash_gguf.gguf_check import check_gguf
 from dflash_gguf.sampling import SamplingParams
 from dflash_gguf.spec.decoder import DFlashDecoder, SpecOptions, common_prefix_len
 from dflash_gguf.spec.stats import GenerationStats
@@ -104,6 +106,9 @@ class Llama(llama_cpp.Llama):
             tokens every step.
         dflash: default for every call; each call can override it with ``dflash=True/False``.
         draft_n_gpu_layers: layers of the drafter to offload (default: as the target).
+        draft_use_mmap: map the drafter file instead of reading it into memory (default False: a
+            drafter is small, and a mapped file that is truncated or rewritten in place kills the
+            process with SIGBUS; the target follows llama_cpp's ``use_mmap``, default True).
 
     After each generation ``self.last_dflash_stats`` holds its :class:`GenerationStats` (``None``
     after a plain fallback) and responses carry the same numbers as a top-level ``"dflash"`` object.
@@ -111,7 +116,7 @@ class Llama(llama_cpp.Llama):
 
     def __init__(self, model_path: str, *, draft_model_path: str | os.PathLike | None = None,
                  draft_n_max: int | None = None, draft_adaptive: bool = True, dflash: bool = True,
-                 draft_n_gpu_layers: int | None = None,
+                 draft_n_gpu_layers: int | None = None, draft_use_mmap: bool = False,
                  **kwargs):
         if draft_n_max is not None and draft_n_max < 0:
             raise ValueError(f"draft_n_max must be >= 0 (0: no drafting), got {draft_n_max}")
@@ -124,7 +129,21 @@ class Llama(llama_cpp.Llama):
         self.draft_n_max = draft_n_max
         self.draft_adaptive = draft_adaptive
         self.draft_n_gpu_layers = draft_n_gpu_layers
-        super().__init__(model_path, **kwargs)
+        self.draft_use_mmap = draft_use_mmap
+        self._owner_lock = threading.RLock()
+        self._owner: tuple[int, weakref.ref] | None = None   # (thread, generation) in flight
+        # llama.cpp aborts the process on some inconsistent files: check both before it loads either
+        for path, role in ((model_path, "target"), (self.draft_model_path, "drafter")):
+            if path and not Path(path).is_file():
+                raise ModelNotFoundError(f"{role} model file not found: {path}")
+            if path:
+                check_gguf(path, role=role)
+        try:
+            super().__init__(model_path, **kwargs)
+        except ValueError as e:
+            if str(e).startswith("Failed to load model"):
+                raise ModelFileError(f"llama.cpp could not load {model_path} (see the llama.cpp log)") from e
+            raise
         if self.draft_model_path:
             self._stack.callback(self._close_dflash)   # LIFO: freed before the target context
             self._open_drafter()
@@ -133,9 +152,12 @@ class Llama(llama_cpp.Llama):
 
     # ------------------------------------------------------------------ construction
     @classmethod
-    def from_pair(cls, path: str | os.PathLike, **kwargs) -> "Llama":
-        """Open a converted pair directory (``pair.json`` + ``target*.gguf`` + ``drafter*.gguf``)."""
-        target, drafter = pair_files(path)
+    def from_pair(cls, path: str | os.PathLike, *, verify: bool = False, **kwargs) -> "Llama":
+        """Open a converted pair directory (``pair.json`` + ``target*.gguf`` + ``drafter*.gguf``).
+
+        ``verify=True`` also checks both files against the sha256 sums in ``pair.json``.
+        """
+        target, drafter = pair_files(path, verify=verify)
         return cls(str(target), draft_model_path=str(drafter), **kwargs)
 
     @classmethod
@@ -174,7 +196,7 @@ class Llama(llama_cpp.Llama):
 
     def _open_drafter(self) -> None:
         ngl = self.draft_n_gpu_layers if self.draft_n_gpu_layers is not None else self.model_params.n_gpu_layers
-        self._draft_model = Model(self.draft_model_path, n_gpu_layers=ngl)
+        self._draft_model = Model(self.draft_model_path, n_gpu_layers=ngl, use_mmap=self.draft_use_mmap)
         hybrid = self._is_hybrid or self._is_recurrent
         n_draft = clamp_n_draft(DrafterInfo.read(self._draft_model), self.draft_n_max, n_batch=self.n_batch,
                                 n_ubatch=self.context_params.n_ubatch, hybrid=hybrid)
@@ -215,6 +237,8 @@ class Llama(llama_cpp.Llama):
 
     def _close_dflash(self) -> None:
         self._finish_live()
+        if self._decoder is not None:
+            self._decoder.closed = True   # a generator finalized later must not touch freed contexts
         self._decoder = None
         for name in ("_draft_ctx", "_draft_model"):   # context before model
             obj = getattr(self, name, None)
@@ -225,7 +249,8 @@ class Llama(llama_cpp.Llama):
     def __getstate__(self):
         state = super().__getstate__()
         state.update(draft_model_path=self.draft_model_path, draft_n_max=self.draft_n_max, dflash=self.dflash,
-                     draft_n_gpu_layers=self.draft_n_gpu_layers, draft_adaptive=self.draft_adaptive)
+                     draft_n_gpu_layers=self.draft_n_gpu_layers, draft_adaptive=self.draft_adaptive,
+                     draft_use_mmap=self.draft_use_mmap)
         return state
 
     # ------------------------------------------------------------------ introspection
@@ -381,7 +406,36 @@ class Llama(llama_cpp.Llama):
             return "logprobs requested"
         return sampling.unsupported()
 
-    def generate(self, tokens: Sequence[int], top_k: int = 40, top_p: float = 0.95, min_p: float = 0.05,
+    def _check_free(self) -> None:
+        """Raise BusyError when another thread has a generation in flight on this Llama."""
+        with self._owner_lock:
+            owner = self._owner
+            if owner is None or owner[0] == threading.get_ident():
+                return
+            gen = owner[1]()
+            busy = gen is not None and gen.gi_frame is not None   # alive and not finished
+            del gen   # no strong reference may outlive this frame (a traceback would keep it alive)
+            if busy:
+                raise BusyError("this Llama is generating in another thread; llama.cpp contexts are not "
+                                "thread-safe: use one Llama per thread or serialize the calls")
+
+    def generate(self, *args, **kwargs):
+        """Token generator (``llama_cpp.Llama.generate``'s signature), through DFlash when possible.
+
+        One generation at a time: a call from a second thread while one is in flight raises
+        :class:`~dflash_gguf.errors.BusyError` (the caches are never touched by two threads).
+        """
+        with self._owner_lock:
+            self._check_free()
+            guarded = self._guarded(self._generate(*args, **kwargs))
+            self._owner = (threading.get_ident(), weakref.ref(guarded))
+            return guarded
+
+    @staticmethod
+    def _guarded(gen):
+        return (yield from gen)
+
+    def _generate(self, tokens: Sequence[int], top_k: int = 40, top_p: float = 0.95, min_p: float = 0.05,
                  typical_p: float = 1.0, temp: float = 0.80, repeat_penalty: float = 1.0, reset: bool = True,
                  frequency_penalty: float = 0.0, presence_penalty: float = 0.0, tfs_z: float = 1.0,
                  mirostat_mode: int = 0, mirostat_tau: float = 5.0, mirostat_eta: float = 0.1,
@@ -518,14 +572,21 @@ class Llama(llama_cpp.Llama):
 
     # ------------------------------------------------------------------ overrides keeping views in step
     def reset(self):
+        self._check_free()
         self._finish_live()
         super().reset()
 
+    def eval(self, tokens: Sequence[int]):
+        self._check_free()
+        return super().eval(tokens)
+
     def load_state(self, state) -> None:
+        self._check_free()
         self._finish_live()
         super().load_state(state)
 
     def save_state(self):
+        self._check_free()
         self._finish_live()
         return super().save_state()
 
@@ -548,11 +609,13 @@ def _signature(base, **extra) -> inspect.Signature:
     return sig.replace(parameters=params)
 
 
+Llama.generate.__signature__ = inspect.signature(Llama._generate)
 Llama.create_completion.__signature__ = _signature(llama_cpp.Llama.create_completion, dflash=None)
 Llama.__call__.__signature__ = _signature(llama_cpp.Llama.__call__, dflash=None)
 Llama.create_chat_completion.__signature__ = _signature(llama_cpp.Llama.create_chat_completion, dflash=None,
                                                         chat_template_kwargs=None)
 Llama.__init__.__signature__ = _signature(llama_cpp.Llama.__init__, draft_model_path=None, draft_n_max=None,
-                                          draft_adaptive=True, dflash=True, draft_n_gpu_layers=None)
+                                          draft_adaptive=True, dflash=True, draft_n_gpu_layers=None,
+                                          draft_use_mmap=False)
 
 __all__ = ["Llama", "check_grammar", "pair_files"]

@@ -15,8 +15,9 @@ import llama_cpp.llama_cpp as C
 import numpy as np
 
 from dflash_gguf import _bindings as B
-from dflash_gguf.errors import (DFlashError, InvalidArgumentError, PairMismatchError, RollbackError,
-                               UnsupportedError)
+from dflash_gguf.errors import (DFlashError, InvalidArgumentError, ModelFileError, PairMismatchError,
+                               RollbackError, UnsupportedError)
+from dflash_gguf.gguf_check import check_gguf
 
 log = logging.getLogger("dflash_gguf.engine")
 
@@ -59,12 +60,14 @@ class Model(_Handle):
         self.path = Path(path)
         if not self.path.is_file():
             raise FileNotFoundError(f"model file not found: {self.path}")
+        check_gguf(self.path)   # llama.cpp aborts the process on some inconsistent files: refuse first
         params = C.llama_model_default_params()
         params.n_gpu_layers = n_gpu_layers
-        params.use_mmap = use_mmap
+        if not use_mmap:   # this llama_cpp has load_mode, not use_mmap (a ctypes struct takes unknown names silently)
+            params.load_mode = C.LLAMA_LOAD_MODE_NONE
         ptr = C.llama_model_load_from_file(str(self.path).encode(), params)
         if not ptr:
-            raise DFlashError(f"llama.cpp could not load {self.path}: not a valid GGUF, truncated, or an "
+            raise ModelFileError(f"llama.cpp could not load {self.path}: not a valid GGUF, truncated, or an "
                               "architecture this build does not know (see the llama.cpp log above)")
         self._owned = True
         self._describe(ptr)

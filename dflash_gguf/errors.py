@@ -68,6 +68,22 @@ class ContextOverflowError(DFlashError, ValueError):
     """A request does not fit the context window."""
 
 
+class ModelFileError(DFlashError, ValueError):
+    """A model file is truncated, corrupt or inconsistent (found before llama.cpp loads it)."""
+
+
+class ModelNotFoundError(DFlashError, FileNotFoundError, ValueError):
+    """A model file does not exist (a ValueError too, as llama_cpp raises for a missing path)."""
+
+
+class StateFileError(DFlashError, OSError):
+    """A saved state could not be written or read (disk full, permissions, a damaged file)."""
+
+
+class BusyError(DFlashError):
+    """Another thread is generating with this ``Llama``: use one per thread, or serialize the calls."""
+
+
 _BY_CODE = {c.code: c for c in (InvalidArgumentError, LayerError, TapDisabledError, RowRangeError,
                                 NotADrafterError, UnsupportedError, PairMismatchError, BufferTooSmallError,
                                 DecodeError, ContextFullError, DecodeAbortedError, InvalidBatchError)}

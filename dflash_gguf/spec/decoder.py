@@ -83,6 +83,7 @@ class DFlashDecoder:
         self._rollback = make_rollback(target, self.n_draft, self.opts.rollback)
         self.gate = DraftLength(self.n_draft) if (self.opts.adaptive and self.n_draft > 0) else None
         self.cache: list[int] = []     # tokens whose KV is in the target (and features in the drafter)
+        self.closed = False            # set when the contexts are freed: a late generator cleanup then does nothing
         self._vocab = target.model.n_vocab
         bs = max(self.n_draft + 1, 1)
         self._draft = np.zeros(bs, dtype=np.int32)
@@ -176,6 +177,8 @@ class DFlashDecoder:
 
     def _finish_block(self, pos: int, k: int, rows: np.ndarray, saved: bytes | None, stats: GenerationStats) -> None:
         """Keep the first ``k`` rows of the verify batch in both caches (a plain step's row: on the host)."""
+        if self.closed:
+            return
         t0 = time.perf_counter()
         if self.features is not None and len(rows) == 1:
             self.features.keep(pos, k)

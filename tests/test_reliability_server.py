@@ -1,0 +1,27 @@
+"""Server soak at CI size: concurrent mixed traffic on loopback against a DFlash server (the demo
+pair), then every good request replayed alone on a fresh server. ``--full`` (500 requests, max_tokens
+up to 256) in RELIABILITY.md.
+"""
+from __future__ import annotations
+
+import pytest
+
+pytest.importorskip("fastapi", reason="the server needs fastapi and uvicorn (pip install dflash-gguf[server])")
+pytest.importorskip("uvicorn", reason="the server needs fastapi and uvicorn (pip install dflash-gguf[server])")
+
+from dflash_gguf.reliability import server_soak  # noqa: E402
+
+pytestmark = pytest.mark.reliability
+
+
+def test_server_soak(tmp_path):
+    rep = server_soak.run(server_soak.DEMO_DIR, 72, 8, 48, seed=5, warmup=12, work=tmp_path)
+    print(server_soak.summary(rep))
+    assert rep["status_5xx"] == 0
+    assert not rep["wrong_status"], rep["wrong_status"][:3]
+    assert rep["health"]["failures"] == 0 and rep["health"]["polls"] > 10
+    assert not rep["mismatches"], rep["mismatches"][:2]
+    assert rep["metrics_ok"], rep["metrics"]
+    assert abs(rep["rss_change_pct"]) <= 5.0
+    k = rep["kinds"]
+    assert k["good"] > 30 and k["bad"] > 5 and k["drop_stream"] > 0 and k["drop_request"] > 0
