@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Sequence
 
 from dflash_gguf.errors import ManifestError
+from dflash_gguf.gguf_check import check_manifest
 
 if TYPE_CHECKING:
     from dflash_gguf.engine import Context, ContextOptions, Model
@@ -99,18 +100,20 @@ def _pair_file(d: Path, entry: dict, role: str, verify: bool) -> PairFile:
     return f
 
 
-def pair_files(path: str | os.PathLike) -> tuple[Path, Path]:
+def pair_files(path: str | os.PathLike, *, verify: bool = False) -> tuple[Path, Path]:
     """(target.gguf, drafter.gguf) of a converted pair directory (or its ``pair.json``).
 
-    With ``pair.json`` the files are checked (:func:`load_manifest`); a directory without one may hold
-    exactly one ``target*.gguf`` and one ``drafter*.gguf``.
+    With ``pair.json`` the files are checked (:func:`load_manifest`; ``verify``: their sha256 too) and
+    the manifest must describe the drafter it names; a directory without one may hold exactly one
+    ``target*.gguf`` and one ``drafter*.gguf``.
     """
     p = Path(path).expanduser()
     root = p.parent if p.is_file() else p
     if not root.is_dir():
         raise FileNotFoundError(f"pair directory not found: {root}")
     if (root / MANIFEST).is_file():
-        m = load_manifest(root)
+        m = load_manifest(root, verify=verify)
+        check_manifest(m.data, m.drafter.path)
         return m.target.path, m.drafter.path
     targets, drafters = sorted(root.glob("target*.gguf")), sorted(root.glob("drafter*.gguf"))
     if len(targets) == 1 and len(drafters) == 1:

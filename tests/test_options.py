@@ -42,7 +42,8 @@ def test_flag_is_the_same_in_every_command(flag):
     seen = {}
     for cmd in SHARED[flag]:
         act = _action(PARSERS[cmd](), names[0])
-        assert tuple(act.option_strings) == names, (cmd, act.option_strings)
+        given = tuple(o for o in act.option_strings if not o.startswith("--no-"))   # on/off flags add --no-X
+        assert given == names, (cmd, act.option_strings)
         seen[cmd] = act.help.split("(default")[0]   # the defaults may differ, the wording may not
     assert len(set(seen.values())) == 1, seen
 
@@ -78,3 +79,12 @@ def test_draft_gpu_layers_flag():
 def test_server_limits_and_alias_flags():
     a = server_parser().parse_args(["-m", "t.gguf", "-a", "my-model", "--max-queue", "4", "--request-timeout", "2.5"])
     assert (a.model_alias, a.max_queue, a.request_timeout) == ("my-model", 4, 2.5)
+
+
+def test_speed_gate_is_on_by_default_and_can_be_turned_off():
+    for cmd in SHARED["draft_adaptive"]:
+        ap = PARSERS[cmd]()
+        dest = _action(ap, "--draft-adaptive").dest
+        base = ["-m", "t.gguf"] + (["x"] if cmd == "generate" else [])
+        assert getattr(ap.parse_args(base), dest) is True, cmd
+        assert getattr(ap.parse_args(base + ["--no-draft-adaptive"]), dest) is False, cmd
