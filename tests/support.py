@@ -1,6 +1,8 @@
 """Shared test support: llama-cpp-python settings, an oracle proposer, plain references, fixtures."""
 from __future__ import annotations
 
+import contextlib
+
 import llama_cpp
 import pytest
 
@@ -77,3 +79,30 @@ def fast(pair, oracle):
     llm.decoder.proposer = OverrideProposer(oracle)
     yield llm
     llm.close()
+
+
+@contextlib.contextmanager
+def serve(app):
+    """Serve a FastAPI ``app`` on a free loopback port for the block's duration; yields its base URL."""
+    import socket
+    import threading
+    import time
+
+    import uvicorn
+
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind(("127.0.0.1", 0))
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="off"))
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    deadline = time.time() + 20
+    while not server.started:
+        assert time.time() < deadline, "server did not start"
+        time.sleep(0.02)
+    try:
+        yield f"http://127.0.0.1:{sock.getsockname()[1]}"
+    finally:
+        server.should_exit = True
+        thread.join(10)
+        sock.close()

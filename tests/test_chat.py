@@ -8,23 +8,19 @@ answer, and a proposer that knows the answer drafts past it, so the stop cuts a 
 from __future__ import annotations
 
 import inspect
-import socket
-import threading
-import time
 
 import llama_cpp
 import llama_cpp.llama_chat_format as llama_chat_format
 import numpy as np
 import openai
 import pytest
-import uvicorn
 
 from dflash_gguf import Llama, StopOnTokens
 from dflash_gguf.server import create_app
 from dflash_gguf.spec import OverrideProposer
 
 from chat_templates import LLAMA3, QWEN3, with_chat_template
-from support import KW
+from support import KW, serve
 
 CHAT_KW = {**KW, "chat_format": None}            # None: llama_cpp uses the GGUF's template
 MSGS = [{"role": "system", "content": "You write Python."}, {"role": "user", "content": "def add(a, b):"}]
@@ -160,18 +156,8 @@ def test_stop_on_tokens_criterion_is_exact_mid_block(chat, at):
 def test_server_chat_with_gguf_template(chat):
     plain, fast, known, eot = chat
     want = _plain_chat(plain, known, eot, max_tokens=50)["choices"][0]["message"]["content"]
-    app = create_app(fast, "chat-model")
-    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    sock.bind(("127.0.0.1", 0))
-    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="off"))
-    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
-    thread.start()
-    deadline = time.time() + 20
-    while not server.started:
-        assert time.time() < deadline, "server did not start"
-        time.sleep(0.02)
-    try:
-        client = openai.OpenAI(base_url=f"http://127.0.0.1:{sock.getsockname()[1]}/v1", api_key="x", max_retries=0)
+    with serve(create_app(fast, "chat-model")) as url:
+        client = openai.OpenAI(base_url=url + "/v1", api_key="x", max_retries=0)
         r = client.chat.completions.create(model="chat-model", messages=MSGS, max_tokens=50, temperature=0)
         assert r.choices[0].message.content == want and r.choices[0].finish_reason == "stop"
         assert r.model_extra["dflash"]["enabled"] is True and r.model_extra["dflash"]["steps"] > 0
@@ -179,7 +165,3 @@ def test_server_chat_with_gguf_template(chat):
                                                      stream=True))
         assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == want
         assert chunks[-1].model_extra["dflash"]["enabled"] is True
-    finally:
-        server.should_exit = True
-        thread.join(10)
-        sock.close()

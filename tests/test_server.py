@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import json
-import socket
 import threading
 import time
 
@@ -10,10 +9,9 @@ import httpx
 import llama_cpp
 import openai
 import pytest
-import uvicorn
 
 from dflash_gguf.server import create_app
-from support import KW, Oracle, fast, oracle, pair, plain  # noqa: F401 (fixtures)
+from support import KW, Oracle, fast, oracle, pair, plain, serve  # noqa: F401 (fixtures)
 
 MODEL_ID = "tiny-qwen3"
 
@@ -22,22 +20,8 @@ MODEL_ID = "tiny-qwen3"
 
 @pytest.fixture(scope="module")
 def base_url(fast):
-    app = create_app(fast, MODEL_ID)
-    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.bind(("127.0.0.1", 0))
-    port = sock.getsockname()[1]
-    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="off"))
-    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
-    thread.start()
-    deadline = time.time() + 20
-    while not server.started:
-        assert time.time() < deadline, "server did not start"
-        time.sleep(0.02)
-    yield f"http://127.0.0.1:{port}"
-    server.should_exit = True
-    thread.join(10)
-    sock.close()
+    with serve(create_app(fast, MODEL_ID)) as url:
+        yield url
 
 
 @pytest.fixture(scope="module")

@@ -8,19 +8,17 @@ from __future__ import annotations
 
 import contextlib
 import json
-import socket
 import threading
 import time
 
 import httpx
 import openai
 import pytest
-import uvicorn
 
 from dflash_gguf import Llama
 from dflash_gguf.server import create_app
 from dflash_gguf.spec import OverrideProposer
-from support import KW, Oracle, fast, oracle, pair, plain  # noqa: F401 (fixtures)
+from support import KW, Oracle, fast, oracle, pair, plain, serve  # noqa: F401 (fixtures)
 
 MODEL_ID = "tiny-qwen3"
 STEP_S = 0.025
@@ -39,7 +37,7 @@ class Slow:
 
 @pytest.fixture(scope="module")
 def slow(pair):
-    llm = Llama(str(pair.target), draft_model_path=str(pair.drafter), **KW)
+    llm = Llama(str(pair.target), draft_model_path=str(pair.drafter), draft_adaptive=False, **KW)   # slow blocks every step
     llm.decoder.proposer = OverrideProposer(Slow())
     yield llm
     llm.close()
@@ -47,22 +45,8 @@ def slow(pair):
 
 @contextlib.contextmanager
 def serving(llm, **kw):
-    app = create_app(llm, MODEL_ID, **kw)
-    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    sock.bind(("127.0.0.1", 0))
-    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="off"))
-    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
-    thread.start()
-    deadline = time.time() + 20
-    while not server.started:
-        assert time.time() < deadline, "server did not start"
-        time.sleep(0.02)
-    try:
-        yield f"http://127.0.0.1:{sock.getsockname()[1]}"
-    finally:
-        server.should_exit = True
-        thread.join(10)
-        sock.close()
+    with serve(create_app(llm, MODEL_ID, **kw)) as url:
+        yield url
 
 
 def metrics(url: str) -> dict:

@@ -156,7 +156,7 @@ class Soak:
 
         self.cfg, self.tie, self.rel_tie, self.n_ctx = cfg, tie, rel_tie, n_ctx
         kw = dict(n_ctx=n_ctx, n_batch=128, n_threads=1, n_threads_batch=1, verbose=False, seed=0)
-        self.llm = Llama(cfg.target, draft_model_path=cfg.drafter, **kw)
+        self.llm = Llama(cfg.target, draft_model_path=cfg.drafter, draft_adaptive=False, **kw)   # blocks every step
         self.ref = llama_cpp.Llama(cfg.target, **kw)
         self.oracle = None
         if cfg.oracle:
