@@ -42,8 +42,13 @@ def put_repo(cache: Path, repo_id: str, files: dict[str, Path]) -> Path:
 
 
 def manifest(tmp: Path, target: Path, drafter: Path) -> Path:
-    doc = {"format": "dflash-gguf-pair", "format_version": 1, "kind": "dflash", "block_size": 8, "mask_token_id": 3,
-           "target_layers": [1], "target": {"file": "target.gguf", "size": target.stat().st_size,
+    from dflash_gguf.engine import DrafterInfo, Model
+
+    with Model(drafter) as dm:
+        info = DrafterInfo.read(dm)   # pair.json must describe the drafter it names
+    doc = {"format": "dflash-gguf-pair", "format_version": 1, "kind": info.kind, "block_size": info.block_size,
+           "mask_token_id": info.mask_token,
+           "target_layers": info.target_layers, "target": {"file": "target.gguf", "size": target.stat().st_size,
                                             "sha256": sha256_file(target), "type": "f32"},
            "drafter": {"file": "drafter.gguf", "size": drafter.stat().st_size, "sha256": sha256_file(drafter),
                        "type": "f32"}}

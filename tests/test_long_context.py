@@ -28,7 +28,7 @@ import pytest
 import tiny
 from dflash_gguf.engine import Context, ContextOptions, Model
 from dflash_gguf.errors import ContextFullError, ContextOverflowError
-from dflash_gguf.spec import DFlashDecoder, GenerationStats
+from dflash_gguf.spec import DFlashDecoder, GenerationStats, OverrideProposer
 
 SIZES = (16384, 32768)
 ARCHS = ("qwen3", "llama", "qwen35")
@@ -145,7 +145,7 @@ def test_long_context_lossless_and_sized_as_predicted(arch_pair, n_ctx):
         if arch not in tiny.HYBRID_ARCHS:
             assert st.n_reused == len(prompt) - 1          # the plain run's prompt cache was reused
 
-        dec.opts.proposer = oracle(prompt + plain)          # blocks that commit several tokens
+        dec.proposer = OverrideProposer(oracle(prompt + plain))          # blocks that commit several tokens
         st2 = GenerationStats()
         out2 = list(dec.generate(prompt, N_GEN, stats=st2, stop_tokens=[]))
         assert out2 == plain
@@ -181,7 +181,7 @@ def test_context_limit_errors(arch_pair):
         prompt = too_long[:n_ctx - 5]
         plain = list(dec.generate(prompt, 16, stop_tokens=[], use_draft=False))
         assert len(plain) == 6
-        dec.opts.proposer = oracle(prompt + plain)
+        dec.proposer = OverrideProposer(oracle(prompt + plain))
         st = GenerationStats()
         assert list(dec.generate(prompt, 16, stats=st, stop_tokens=[])) == plain
         assert st.finish == "context" and st.accepted > 0

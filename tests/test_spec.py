@@ -85,10 +85,7 @@ def test_max_tokens_mid_block(rig):
         # caches hold exactly prompt + output minus the last (pending) token, as plain decoding
         assert rig.dec.cache == prompt + out[:-1]
         assert rig.tc.pos_max() == len(prompt) + n - 2
-        # the drafter: its cache, then the rows of plain steps kept on the host (a 1-token budget drafts nothing)
-        feats = rig.dec.features
-        assert feats.n == 0 or feats.start == rig.dc.pos_max() + 1
-        assert rig.dc.pos_max() + feats.n == len(prompt) + n - 2
+        assert rig.dc.pos_max() == len(prompt) + n - 2 and rig.dec.features.n == 0
 
 
 def test_stop_token_mid_block(rig):
@@ -235,12 +232,15 @@ def test_plain_steps_keep_features_on_the_host(models, kind):
         prompt = rig.tm.tokenize(PROMPTS[0])
         plain, _ = rig.run(rig.plain, prompt, 40, stop_tokens=[])
         # A: 20 plain steps (features kept on the host), then draft once
-        first, st = rig.run(rig.dec, prompt, 20, stop_tokens=[], use_draft=False)
-        assert first == plain[:20] and st.steps == 0 and rig.dec.features.n == 20   # one row per step
+        gen = rig.dec.generate(prompt, 20, stop_tokens=[], use_draft=False)
+        first = [next(gen) for _ in range(20)]
+        assert first == plain[:20] and rig.dec.features.n == 19    # the plain steps' rows, on the host
+        assert rig.dc.pos_max() == len(prompt) - 2                 # the drafter has the prompt only
+        with pytest.raises(StopIteration):
+            next(gen)
+        assert rig.dec.features.n == 0 and rig.dc.pos_max() == len(prompt) + 18   # injected at the end
         ctx = prompt + first
         pos, pending = len(ctx) - 1, ctx[-1]
-        rig.dec.features.flush()
-        assert rig.dec.features.n == 0
         got = rig.dec.proposer.propose(rig.dc, pos, pending, 7, rig.dec._draft, lambda: ctx[:-1])
         a = rig.dec._draft[:got].tolist()
         # B: the same tokens as a prompt (features injected as the prompt is decoded)

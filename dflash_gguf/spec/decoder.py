@@ -26,7 +26,7 @@ import numpy as np
 
 from dflash_gguf import _bindings as B
 from dflash_gguf.engine import Context, DrafterInfo, clamp_n_draft
-from dflash_gguf.errors import ContextOverflowError, InvalidArgumentError
+from dflash_gguf.errors import ContextOverflowError, DFlashError, InvalidArgumentError
 from dflash_gguf.gate import DraftLength
 from dflash_gguf.sampling import SamplingParams, TokenChooser
 from dflash_gguf.spec.acceptance import cut_at_stop, greedy_accept, sampled_accept
@@ -275,4 +275,18 @@ class DFlashDecoder:
                     return
             stats.finish = "length"
         finally:
+            self._settle_features(stats)
             stats.t_total += time.perf_counter() - t_start
+
+    def _settle_features(self, stats: GenerationStats) -> None:
+        """At the end of a generation the drafter's cache holds every committed row again (rows of plain
+        steps are batched on the host only within a generation)."""
+        if self.features is None or self.closed or not self.features.n:
+            return
+        t0 = time.perf_counter()
+        try:
+            self.features.flush()
+        except DFlashError as e:     # e.g. the drafter's context is full: drafting loses context, not exactness
+            log.debug("drafter features not injected: %s", e)
+            self.features.clear()
+        stats.t_inject += time.perf_counter() - t0

@@ -4,8 +4,8 @@ Every token the target commits must reach the drafter's cache (its features: the
 hidden states at that position). While the speed gate decodes plainly, injecting one row per token
 costs a drafter graph run per token for nothing; :class:`FeatureFeed` instead copies the row's taps to
 a host buffer (``llama_dflash_get_taps``) and injects all buffered rows in one call
-(``llama_dflash_inject_features``, patch 0007) before the next draft. Buffered rows always cover the
-contiguous positions ``[start, start + n)``, right after the drafter's cache.
+(``llama_dflash_inject_features``, patch 0007) before the next draft, and at the end of a generation.
+Buffered rows always cover the contiguous positions ``[start, start + n)``, right after the drafter's cache.
 """
 from __future__ import annotations
 

@@ -121,7 +121,8 @@ def run_case(case: dict) -> dict:
                 base = name.removesuffix("+gate")
                 seed = [trial, list(runs).index(base)]       # independent draws per profile and trial
                 prop = None if base == "own" else ReplayProposer(reference, r["cum"], tm.n_vocab, seed=seed)
-                dec = DFlashDecoder(tctx, dctx, SpecOptions(adaptive=name.endswith("+gate")), OverrideProposer(prop))
+                dec = DFlashDecoder(tctx, dctx, SpecOptions(adaptive=name.endswith("+gate")),
+                                    OverrideProposer(prop) if prop is not None else None)
                 toks, st = _gen(dec, prompt_ids, n_tok)
                 log.info("drafter %s trial %d %s: %.2f tok/s (plain %.2f), tau %.2f", label, trial, name,
                          st.tokens_per_second, plain_tps[-1], st.tau)
