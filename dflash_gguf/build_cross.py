@@ -339,11 +339,22 @@ def wheel_pointer(variant: str) -> Path:
 
 
 def cross_wheel(variant: str) -> Path | None:
-    """The wheel the last build of a cross variant (``aarch64-linux-gnu``, ``...-kleidiai``) made, if any."""
+    """The wheel the last build of a cross variant (``aarch64-linux-gnu``, ``...-kleidiai``) made, if it
+    was built from this checkout's patch series (a wheel of another series would fail the stamp check)."""
     p = wheel_pointer(variant)
-    if p.exists() and Path(p.read_text().strip()).is_file():
-        return Path(p.read_text().strip())
-    return None
+    if not (p.exists() and Path(p.read_text().strip()).is_file()):
+        return None
+    wheel = Path(p.read_text().strip())
+    stamp = f"series={paths.patch_series_hash()}".encode()
+    try:
+        with zipfile.ZipFile(wheel) as zf:
+            lib = zf.read("llama_cpp/lib/libllama.so")
+    except (OSError, KeyError, zipfile.BadZipFile):
+        return None
+    if stamp not in lib:
+        log.info("the last %s cross build is of another patch series: rebuild it", variant)
+        return None
+    return wheel
 
 
 def main(argv: list[str] | None = None) -> int:
