@@ -233,7 +233,9 @@ class DFlashDecoder:
         chooser = TokenChooser(sp)
         greedy = sp.greedy and not sp.has_penalties
         n_draft = self.n_draft if (use_draft and self.drafter is not None) else 0
-        gate = self.gate if n_draft else None
+        # the gate's choices follow measured timings; sampled requests keep fixed drafting so that a
+        # seeded request draws the same random numbers, and gives the same text, every time
+        gate = self.gate if (n_draft and sp.greedy) else None
         produced = 0
         try:
             while produced < max_tokens:
