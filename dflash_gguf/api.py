@@ -92,6 +92,16 @@ def check_grammar(llm: llama_cpp.Llama, grammar) -> None:
     llama_cpp.llama_sampler_free(sampler)
 
 
+# Llama(..., low_memory=True): what it sets unless given (measured in BENCHMARKS.md section 7)
+LOW_MEMORY = {
+    "use_mmap": False,     # repacked CPU weights + the mapped file would both be resident
+    "n_batch": 256,
+    "n_ubatch": 64,        # compute buffers scale with the ubatch (llama.cpp reserves n_ubatch logits rows)
+    "flash_attn": True,    # no n_ctx x n_ubatch x n_head attention-score matrix
+}
+LOW_MEMORY_DRAFT_WINDOW = 496    # a 512-cell drafter cache at block 16
+
+
 # --------------------------------------------------------------------------- Llama
 class Llama(llama_cpp.Llama):
     """``llama_cpp.Llama`` plus a DFlash/DFlash2 drafter.
@@ -109,6 +119,14 @@ class Llama(llama_cpp.Llama):
         draft_use_mmap: map the drafter file instead of reading it into memory (default False: a
             drafter is small, and a mapped file that is truncated or rewritten in place kills the
             process with SIGBUS; the target follows llama_cpp's ``use_mmap``, default True).
+        draft_window: context positions the drafter attends to (default None: 1024 minus the block
+            size, i.e. a 1024-cell drafter cache; 0: the whole context). Its cache holds window +
+            block positions whatever n_ctx; output is exact either way, only acceptance far into a
+            long context can change (BENCHMARKS.md section 7).
+        low_memory: the low-memory preset (see ``LOW_MEMORY`` and README "Memory"): weights read
+            into memory rather than mapped (with llama.cpp's repacked CPU weights a mapped file is
+            resident twice), smaller batches, flash attention, a 1024-position drafter window.
+            Arguments given explicitly win over the preset.
 
     After each generation ``self.last_dflash_stats`` holds its :class:`GenerationStats` (``None``
     after a plain fallback) and responses carry the same numbers as a top-level ``"dflash"`` object.
@@ -117,6 +135,7 @@ class Llama(llama_cpp.Llama):
     def __init__(self, model_path: str, *, draft_model_path: str | os.PathLike | None = None,
                  draft_n_max: int | None = None, draft_adaptive: bool = True, dflash: bool = True,
                  draft_n_gpu_layers: int | None = None, draft_use_mmap: bool = False,
+                 draft_window: int | None = None, low_memory: bool = False,
                  **kwargs):
         if draft_n_max is not None and draft_n_max < 0:
             raise ValueError(f"draft_n_max must be >= 0 (0: no drafting), got {draft_n_max}")
@@ -130,6 +149,15 @@ class Llama(llama_cpp.Llama):
         self.draft_adaptive = draft_adaptive
         self.draft_n_gpu_layers = draft_n_gpu_layers
         self.draft_use_mmap = draft_use_mmap
+        if draft_window is not None and draft_window < 0:
+            raise ValueError(f"draft_window must be >= 0 (0: the whole context), got {draft_window}")
+        self.low_memory = low_memory
+        if low_memory:
+            for key, value in LOW_MEMORY.items():
+                kwargs.setdefault(key, value)
+            if draft_window is None:
+                draft_window = LOW_MEMORY_DRAFT_WINDOW
+        self.draft_window = draft_window
         self._owner_lock = threading.RLock()
         self._owner: tuple[int, weakref.ref] | None = None   # (thread, generation) in flight
         # llama.cpp aborts the process on some inconsistent files: check both before it loads either
@@ -208,7 +236,7 @@ class Llama(llama_cpp.Llama):
                                 ContextOptions(n_ctx=self._n_ctx, n_batch=self.n_batch))
         flash = self.context_params.flash_attn_type == llama_cpp.LLAMA_FLASH_ATTN_TYPE_ENABLED
         opts = ContextOptions(n_ctx=self._n_ctx, n_batch=self.n_batch, n_ubatch=self.context_params.n_ubatch,
-                              n_threads=self.n_threads, flash_attn=flash)
+                              n_threads=self.n_threads, flash_attn=flash, draft_window=self.draft_window)
         self._draft_ctx = Context(self._draft_model, opts, other=target)
         self._decoder = DFlashDecoder(target, self._draft_ctx,
                                       SpecOptions(n_draft=n_draft, adaptive=self.draft_adaptive))
@@ -250,7 +278,7 @@ class Llama(llama_cpp.Llama):
         state = super().__getstate__()
         state.update(draft_model_path=self.draft_model_path, draft_n_max=self.draft_n_max, dflash=self.dflash,
                      draft_n_gpu_layers=self.draft_n_gpu_layers, draft_adaptive=self.draft_adaptive,
-                     draft_use_mmap=self.draft_use_mmap)
+                     draft_use_mmap=self.draft_use_mmap, draft_window=self.draft_window)
         return state
 
     # ------------------------------------------------------------------ introspection

@@ -8,7 +8,7 @@ from __future__ import annotations
 import ctypes
 import logging
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import llama_cpp.llama_cpp as C
@@ -186,6 +186,11 @@ def check_compatible(target: Model, drafter: Model) -> None:
                                 f"(GGUF tap ids are HF target_layer_ids + 1, at most n_layer - 1); {fix}")
 
 
+# a drafter's cache by default: 1024 cells = window + one block (window 1008 at block 16); chosen from
+# the window sweep and the memory table in BENCHMARKS.md section 7
+DEFAULT_DRAFT_CACHE = 1024
+
+
 @dataclass
 class ContextOptions:
     n_ctx: int = 2048
@@ -194,6 +199,32 @@ class ContextOptions:
     n_threads: int | None = None
     n_rs_seq: int = 0                 # recurrent-state snapshots for rollback (hybrid targets)
     flash_attn: bool | None = None    # None: llama.cpp's auto
+    n_outputs_max: int = 0            # logits rows one ubatch may output (0: n_batch)
+    draft_window: int | None = None   # drafter contexts only: None = DEFAULT_DRAFT_CACHE - block; 0 = whole context
+
+
+def drafter_options(opts: ContextOptions, info: DrafterInfo) -> ContextOptions:
+    """A drafter context sized to what the drafter needs, from the target context's options.
+
+    The drafter decodes one block at a time (``block_size`` rows, every one a logits row: its graph
+    computes the LM head for all rows) and keeps the features of at most ``draft_window`` context
+    positions, so its cache holds window + block cells and its batches, compute buffers and output
+    rows are sized to the block. With the target's sizes instead (n_ubatch 512, n_ctx) llama.cpp
+    reserves a 512-row LM-head buffer (300 MiB at a 151,936-token vocabulary) and a cache as long as
+    the target's.
+    """
+    window = opts.draft_window
+    if window is None:
+        window = max(DEFAULT_DRAFT_CACHE - info.block_size, 1)
+    if window < 0:
+        raise InvalidArgumentError(f"draft_window must be >= 0 (0: the whole context), got {window}")
+    n_ctx = opts.n_ctx
+    if window and window + info.block_size < n_ctx:
+        n_ctx = window + info.block_size
+    else:
+        window = 0
+    b = info.block_size
+    return replace(opts, n_ctx=n_ctx, n_batch=b, n_ubatch=b, n_outputs_max=b, n_rs_seq=0, draft_window=window)
 
 
 class Context(_Handle):
@@ -201,6 +232,10 @@ class Context(_Handle):
 
     def __init__(self, model: Model, opts: ContextOptions | None = None, *, other: "Context | None" = None):
         opts = opts or ContextOptions()
+        self.window = 0   # drafters: context positions kept in the cache (0: all)
+        if model.arch == "dflash":
+            opts = drafter_options(opts, DrafterInfo.read(model))
+            self.window = opts.draft_window
         self.model = model
         self.opts = opts
         p = C.llama_context_default_params()
@@ -208,6 +243,7 @@ class Context(_Handle):
         p.n_batch = opts.n_batch
         p.n_ubatch = min(opts.n_ubatch, opts.n_batch)
         p.n_seq_max = 1
+        p.n_outputs_max = opts.n_outputs_max
         threads = opts.n_threads or max(1, os.cpu_count() or 1)
         p.n_threads = threads
         p.n_threads_batch = threads
@@ -232,6 +268,7 @@ class Context(_Handle):
         """A view of a ``llama_context`` owned elsewhere (e.g. by ``llama_cpp.Llama``); never freed here."""
         self = cls.__new__(cls)
         self.model, self.opts, self._owned, self._other = model, opts or ContextOptions(), False, None
+        self.window = 0
         self._describe(ptr)
         return self
 
@@ -256,6 +293,10 @@ class Context(_Handle):
 
     def pos_max(self) -> int:
         return B.lib.llama_memory_seq_pos_max(self.mem, 0)
+
+    def forget_before(self, pos: int) -> bool:
+        """Drop positions [0, pos) (a drafter's window sliding on)."""
+        return bool(B.lib.llama_memory_seq_rm(self.mem, 0, 0, pos)) if pos > 0 else True
 
     def truncate(self, n_keep: int) -> bool:
         """Keep positions [0, n_keep); False if the memory refuses a partial removal."""

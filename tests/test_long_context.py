@@ -5,9 +5,11 @@ then the decoder generates to (and past) the limit:
 
 * no crash, and the output is the target's plain greedy output token for token - with the real
   drafter and with an oracle proposer that makes blocks commit several tokens (accept + rollback
-  at positions past 16k / 32k; the drafter attends over the whole injected context either way);
-* the caches are the size llama.cpp was predicted to allocate (target and drafter KV, read from
-  llama.cpp's own log), and the process grows by no more than the buffers it reported;
+  at positions past 16k / 32k);
+* the caches are the size llama.cpp was predicted to allocate (target KV for the whole context, the
+  drafter's for its default window + one block, read from llama.cpp's own log), the drafter's cache
+  holds exactly the last ``window`` positions after the run, and the process grows by no more than
+  the buffers llama.cpp reported;
 * at the context limit the caller gets a clear outcome, never an abort: a prompt longer than the
   context raises :class:`ContextOverflowError`, a generation that reaches the limit ends with
   ``finish == "context"`` after exactly the tokens that fit (and the same ones as plain decoding).
@@ -26,9 +28,9 @@ import time
 import pytest
 
 import tiny
-from dflash_gguf.engine import Context, ContextOptions, Model
+from dflash_gguf.engine import DEFAULT_DRAFT_CACHE, Context, ContextOptions, Model
 from dflash_gguf.errors import ContextFullError, ContextOverflowError
-from dflash_gguf.spec import DFlashDecoder, GenerationStats, OverrideProposer
+from dflash_gguf.spec import DFlashDecoder, DrafterProposer, GenerationStats, OverrideProposer
 
 SIZES = (16384, 32768)
 ARCHS = ("qwen3", "llama", "qwen35")
@@ -37,6 +39,12 @@ ROOM = 40           # the prompt leaves this many positions free: the last block
 # tiny.make_target / make_hybrid_target defaults: 2 KV heads x 16 dims; qwen35 has 1 attention layer of 4
 ATTN_LAYERS = {"qwen3": 4, "llama": 4, "qwen35": 1}
 KV_ROW_BYTES = 2 * 2 * 16 * 2      # (K + V) x kv_heads x head_dim x f16
+BLOCK = 8                          # the tiny drafters' block size
+WINDOW = DEFAULT_DRAFT_CACHE - BLOCK   # the default drafter window
+
+
+def pad256(n: int) -> int:
+    return -(-n // 256) * 256      # llama.cpp pads a context's cells to a multiple of 256
 
 log = logging.getLogger("dflash_gguf.tests.long_context")
 
@@ -123,7 +131,8 @@ def test_long_context_lossless_and_sized_as_predicted(arch_pair, n_ctx):
         # --- memory: KV caches as predicted (llama.cpp's own numbers), RSS growth within what it reported
         kv = [mib for _, kind, mib in grab.lines if kind == "KV"]
         want_t = n_ctx * KV_ROW_BYTES * ATTN_LAYERS[arch] / 2**20
-        want_d = n_ctx * KV_ROW_BYTES * 1 / 2**20            # the drafter: one layer, sized to n_ctx
+        # the drafter: one layer, window + block cells (not the context's n_ctx)
+        want_d = pad256(WINDOW + BLOCK) * KV_ROW_BYTES * 1 / 2**20
         assert len(kv) == 2 and kv[0] == pytest.approx(want_t, abs=0.01) and kv[1] == pytest.approx(want_d, abs=0.01), grab.lines
         reported = sum(mib for _, _, mib in grab.lines)
 
@@ -150,6 +159,10 @@ def test_long_context_lossless_and_sized_as_predicted(arch_pair, n_ctx):
         out2 = list(dec.generate(prompt, N_GEN, stats=st2, stop_tokens=[]))
         assert out2 == plain
         assert st2.accepted > 0 and st2.accepted < st2.drafted and st2.finish == "context"
+        # the drafter's cache slid with the context: exactly the last `window` committed positions
+        n_done = len(dec.cache)
+        assert dc.pos_max() == n_done - 1
+        assert _pos_min(dc) == n_done - WINDOW
         grown = _rss_mib() - rss0
         log.info("%s n_ctx=%d: plain %.1f s, dflash %.1f s (with prefill), buffers %.1f MiB, RSS +%.1f MiB",
                  arch, n_ctx, t_plain, t_dflash, reported, grown)
@@ -207,13 +220,47 @@ def test_api_rejects_a_prompt_over_the_context(models):
         llm.close()
 
 
+def _pos_min(ctx: Context) -> int:
+    import llama_cpp.llama_cpp as C
+
+    return C.llama_memory_seq_pos_min(C.llama_get_memory(ctx.ptr), 0)
+
+
+@pytest.mark.parametrize("window", (1, 100, 1000))
+def test_drafter_window_bounds_the_cache_and_stays_lossless(models, window):
+    """draft_window=W: the drafter's context is W + block cells (padded by llama.cpp) whatever n_ctx,
+    a 6000-token prompt injects only its last W positions, the cache slides as tokens are committed
+    (never more than W + block cells) and the output is plain decoding's."""
+    pair = models.pair("qwen3", "dflash", 8)
+    with Model(pair.target) as tm, Model(pair.drafter) as dm:
+        tc = Context(tm, ContextOptions(n_ctx=SIZES[0], n_batch=512, n_threads=1))
+        dc = Context(dm, ContextOptions(n_ctx=SIZES[0], n_batch=512, n_threads=1, draft_window=window), other=tc)
+        try:
+            assert dc.n_ctx == pad256(window + BLOCK) and dc.window == window and dc.n_ubatch == BLOCK
+            prompt = long_prompt(tm, 6000)
+            plain = list(DFlashDecoder(tc, None).generate(prompt, 40, stop_tokens=[]))
+            dec = DFlashDecoder(tc, dc)
+            dec.proposer = OverrideProposer(oracle(prompt + plain))
+            st = GenerationStats()
+            assert list(dec.generate(prompt, 40, stats=st, stop_tokens=[])) == plain
+            assert 0 < st.accepted < st.drafted
+            n_done = len(dec.cache)
+            assert dc.pos_max() == n_done - 1 and _pos_min(dc) == n_done - window
+            # the real drafter on the same windowed cache: still exact
+            dec.proposer = DrafterProposer()
+            assert list(dec.generate(prompt, 40, stop_tokens=[])) == plain
+        finally:
+            dc.close(), tc.close()
+
+
 def test_drafter_context_smaller_than_the_prompt_is_a_clear_error(models):
-    """A drafter context shorter than the target's fills first: ContextFullError naming the drafter
-    injection (no abort), both caches are cleared, and a prompt that fits still decodes losslessly."""
+    """Without a window (draft_window=0), a drafter context shorter than the target's fills first:
+    ContextFullError naming the drafter injection (no abort), both caches are cleared, and a prompt
+    that fits still decodes losslessly."""
     pair = models.pair("qwen3", "dflash", 8)
     tm, dm = Model(pair.target), Model(pair.drafter)
     tc = Context(tm, ContextOptions(n_ctx=SIZES[0], n_batch=512, n_threads=1))
-    dc = Context(dm, ContextOptions(n_ctx=4096, n_batch=512, n_threads=1), other=tc)
+    dc = Context(dm, ContextOptions(n_ctx=4096, n_batch=512, n_threads=1, draft_window=0), other=tc)
     try:
         dec = DFlashDecoder(tc, dc)
         prompt = long_prompt(tm, 6000)

@@ -139,10 +139,10 @@ class DFlashDecoder:
         """Keep the longest cached prefix usable for ``prompt`` (at least one token stays to decode)."""
         return self.keep_prefix(common_prefix_len(self.cache, prompt[:len(prompt) - 1]))
 
-    def _inject(self, pos: int, n: int, what: str) -> None:
+    def _inject(self, pos: int, n: int, what: str, end: int | None = None) -> None:
         """Features of the target's last-decoded rows ``0..n`` (at ``pos``) into the drafter's cache."""
         if self.features is not None:
-            self.features.inject(pos, n, what)
+            self.features.inject(pos, n, what, end)
 
     # ------------------------------------------------------------------ phases
     def _prefill(self, tokens: np.ndarray, pos0: int, stats: GenerationStats) -> None:
@@ -151,7 +151,7 @@ class DFlashDecoder:
         for off in range(0, len(tokens), step):
             chunk = tokens[off:off + step]
             self.target.decode(chunk, pos0 + off, out_row0=len(chunk))
-            self._inject(pos0 + off, len(chunk), "injecting prompt features into the drafter")
+            self._inject(pos0 + off, len(chunk), "injecting prompt features into the drafter", pos0 + len(tokens))
         stats.t_prefill += time.perf_counter() - t0
 
     def _draft_block(self, pos: int, pending: int, n: int, stats: GenerationStats) -> int:

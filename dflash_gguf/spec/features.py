@@ -6,6 +6,11 @@ costs a drafter graph run per token for nothing; :class:`FeatureFeed` instead co
 a host buffer (``llama_dflash_get_taps``) and injects all buffered rows in one call
 (``llama_dflash_inject_features``, patch 0007) before the next draft, and at the end of a generation.
 Buffered rows always cover the contiguous positions ``[start, start + n)``, right after the drafter's cache.
+
+A drafter context with a window (``Context.window``, see :func:`dflash_gguf.engine.drafter_options`)
+keeps the features of the last ``window`` positions only: before rows are written, older positions
+leave its cache, and rows that would leave it at once (the head of a long prompt) are never injected.
+Positions stay absolute, as the drafter was trained.
 """
 from __future__ import annotations
 
@@ -13,8 +18,9 @@ import numpy as np
 
 from dflash_gguf import _bindings as B
 from dflash_gguf.engine import Context, DrafterInfo
+from dflash_gguf.errors import DFlashError
 
-MAX_ROWS = 256   # flush at this many buffered rows (bounds host memory: MAX_ROWS * n_taps * n_embd floats)
+MAX_ROWS = 64    # flush at this many buffered rows (bounds host memory: MAX_ROWS * n_taps * n_embd floats)
 
 
 class FeatureFeed:
@@ -25,12 +31,29 @@ class FeatureFeed:
         self.buf: np.ndarray | None = None      # allocated on first use
         self.start = 0
         self.n = 0
+        self.window = drafter.window
 
-    def inject(self, pos: int, n_rows: int, what: str) -> None:
-        """Rows ``0..n_rows`` of the target's last decode, at ``pos``, straight into the drafter."""
+    def _first_kept(self, pos: int, n_rows: int, end: int | None) -> int:
+        """Slide the window to end at ``end`` (default ``pos + n_rows``); the first of the rows at
+        ``pos..pos+n_rows`` that stays in it."""
+        if not self.window:
+            return 0
+        low = (pos + n_rows if end is None else end) - self.window
+        if low > 0 and not self.drafter.forget_before(low):
+            raise DFlashError(f"the drafter refused to drop positions before {low}")
+        return min(max(low - pos, 0), n_rows)
+
+    def inject(self, pos: int, n_rows: int, what: str, end: int | None = None) -> None:
+        """Rows ``0..n_rows`` of the target's last decode, at ``pos``, straight into the drafter.
+
+        ``end``: the position the cache will reach once a longer fill (a prompt in chunks) is done;
+        rows the window drops by then are skipped now.
+        """
         self.flush()
-        if n_rows:
-            B.check(B.lib.llama_dflash_inject(self.drafter.cptr, self.target.cptr, 0, pos, 0, n_rows), what)
+        skip = self._first_kept(pos, n_rows, end)
+        if n_rows > skip:
+            B.check(B.lib.llama_dflash_inject(self.drafter.cptr, self.target.cptr, 0, pos + skip, skip,
+                                              n_rows - skip), what)
 
     def keep(self, pos: int, n_rows: int) -> None:
         """Rows ``0..n_rows`` of the target's last decode, at ``pos``, into the host buffer."""
@@ -52,11 +75,13 @@ class FeatureFeed:
         """Inject the buffered rows (one call)."""
         if not self.n:
             return
-        rows = self.buf[:self.n]
         n, self.n = self.n, 0
-        B.check(B.lib.llama_dflash_inject_features(self.drafter.cptr, 0, self.start,
-                                                   B.ffi.from_buffer("float[]", rows), n, rows.size),
-                "injecting the features of plain steps into the drafter")
+        skip = self._first_kept(self.start, n, None)
+        rows = self.buf[skip:n]
+        if len(rows):
+            B.check(B.lib.llama_dflash_inject_features(self.drafter.cptr, 0, self.start + skip,
+                                                       B.ffi.from_buffer("float[]", rows), len(rows), rows.size),
+                    "injecting the features of plain steps into the drafter")
 
     def truncate(self, n_keep: int) -> None:
         """Forget buffered rows at positions >= ``n_keep``."""

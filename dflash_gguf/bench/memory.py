@@ -1,0 +1,196 @@
+"""Where peak memory goes: plain llama_cpp.Llama vs dflash_gguf.Llama, default and low-memory settings.
+
+``python -m dflash_gguf.bench.memory [--pair DIR] [--n-ctx 4096] [--prompt-tokens 600] [--tokens 32]``
+
+Every configuration runs in its own child process (peak RSS is per process): it loads the model(s),
+completes a prompt of ``--prompt-tokens`` tokens (longer than one ubatch, so compute buffers are
+used, not only reserved) and generates ``--tokens`` tokens greedily. The child reports its peak RSS
+(``VmHWM``), resident anonymous and file-backed memory, and the buffers llama.cpp allocated (from
+its own log: model buffers by type, KV caches, compute and output buffers), plus decode speed.
+The table puts DFlash's extra memory next to its budget (drafter weights + 25%) and the low-memory
+preset's total next to weights + target KV + 25%.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+log = logging.getLogger("dflash_gguf.bench.memory")
+
+# name -> (class, kwargs); "plain" runs llama_cpp.Llama, the others dflash_gguf.Llama
+CONFIGS: dict[str, tuple[str, dict]] = {
+    "plain": ("plain", {}),
+    "dflash": ("dflash", {}),
+    "dflash draft_window=0": ("dflash", {"draft_window": 0}),
+    "plain use_mmap=False": ("plain", {"use_mmap": False}),
+    "plain + LOW_MEMORY settings": ("plain", "LOW_MEMORY"),
+    "dflash low_memory=True": ("dflash", {"low_memory": True}),
+}
+
+_BUF = re.compile(r"^(load_tensors|llama_context|llama_kv_cache|~llama_context):\s+(\S+)\s+(model|output|KV|compute) "
+                  r"buffer size (?:=|is)\s+([\d.]+) MiB")
+
+
+def _status() -> dict:
+    out = {}
+    for line in Path("/proc/self/status").read_text().splitlines():
+        key = line.split(":")[0]
+        if key in ("VmHWM", "VmRSS", "RssAnon", "RssFile"):
+            out[key] = int(line.split()[1]) / 1024
+    return out
+
+
+# --------------------------------------------------------------------------- child
+def child(spec: dict) -> dict:
+    import llama_cpp
+
+    from dflash_gguf import logs
+
+    lines: list[str] = []
+
+    class _Keep(logging.Handler):
+        def emit(self, record):
+            lines.append(record.getMessage())
+
+    lg = logging.getLogger("dflash_gguf.bench.memory.llama")
+    lg.propagate = False
+    lg.setLevel(logging.DEBUG)
+    lg.addHandler(_Keep())
+    logs.set_log_handler(lg)
+    base = _status()
+    if spec["kwargs"] == "LOW_MEMORY":
+        from dflash_gguf.api import LOW_MEMORY
+        kwargs = dict(LOW_MEMORY)
+    else:
+        kwargs = dict(spec["kwargs"])
+    common = dict(n_ctx=spec["n_ctx"], n_threads=spec.get("threads"), verbose=True)
+    t0 = time.perf_counter()
+    if spec["kind"] == "plain":
+        llm = llama_cpp.Llama(spec["target"], **common, **kwargs)
+    else:
+        import dflash_gguf
+        llm = dflash_gguf.Llama(spec["target"], draft_model_path=spec["drafter"], **common, **kwargs)
+    t_load = time.perf_counter() - t0
+    loaded = _status()
+    filler = llm.tokenize(b"The quick brown fox jumps over the lazy dog. ", add_bos=False)
+    prompt = llm.tokenize(b"", add_bos=True)[:1]
+    while len(prompt) < spec["prompt_tokens"]:
+        prompt += filler
+    prompt = prompt[:spec["prompt_tokens"]]
+    t0 = time.perf_counter()
+    first = None
+    n = 0
+    for _ in llm.create_completion(prompt, max_tokens=spec["tokens"], temperature=0.0, stream=True):
+        n += 1
+        if first is None:
+            first = time.perf_counter()
+    end = time.perf_counter()
+    after = _status()
+    llm.close()
+    bufs = [m.groups() for m in map(_BUF.match, lines) if m]
+    return {"base": base, "loaded": loaded, "after": after, "buffers": bufs, "t_load": t_load,
+            "t_prompt": (first or end) - t0, "tps": (n - 1) / (end - first) if first and n > 1 else 0.0,
+            "n": n}
+
+
+# --------------------------------------------------------------------------- parent
+def measure(name: str, target: str, drafter: str, n_ctx: int, prompt_tokens: int, tokens: int,
+            threads: int | None) -> dict:
+    kind, kwargs = CONFIGS[name]
+    spec = {"kind": kind, "kwargs": kwargs, "target": target, "drafter": drafter, "n_ctx": n_ctx,
+            "prompt_tokens": prompt_tokens, "tokens": tokens, "threads": threads}
+    proc = subprocess.run([sys.executable, "-m", "dflash_gguf.bench.memory", "--child", json.dumps(spec)],
+                          capture_output=True, text=True, timeout=1800)
+    if proc.returncode != 0:
+        raise RuntimeError(f"{name}: child failed ({proc.returncode}): {proc.stderr[-2000:]}")
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def summarize(r: dict) -> dict:
+    """MiB per component from llama.cpp's buffers (in the order it allocated them)."""
+    model_bufs = [(who, float(mib)) for src, who, what, mib in r["buffers"] if what == "model"]
+    kv = [float(mib) for src, who, what, mib in r["buffers"] if what == "KV"]
+    # '~llama_context' lines (at free) give each context's final compute buffer; drafter freed first
+    compute = [float(mib) for src, who, what, mib in r["buffers"] if what == "compute" and src == "~llama_context"]
+    out_buf = [float(mib) for src, who, what, mib in r["buffers"] if what == "output"]
+    return {"model_bufs": model_bufs, "kv": kv, "compute": compute, "output": out_buf}
+
+
+def table(results: dict[str, dict], target_mb: float, drafter_mb: float) -> str:
+    lines = ["| configuration | peak RSS MiB | anon / file MiB | model buffers MiB (llama.cpp) | KV MiB (target, drafter) | "
+             "compute MiB (reserved) | Python + libs MiB | prompt s | decode tok/s |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    for name, r in results.items():
+        s = summarize(r)
+        mb = ", ".join(f"{who} {v:.0f}" for who, v in s["model_bufs"])
+        kv = " + ".join(f"{v:.0f}" for v in s["kv"])
+        comp = " + ".join(f"{v:.0f}" for v in reversed(s["compute"]))
+        a = r["after"]
+        lines.append(f"| {name} | {a['VmHWM']:.0f} | {a['RssAnon']:.0f} / {a['RssFile']:.0f} | {mb} | {kv} | {comp} | "
+                     f"{r['base']['VmRSS']:.0f} | {r['t_prompt']:.2f} | {r['tps']:.2f} |")
+    lines.append("")
+    peak = {k: v["after"]["VmHWM"] for k, v in results.items()}
+    if "plain" in peak and "dflash" in peak:
+        extra = peak["dflash"] - peak["plain"]
+        budget = drafter_mb * 1.25
+        lines.append(f"- DFlash's extra peak RSS over plain: {extra:.0f} MiB; budget (drafter file {drafter_mb:.0f} MiB "
+                     f"+ 25%): {budget:.0f} MiB -> {'within' if extra <= budget else 'OVER'}")
+    if "dflash low_memory=True" in results:
+        r = results["dflash low_memory=True"]
+        kv_t = summarize(r)["kv"][0] if summarize(r)["kv"] else 0.0
+        budget = (target_mb + drafter_mb + kv_t) * 1.25
+        got = r["after"]["VmHWM"]
+        lines.append(f"- low_memory=True peak RSS: {got:.0f} MiB; budget (weights {target_mb + drafter_mb:.0f} + "
+                     f"target KV {kv_t:.0f}, + 25%): {budget:.0f} MiB -> {'within' if got <= budget else 'OVER'}")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m dflash_gguf.bench.memory", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--child", help=argparse.SUPPRESS)
+    ap.add_argument("--pair", help="converted pair directory (default: the shipped demo pair)")
+    ap.add_argument("--n-ctx", type=int, default=4096)
+    ap.add_argument("--prompt-tokens", type=int, default=600)
+    ap.add_argument("--tokens", type=int, default=32)
+    ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument("--configs", default=",".join(CONFIGS), help="comma list of: " + "; ".join(CONFIGS))
+    ap.add_argument("--json", help="also write the raw results here")
+    a = ap.parse_args(argv)
+    if a.child:
+        print(json.dumps(child(json.loads(a.child))))
+        return 0
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    from dflash_gguf.pair import pair_files
+
+    if a.pair:
+        target, drafter = pair_files(a.pair)
+    else:
+        from dflash_gguf.demo import demo_pair
+        target, drafter = demo_pair()
+    names = [n.strip() for n in a.configs.split(",") if n.strip()]
+    unknown = [n for n in names if n not in CONFIGS]
+    if unknown:
+        ap.error(f"unknown configuration(s) {unknown}; choose from {list(CONFIGS)}")
+    results = {}
+    for i, name in enumerate(names, 1):
+        log.info("[%d/%d] %s ...", i, len(names), name)
+        results[name] = measure(name, str(target), str(drafter), a.n_ctx, a.prompt_tokens, a.tokens, a.threads)
+        log.info("    peak RSS %.0f MiB", results[name]["after"]["VmHWM"])
+    if a.json:
+        Path(a.json).write_text(json.dumps(results, indent=1))
+    print(f"target {Path(target).name} ({os.path.getsize(target) / 2**20:.0f} MiB), drafter {Path(drafter).name} "
+          f"({os.path.getsize(drafter) / 2**20:.0f} MiB), n_ctx {a.n_ctx}, prompt {a.prompt_tokens} tokens, "
+          f"{a.tokens} generated")
+    print(table(results, os.path.getsize(target) / 2**20, os.path.getsize(drafter) / 2**20))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
