@@ -40,6 +40,7 @@ from dflash_gguf.errors import BusyError, ModelFileError, ModelNotFoundError
 from dflash_gguf.gguf_check import check_gguf
 from dflash_gguf.sampling import SamplingParams
 from dflash_gguf.spec.decoder import DFlashDecoder, SpecOptions, common_prefix_len
+from dflash_gguf.spec.rollback import choose_for_memory, recurrent_state_bytes
 from dflash_gguf.spec.stats import GenerationStats
 from dflash_gguf.stopping import stop_token_ids
 
@@ -123,6 +124,10 @@ class Llama(llama_cpp.Llama):
             size, i.e. a 1024-cell drafter cache; 0: the whole context). Its cache holds window +
             block positions whatever n_ctx; output is exact either way, only acceptance far into a
             long context can change (BENCHMARKS.md section 7).
+        rollback_memory_mb: hybrid (recurrent) targets only: the most memory rollback may take. By
+            default llama.cpp keeps one snapshot of the recurrent state per drafted token (fastest);
+            when those copies exceed the cap, one host checkpoint with a replay of the committed
+            rows is used instead; a cap below one copy is an error.
         low_memory: the low-memory preset (see ``LOW_MEMORY`` and README "Memory"): weights read
             into memory rather than mapped (with llama.cpp's repacked CPU weights a mapped file is
             resident twice), smaller batches, flash attention, a 1024-position drafter window.
@@ -136,6 +141,7 @@ class Llama(llama_cpp.Llama):
                  draft_n_max: int | None = None, draft_adaptive: bool = True, dflash: bool = True,
                  draft_n_gpu_layers: int | None = None, draft_use_mmap: bool = False,
                  draft_window: int | None = None, low_memory: bool = False,
+                 rollback_memory_mb: float | None = None,
                  **kwargs):
         if draft_n_max is not None and draft_n_max < 0:
             raise ValueError(f"draft_n_max must be >= 0 (0: no drafting), got {draft_n_max}")
@@ -158,6 +164,9 @@ class Llama(llama_cpp.Llama):
             if draft_window is None:
                 draft_window = LOW_MEMORY_DRAFT_WINDOW
         self.draft_window = draft_window
+        if rollback_memory_mb is not None and rollback_memory_mb < 0:
+            raise ValueError(f"rollback_memory_mb must be >= 0, got {rollback_memory_mb}")
+        self.rollback_memory_mb = rollback_memory_mb
         self._owner_lock = threading.RLock()
         self._owner: tuple[int, weakref.ref] | None = None   # (thread, generation) in flight
         # llama.cpp aborts the process on some inconsistent files: check both before it loads either
@@ -228,12 +237,14 @@ class Llama(llama_cpp.Llama):
         hybrid = self._is_hybrid or self._is_recurrent
         n_draft = clamp_n_draft(DrafterInfo.read(self._draft_model), self.draft_n_max, n_batch=self.n_batch,
                                 n_ubatch=self.context_params.n_ubatch, hybrid=hybrid)
-        if hybrid and n_draft > 0:
+        def borrowed() -> Context:
+            return Context.borrow(Model.borrow(self._model.model, self.model_path), self._ctx.ctx,
+                                  ContextOptions(n_ctx=self._n_ctx, n_batch=self.n_batch))
+        if hybrid and n_draft > 0 and self._rollback_kind(borrowed(), n_draft) == "snapshot":
             # rollback by recurrent snapshots: n_rs_seq >= n_draft (clamped so that n_ubatch >= n_rs_seq + 2)
             self._recreate_context(n_rs_seq=n_draft)
             self._stack.callback(self._close_dflash)   # again: the drafter must go before the new context
-        target = Context.borrow(Model.borrow(self._model.model, self.model_path), self._ctx.ctx,
-                                ContextOptions(n_ctx=self._n_ctx, n_batch=self.n_batch))
+        target = borrowed()
         flash = self.context_params.flash_attn_type == llama_cpp.LLAMA_FLASH_ATTN_TYPE_ENABLED
         opts = ContextOptions(n_ctx=self._n_ctx, n_batch=self.n_batch, n_ubatch=self.context_params.n_ubatch,
                               n_threads=self.n_threads, flash_attn=flash, draft_window=self.draft_window)
@@ -244,6 +255,16 @@ class Llama(llama_cpp.Llama):
         log.info("DFlash ready: %s drafter %s, block %d, %d drafted per step, rollback %s",
                  self._decoder.info.kind, Path(self.draft_model_path).name, self._decoder.info.block_size,
                  self._decoder.n_draft, self._decoder.rollback)
+
+    def _rollback_kind(self, target: Context, n_draft: int) -> str:
+        """Snapshots unless ``rollback_memory_mb`` is set and n_draft copies of the state exceed it."""
+        if self.rollback_memory_mb is None:
+            return "snapshot"
+        state = recurrent_state_bytes(target)
+        kind = choose_for_memory(state, n_draft, int(self.rollback_memory_mb * 2**20))
+        log.info("recurrent state %.1f MiB per copy: %d snapshots = %.1f MiB, cap %.1f MiB -> %s rollback",
+                 state / 2**20, n_draft, n_draft * state / 2**20, self.rollback_memory_mb, kind)
+        return kind
 
     def _recreate_context(self, n_rs_seq: int) -> None:
         """Rebuild the target context with ``n_rs_seq`` recurrent snapshots (hybrid targets).
@@ -278,7 +299,8 @@ class Llama(llama_cpp.Llama):
         state = super().__getstate__()
         state.update(draft_model_path=self.draft_model_path, draft_n_max=self.draft_n_max, dflash=self.dflash,
                      draft_n_gpu_layers=self.draft_n_gpu_layers, draft_adaptive=self.draft_adaptive,
-                     draft_use_mmap=self.draft_use_mmap, draft_window=self.draft_window)
+                     draft_use_mmap=self.draft_use_mmap, draft_window=self.draft_window,
+                     rollback_memory_mb=self.rollback_memory_mb, low_memory=self.low_memory)
         return state
 
     # ------------------------------------------------------------------ introspection

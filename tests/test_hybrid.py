@@ -346,3 +346,84 @@ def test_diverging_prompt_equals_cold_run(hybrid, arch, mode):
             prompt2 = prompt + out[:20 - back] + h.tm.tokenize(b" else")
             out2, _ = run(dec, prompt2, 16, stop_tokens=[])
             assert out2 == h.plain(prompt2, 16, stop_tokens=[])
+
+
+# ------------------------------------------------------------------------------- memory cap
+def test_choose_for_memory_rules():
+    from dflash_gguf.spec.rollback import choose_for_memory
+
+    mib = 2**20
+    assert choose_for_memory(10 * mib, 15, None) == "snapshot"            # no cap: snapshots
+    assert choose_for_memory(10 * mib, 15, 150 * mib) == "snapshot"       # 15 copies fit exactly
+    assert choose_for_memory(10 * mib, 15, 149 * mib) == "checkpoint"     # they do not: one host copy
+    assert choose_for_memory(10 * mib, 3, 40 * mib) == "snapshot"         # a smaller block fits
+    assert choose_for_memory(10 * mib, 0, 1) == "checkpoint"              # nothing drafted: no snapshots
+    with pytest.raises(InvalidArgumentError, match="at least 10"):
+        choose_for_memory(10 * mib, 15, 9 * mib)
+
+
+def test_snapshot_memory_is_n_copies_of_the_state(models):
+    """llama.cpp's recurrent buffer grows by one state copy per snapshot: the cost model the cap uses."""
+    import logging
+    import re
+
+    from dflash_gguf.spec.rollback import recurrent_state_bytes
+
+    pair = models.pair("qwen35", "dflash", 8)
+    lines: list[float] = []
+
+    class Grab(logging.Handler):
+        def emit(self, record):
+            m = re.search(r"RS buffer size =\s+([0-9.]+) MiB", record.getMessage())
+            if m:
+                lines.append(float(m.group(1)))
+    lg = logging.getLogger("dflash_gguf.llama_cpp")
+    grab, old = Grab(), lg.level
+    lg.addHandler(grab)
+    lg.setLevel(logging.DEBUG)
+    try:
+        with Model(pair.target) as tm:
+            sizes = {}
+            for n_rs in (0, 3, 7):
+                lines.clear()
+                with Context(tm, opts(n_rs)) as tc:
+                    sizes[n_rs] = lines[-1]
+                    state = recurrent_state_bytes(tc)
+                    assert tc.pos_max() == -1            # the probe leaves the memory empty
+    finally:
+        lg.removeHandler(grab)
+        lg.setLevel(old)
+    # llama.cpp prints MiB with two decimals: compare within that rounding (two values, 0.005 each)
+    assert sizes[0] * 2**20 == pytest.approx(state, abs=0.0051 * 2**20), (sizes, state)
+    for n_rs in (3, 7):
+        extra = (sizes[n_rs] - sizes[0]) * 2**20
+        assert extra == pytest.approx(n_rs * state, abs=0.0101 * 2**20), (sizes, state)
+
+
+def test_rollback_memory_mb_picks_the_kind_and_stays_lossless(models):
+    """Llama(rollback_memory_mb=): snapshots while n_draft copies of the state fit, a host checkpoint
+    when they do not, a clear error below one copy; the text is plain decoding's every time."""
+    from dflash_gguf import Llama
+    from dflash_gguf.spec.rollback import recurrent_state_bytes
+
+    pair = models.pair("qwen35", "dflash", 8)
+    with Model(pair.target) as tm, Context(tm, opts(0)) as tc:
+        state_mib = recurrent_state_bytes(tc) / 2**20
+    kw = dict(n_ctx=N_CTX, n_batch=64, n_ubatch=64, n_threads=1, n_threads_batch=1, verbose=False,
+              draft_adaptive=False)
+    text = PROMPTS[0].decode()
+    ref = None
+    for cap, want in ((None, "snapshot"), (7 * state_mib * 1.001, "snapshot"), (6.5 * state_mib, "checkpoint"),
+                      (1.5 * state_mib, "checkpoint")):
+        llm = Llama(str(pair.target), draft_model_path=str(pair.drafter), rollback_memory_mb=cap, **kw)
+        try:
+            assert llm.dflash_info["rollback"] == want, cap
+            assert llm.decoder.target.n_rs_seq == (7 if want == "snapshot" else 0)
+            out = llm.create_completion(text, max_tokens=32, temperature=0)["choices"][0]["text"]
+            if ref is None:
+                ref = llm.create_completion(text, max_tokens=32, temperature=0, dflash=False)["choices"][0]["text"]
+            assert out == ref
+        finally:
+            llm.close()
+    with pytest.raises(InvalidArgumentError, match="rollback_memory_mb"):
+        Llama(str(pair.target), draft_model_path=str(pair.drafter), rollback_memory_mb=0.5 * state_mib, **kw)

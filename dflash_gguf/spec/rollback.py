@@ -66,6 +66,40 @@ class CheckpointRollback(Rollback):
 _BY_NAME = {c.name: c for c in (AttentionRollback, SnapshotRollback, CheckpointRollback)}
 
 
+# --------------------------------------------------------------------------- memory
+def recurrent_state_bytes(ctx: Context) -> int:
+    """Bytes of one copy of the sequence's recurrent state (what a snapshot or a checkpoint holds).
+
+    Measured on ``ctx`` (a recurrent/hybrid target): one token is decoded so that the sequence has
+    a state, its size is read through llama.cpp's state API, and the memory is cleared again.
+    """
+    ctx.clear()
+    try:
+        ctx.decode(np.zeros(1, dtype=np.int32), 0)
+        return len(ctx.save_seq())
+    finally:
+        ctx.clear()
+
+
+def choose_for_memory(state_bytes: int, n_draft: int, cap_bytes: int | None) -> str:
+    """The rollback kind for a hybrid target drafting ``n_draft`` tokens within ``cap_bytes``.
+
+    Snapshots keep ``n_draft`` extra copies of the recurrent state inside llama.cpp (no replay: the
+    fastest); a checkpoint keeps one host copy and re-decodes the committed rows after a rejection.
+    ``cap_bytes=None``: no cap (snapshots).
+    """
+    if n_draft <= 0:
+        return "checkpoint"
+    if cap_bytes is None or n_draft * state_bytes <= cap_bytes:
+        return "snapshot"
+    if state_bytes > cap_bytes:
+        raise InvalidArgumentError(
+            f"a rollback memory cap of {cap_bytes / 2**20:.1f} MiB is below one copy of this target's recurrent "
+            f"state ({state_bytes / 2**20:.1f} MiB), which every rollback needs: raise rollback_memory_mb to at least "
+            f"{-(-state_bytes // 2**20)}, or decode plainly (dflash=False)")
+    return "checkpoint"
+
+
 def make_rollback(ctx: Context, n_draft: int, want: str = "auto") -> Rollback:
     """The rollback for ``ctx`` drafting up to ``n_draft`` tokens per step (``want``: auto or a kind)."""
     m = ctx.model
