@@ -99,8 +99,25 @@ LOW_MEMORY = {
     "n_batch": 256,
     "n_ubatch": 64,        # compute buffers scale with the ubatch (llama.cpp reserves n_ubatch logits rows)
     "flash_attn": True,    # no n_ctx x n_ubatch x n_head attention-score matrix
+    "type_k": 8,           # GGML_TYPE_Q8_0: the KV cache at about half its f16 size (needs flash_attn)
+    "type_v": 8,
 }
-LOW_MEMORY_DRAFT_WINDOW = 496    # a 512-cell drafter cache at block 16
+LOW_MEMORY_DRAFT_WINDOW = 496    # a 512-cell drafter cache at block 16 (the window at block 8 is 496 too)
+
+
+def low_memory_settings(header) -> dict:
+    """:data:`LOW_MEMORY` for a target (its GGUF header): a Q8_0 KV cache needs head sizes that are
+    multiples of Q8_0's 32-value block (llama.cpp refuses the context otherwise), else f16 stays."""
+    arch = header.arch
+    n_embd, n_head = header.get(f"{arch}.embedding_length"), header.get(f"{arch}.attention.head_count")
+    per_head = n_embd // n_head if isinstance(n_embd, int) and isinstance(n_head, int) and n_head else 0
+    k = header.get(f"{arch}.attention.key_length", per_head)
+    v = header.get(f"{arch}.attention.value_length", per_head)
+    out = dict(LOW_MEMORY)
+    if not (isinstance(k, int) and isinstance(v, int) and k and v and k % 32 == 0 and v % 32 == 0):
+        log.info("low_memory: head sizes %s/%s are not multiples of 32, the KV cache stays f16", k, v)
+        del out["type_k"], out["type_v"]
+    return out
 
 
 # --------------------------------------------------------------------------- Llama
@@ -130,7 +147,8 @@ class Llama(llama_cpp.Llama):
             rows is used instead; a cap below one copy is an error.
         low_memory: the low-memory preset (see ``LOW_MEMORY`` and README "Memory"): weights read
             into memory rather than mapped (with llama.cpp's repacked CPU weights a mapped file is
-            resident twice), smaller batches, flash attention, a 1024-position drafter window.
+            resident twice), smaller batches, flash attention, a Q8_0 KV cache, a 512-cell drafter
+            cache (drafter window 512 - block).
             Arguments given explicitly win over the preset.
 
     After each generation ``self.last_dflash_stats`` holds its :class:`GenerationStats` (``None``
@@ -157,24 +175,25 @@ class Llama(llama_cpp.Llama):
         self.draft_use_mmap = draft_use_mmap
         if draft_window is not None and draft_window < 0:
             raise ValueError(f"draft_window must be >= 0 (0: the whole context), got {draft_window}")
-        self.low_memory = low_memory
-        if low_memory:
-            for key, value in LOW_MEMORY.items():
-                kwargs.setdefault(key, value)
-            if draft_window is None:
-                draft_window = LOW_MEMORY_DRAFT_WINDOW
-        self.draft_window = draft_window
         if rollback_memory_mb is not None and rollback_memory_mb < 0:
             raise ValueError(f"rollback_memory_mb must be >= 0, got {rollback_memory_mb}")
         self.rollback_memory_mb = rollback_memory_mb
         self._owner_lock = threading.RLock()
         self._owner: tuple[int, weakref.ref] | None = None   # (thread, generation) in flight
         # llama.cpp aborts the process on some inconsistent files: check both before it loads either
+        headers = {}
         for path, role in ((model_path, "target"), (self.draft_model_path, "drafter")):
             if path and not Path(path).is_file():
                 raise ModelNotFoundError(f"{role} model file not found: {path}")
             if path:
-                check_gguf(path, role=role)
+                headers[role] = check_gguf(path, role=role)
+        self.low_memory = low_memory
+        if low_memory:
+            for key, value in low_memory_settings(headers["target"]).items():
+                kwargs.setdefault(key, value)
+            if draft_window is None:
+                draft_window = LOW_MEMORY_DRAFT_WINDOW
+        self.draft_window = draft_window
         try:
             super().__init__(model_path, **kwargs)
         except ValueError as e:

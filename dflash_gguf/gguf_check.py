@@ -107,8 +107,11 @@ class GGUFHeader:
 class _Reader:
     """Bounds-checked reads from a byte buffer (the file, memory-mapped)."""
 
-    def __init__(self, buf, size: int, path: Path):
+    def __init__(self, buf, size: int, path: Path, light: bool = False):
         self.buf, self.size, self.path, self.pos = buf, size, path, 0
+        # light: string arrays are checked but not kept (value None), long scalar arrays become numpy
+        # arrays - a 151k-token vocabulary as Python objects would cost ~45 MiB of peak RSS
+        self.light = light
 
     def fail(self, what: str) -> None:
         raise ModelFileError(f"{self.path}: {what}")
@@ -165,15 +168,29 @@ class _Reader:
                 fmt = _SCALAR[at]
                 k = n * struct.calcsize(fmt)
                 self.need(k, what)
-                vals = list(struct.unpack_from(f"<{n}{fmt[1]}", self.buf, self.pos)) if n else []
+                if self.light and n > 4096:
+                    import numpy as np
+                    vals = np.frombuffer(self.buf, dtype=np.dtype(fmt), count=n, offset=self.pos).copy()
+                else:
+                    vals = list(struct.unpack_from(f"<{n}{fmt[1]}", self.buf, self.pos)) if n else []
                 self.pos += k
                 return vals
+            if self.light:
+                for _ in range(n):
+                    m = self.u64(f"length of {what}")
+                    self.need(m, what)
+                    self.pos += m
+                return None
             return [self.raw_string(what) for _ in range(n)]   # string arrays stay bytes (vocabularies)
         self.fail(f"{what}: invalid value type {t}")
 
 
-def parse_gguf(path: str | os.PathLike) -> GGUFHeader:
-    """Read a GGUF's header, key/values and tensor infos (bounds-checked); raises ModelFileError."""
+def parse_gguf(path: str | os.PathLike, *, light: bool = False) -> GGUFHeader:
+    """Read a GGUF's header, key/values and tensor infos (bounds-checked); raises ModelFileError.
+
+    ``light=True``: string arrays (vocabularies, merges) are bounds-checked but their values are not
+    kept (``None``), and long scalar arrays are numpy arrays.
+    """
     path = Path(path)
     try:
         size = path.stat().st_size
@@ -190,13 +207,13 @@ def parse_gguf(path: str | os.PathLike) -> GGUFHeader:
         except (OSError, ValueError) as e:
             raise ModelFileError(f"{path}: cannot be mapped ({e})") from e
         try:
-            return _parse(buf, size, path)
+            return _parse(buf, size, path, light)
         finally:
             buf.close()
 
 
-def _parse(buf, size: int, path: Path) -> GGUFHeader:
-    r = _Reader(buf, size, path)
+def _parse(buf, size: int, path: Path, light: bool = False) -> GGUFHeader:
+    r = _Reader(buf, size, path, light)
     magic = r.read(4, "magic")
     if magic != GGUF_MAGIC:
         r.fail(f"not a GGUF file (magic {magic!r}, expected {GGUF_MAGIC!r})")
@@ -417,7 +434,7 @@ def check_gguf(path: str | os.PathLike, *, role: str = "model") -> GGUFHeader:
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"{role} file not found: {path}")
-    h = parse_gguf(path)
+    h = parse_gguf(path, light=True)
     r = _Reader(None, h.size, path)
     _check_model(h, r)
     if role == "target" and h.arch == "dflash":

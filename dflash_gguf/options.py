@@ -34,6 +34,18 @@ FLAGS: dict[str, tuple[tuple[str, ...], dict]] = {
                             help="speed gate (default on): draft per step as many tokens as currently pays, down "
                                  "to plain decoding (at most --draft-max); --no-draft-adaptive drafts --draft-max "
                                  "tokens every step")),
+    "draft_window": (("--draft-window",),
+                     dict(dest="draft_window", type=int, default=None, metavar="N",
+                          help="context positions the drafter attends to (default: 1024 minus the block size, a "
+                               "1024-cell drafter cache; 0: the whole context). Output is exact either way")),
+    "low_memory": (("--low-memory",),
+                   dict(dest="low_memory", action="store_true",
+                        help="low-memory preset: weights read rather than mapped, small batches, flash attention, "
+                             "Q8_0 KV cache, a 512-cell drafter cache (README: Memory)")),
+    "rollback_memory": (("--rollback-memory-mb",),
+                        dict(dest="rollback_memory_mb", type=float, default=None, metavar="MB",
+                             help="hybrid targets: the most memory rollback may take; recurrent-state snapshots "
+                                  "(fastest) while they fit, else a host checkpoint")),
     "n_predict": (("-n", "--n-predict", "--predict", "--max-tokens"),
                   dict(dest="max_tokens", type=int, metavar="N",
                        help="tokens to generate at most (default %(default)s; generate and chat: 0 means until EOS "
@@ -59,7 +71,7 @@ def add_model_args(ap: argparse.ArgumentParser) -> None:
     g = ap.add_argument_group("model")
     g.add_argument("--pair", metavar="DIR", help="converted pair directory (pair.json, target*.gguf, drafter*.gguf)")
     for name in ("model", "draft", "ctx_size", "gpu_layers", "gpu_layers_draft", "threads", "draft_max",
-                 "draft_adaptive"):
+                 "draft_adaptive", "draft_window", "low_memory", "rollback_memory"):
         add_flag(g, name)
     g.add_argument("--no-dflash", action="store_true", help="load the drafter but decode plainly (for comparison)")
     g.add_argument("--chat-format", default=None,
@@ -75,17 +87,16 @@ def resolve_n_ctx(n_ctx: int | None, target) -> int:
 
 
 def _train_ctx(path) -> int | None:
-    """The model's training context from the GGUF header (None if gguf-py is not installed)."""
+    """The model's training context from the GGUF header (None if it cannot be read)."""
+    from dflash_gguf.errors import ModelFileError
+    from dflash_gguf.gguf_check import parse_gguf
+
     try:
-        import gguf
-    except ImportError:
+        h = parse_gguf(path, light=True)   # the header only: no vocabulary as Python objects
+    except (OSError, ModelFileError):
         return None
-    try:
-        fields = gguf.GGUFReader(str(path)).fields
-        key = next((k for k in fields if k.endswith(".context_length")), None)
-        return int(fields[key].contents()) if key else None
-    except Exception:
-        return None
+    value = h.get(f"{h.arch}.context_length")
+    return int(value) if isinstance(value, int) else None
 
 
 def load_llama(args: argparse.Namespace):
@@ -102,7 +113,8 @@ def load_llama(args: argparse.Namespace):
         raise SystemExit(f"{PROG}: no model: pass --pair DIR, or --model TARGET.gguf [--draft DRAFTER.gguf]")
     kw = dict(n_ctx=resolve_n_ctx(args.n_ctx, target), n_gpu_layers=args.n_gpu_layers, draft_n_max=args.draft_n_max,
               draft_adaptive=args.draft_adaptive, draft_n_gpu_layers=args.draft_n_gpu_layers,
-              dflash=not args.no_dflash, chat_format=args.chat_format, verbose=args.verbose)
+              dflash=not args.no_dflash, chat_format=args.chat_format, verbose=args.verbose,
+              draft_window=args.draft_window, low_memory=args.low_memory, rollback_memory_mb=args.rollback_memory_mb)
     if args.threads:
         kw.update(n_threads=args.threads, n_threads_batch=args.threads)
     return Llama(str(target), draft_model_path=str(draft) if draft else None, **kw)

@@ -360,3 +360,57 @@ def test_pickle_round_trip(pair, plain):
     assert copy("def main(", max_tokens=10, temperature=0)["choices"][0]["text"] == want
     copy.close()
     llm.close()
+
+
+@pytest.mark.parametrize("settings", [dict(low_memory=True), dict(draft_window=5), dict(draft_window=0)],
+                         ids=["low_memory", "window5", "unbounded"])
+def test_memory_settings_keep_the_text(pair, oracle, settings):
+    """low_memory=True (weights read, not mapped; small batches; flash attention; Q8_0 KV; a small
+    drafter cache) and drafter windows: the text is plain decoding's on the same settings, and the
+    drafter's context is sized as documented."""
+    from dflash_gguf.api import LOW_MEMORY
+    from dflash_gguf.spec import OverrideProposer
+
+    llm = Llama(str(pair.target), draft_model_path=str(pair.drafter), draft_adaptive=False, **settings, **KW)
+    try:
+        llm.decoder.proposer = OverrideProposer(oracle)
+        dc = llm.decoder.drafter
+        assert dc.n_ubatch == dc.n_batch == 8                    # the block, not the target's batch
+        if settings.get("low_memory"):
+            # the tiny target's 16-value heads cannot hold a Q8_0 KV cache: it stays f16
+            assert llm.context_params.n_ubatch == LOW_MEMORY["n_ubatch"] and llm.context_params.type_k == 1
+            assert llm.model_params.load_mode == llama_cpp.LLAMA_LOAD_MODE_NONE
+            assert dc.window == 496 and dc.n_ctx == 512
+        elif settings["draft_window"]:
+            assert dc.window == 5 and dc.n_ctx == 256             # 5 + 8 cells, padded by llama.cpp
+        else:
+            assert dc.window == 0 and dc.n_ctx == llm.n_ctx()
+        for prompt in PROMPTS:
+            ref = llm(prompt, max_tokens=40, temperature=0, dflash=False)["choices"][0]["text"]
+            oracle.learn(llm)          # blocks then commit several tokens
+            out = llm(prompt, max_tokens=40, temperature=0)
+            assert out["choices"][0]["text"] == ref
+            assert out["dflash"]["steps"] > 0
+    finally:
+        llm.close()
+    with pytest.raises(ValueError, match="draft_window"):
+        Llama(str(pair.target), draft_model_path=str(pair.drafter), draft_window=-1, **KW)
+
+
+def test_low_memory_on_the_demo_pair_quantizes_the_kv_and_keeps_the_text():
+    """On a target whose heads hold Q8_0 blocks (the demo pair: 64-value heads) the preset's KV cache
+    is Q8_0; DFlash's text equals plain decoding's on the same context."""
+    from dflash_gguf.demo import demo_pair
+
+    target, drafter = demo_pair()
+    llm = Llama(str(target), draft_model_path=str(drafter), low_memory=True, draft_adaptive=False,
+                n_ctx=1024, n_threads=1, n_threads_batch=1, verbose=False)
+    try:
+        assert llm.context_params.type_k == llm.context_params.type_v == 8
+        for prompt in ("def fibonacci(n):\n", "The history of the city"):
+            ref = llm(prompt, max_tokens=48, temperature=0, dflash=False)["choices"][0]["text"]
+            out = llm(prompt, max_tokens=48, temperature=0)
+            assert out["choices"][0]["text"] == ref
+            assert out["dflash"]["acceptance_length"] > 1.5      # the trained drafter still drafts well
+    finally:
+        llm.close()

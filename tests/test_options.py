@@ -29,6 +29,9 @@ SHARED = {  # flag -> the commands that take it
     "ctx_size": ("generate", "chat", "serve"),
     "gpu_layers": ("generate", "chat", "serve"),
     "n_predict": ("generate", "chat", "bench"),
+    "draft_window": ("generate", "chat", "serve"),
+    "low_memory": ("generate", "chat", "serve"),
+    "rollback_memory": ("generate", "chat", "serve"),
 }
 
 
@@ -88,3 +91,22 @@ def test_speed_gate_is_on_by_default_and_can_be_turned_off():
         base = ["-m", "t.gguf"] + (["x"] if cmd == "generate" else [])
         assert getattr(ap.parse_args(base), dest) is True, cmd
         assert getattr(ap.parse_args(base + ["--no-draft-adaptive"]), dest) is False, cmd
+
+
+def test_memory_flags_reach_the_llama(models):
+    """--draft-window, --low-memory and --rollback-memory-mb parse in every command and load_llama
+    hands them to dflash_gguf.Llama."""
+    from dflash_gguf.options import load_llama
+
+    pair = models.pair("qwen3", "dflash", 8)
+    a = PARSERS["serve"]().parse_args(["-m", str(pair.target), "-md", str(pair.drafter), "-c", "512", "-t", "1",
+                                       "--draft-window", "40", "--low-memory", "--rollback-memory-mb", "64"])
+    assert (a.draft_window, a.low_memory, a.rollback_memory_mb) == (40, True, 64.0)
+    llm = load_llama(a)
+    try:
+        assert (llm.draft_window, llm.low_memory, llm.rollback_memory_mb) == (40, True, 64.0)
+        assert llm.decoder.drafter.window == 40 and llm.context_params.flash_attn_type == 1
+    finally:
+        llm.close()
+    d = PARSERS["generate"]().parse_args(["-m", "t.gguf", "x"])
+    assert (d.draft_window, d.low_memory, d.rollback_memory_mb) == (None, False, None)

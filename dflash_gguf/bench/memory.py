@@ -25,14 +25,19 @@ from pathlib import Path
 log = logging.getLogger("dflash_gguf.bench.memory")
 
 # name -> (class, kwargs); "plain" runs llama_cpp.Llama, the others dflash_gguf.Llama
-CONFIGS: dict[str, tuple[str, dict]] = {
+CONFIGS: dict[str, tuple[str, dict | str]] = {
     "plain": ("plain", {}),
     "dflash": ("dflash", {}),
     "dflash draft_window=0": ("dflash", {"draft_window": 0}),
+    # the low-memory preset's settings one at a time (on plain decoding: their own cost), then together
     "plain use_mmap=False": ("plain", {"use_mmap": False}),
+    "plain n_batch=256 n_ubatch=64": ("plain", {"n_batch": 256, "n_ubatch": 64}),
+    "plain flash_attn=True": ("plain", {"flash_attn": True}),
+    "plain flash_attn + KV q8_0": ("plain", {"flash_attn": True, "type_k": 8, "type_v": 8}),
     "plain + LOW_MEMORY settings": ("plain", "LOW_MEMORY"),
     "dflash low_memory=True": ("dflash", {"low_memory": True}),
 }
+DEFAULT_CONFIGS = ("plain", "dflash", "dflash draft_window=0", "plain + LOW_MEMORY settings", "dflash low_memory=True")
 
 _BUF = re.compile(r"^(load_tensors|llama_context|llama_kv_cache|~llama_context):\s+(\S+)\s+(model|output|KV|compute) "
                   r"buffer size (?:=|is)\s+([\d.]+) MiB")
@@ -160,7 +165,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--prompt-tokens", type=int, default=600)
     ap.add_argument("--tokens", type=int, default=32)
     ap.add_argument("--threads", type=int, default=None)
-    ap.add_argument("--configs", default=",".join(CONFIGS), help="comma list of: " + "; ".join(CONFIGS))
+    ap.add_argument("--configs", default=",".join(DEFAULT_CONFIGS),
+                    help="comma list (default: %(default)s) of: " + "; ".join(CONFIGS) + "; or 'all'")
     ap.add_argument("--json", help="also write the raw results here")
     a = ap.parse_args(argv)
     if a.child:
@@ -174,7 +180,7 @@ def main(argv: list[str] | None = None) -> int:
     else:
         from dflash_gguf.demo import demo_pair
         target, drafter = demo_pair()
-    names = [n.strip() for n in a.configs.split(",") if n.strip()]
+    names = list(CONFIGS) if a.configs == "all" else [n.strip() for n in a.configs.split(",") if n.strip()]
     unknown = [n for n in names if n not in CONFIGS]
     if unknown:
         ap.error(f"unknown configuration(s) {unknown}; choose from {list(CONFIGS)}")
