@@ -14,7 +14,9 @@ import numpy as np
 
 
 class DraftLength:
-    WARMUP = (None, None, None, 0, "half", None, 1, None)   # None = n_max
+    WARMUP = (None, 0, None, 0, "half", None, 1, None)      # None = n_max
+    WARMUP_GIVE_UP = 2                                       # drafted blocks with not one token right: warm-up ends
+    PROBE_SHORT = 4                                          # tokens drafted by a probe while decoding plainly
     PROBE_EVERY = 24                                         # re-measure n_max and plain now and then ...
     PROBE_MAX = 96                                           # ... less often while the choice stays put
     REPLAN_EVERY = 8                                         # steps between re-evaluations of the choice
@@ -32,16 +34,26 @@ class DraftLength:
         self.probe_every = self.PROBE_EVERY
         self._next_probe = len(self.WARMUP) + self.PROBE_EVERY
         self._probes = 0
+        self._warmup = len(self.WARMUP)
+        self._blocks = 0                            # drafting steps so far
+        self._right = 0                             # ... in which at least one token was accepted
 
     def _scheduled(self) -> int | None:
-        if self.steps <= len(self.WARMUP):
+        if self.steps <= self._warmup and self._blocks >= self.WARMUP_GIVE_UP and not self._right:
+            # a drafter that has not got one token right in its first blocks: the rest of the warm-up
+            # (costs of other lengths) cannot change the choice, plain decoding; probes will look again
+            self._warmup = self.steps - 1
+            self._next_probe = self.steps + self.PROBE_EVERY
+        if self.steps <= self._warmup:
             w = self.WARMUP[self.steps - 1]
         elif self.steps >= self._next_probe:
-            # probe what the plan does not use: full blocks while decoding plainly; while drafting,
-            # full blocks and plain decoding in turn
+            # probe what the plan does not use: a short block while decoding plainly (is the drafter
+            # right again?); while drafting, full blocks and plain decoding in turn
             self._probes += 1
             self._next_probe = self.steps + self.probe_every
-            w = None if (not self._plan or self._probes % 2) else 0
+            if not self._plan:
+                return min(self.PROBE_SHORT, self.n_max)
+            w = None if self._probes % 2 else 0
         else:
             return None
         if w is None:
@@ -80,11 +92,13 @@ class DraftLength:
         return n
 
     def record(self, n: int, accepted: int, seconds: float) -> None:
-        if n > 0 and self._plan == 0 and self.steps > len(self.WARMUP) and 2 * accepted >= n:
+        if n > 0 and self._plan == 0 and self.steps > self._warmup and 2 * accepted >= n:
             # a probe while decoding plainly found the drafter right: look again soon, re-plan now
             self._plan = None
             self._next_probe = self.steps + 2
         if n > 0:
+            self._blocks += 1
+            self._right += accepted > 0
             self.hits *= self.DECAY
             self.tries *= self.DECAY
             self.tries[:n] += 1

@@ -94,3 +94,17 @@ def test_probing_backs_off_while_the_choice_holds_and_recovers():
     later = feed(g, 2 * DraftLength.PROBE_MAX, accept=lambda n: n if right["now"] else 0, cost=lambda n: 1.0 + 0.3 * n)
     first = next(i for i, n in enumerate(later) if n > 0)
     assert first <= DraftLength.PROBE_MAX and later[-20:].count(7) >= 18
+
+
+def test_a_never_right_drafter_ends_the_warmup_early_and_probes_with_short_blocks():
+    """Two full blocks without one token right end the warm-up (its other lengths cannot change the
+    choice); probes while decoding plainly draft PROBE_SHORT tokens, not a whole block."""
+    g = DraftLength(15)
+    chosen = feed(g, 200, accept=lambda n: 0, cost=lambda n: 1.0 + 0.3 * n)
+    assert chosen[:4] == [15, 0, 15, 0]
+    assert all(n in (0, DraftLength.PROBE_SHORT) for n in chosen[4:]), chosen
+    assert 0 < sum(n > 0 for n in chosen[4:]) <= 200 // DraftLength.PROBE_EVERY
+    # a drafter right at least once keeps the whole warm-up (its cost curve is what the choice needs)
+    g = DraftLength(15)
+    chosen = feed(g, len(DraftLength.WARMUP), accept=lambda n: 1, cost=lambda n: 1.0 + 0.3 * n)
+    assert chosen == [15, 0, 15, 0, 7, 15, 1, 15]
