@@ -34,6 +34,7 @@ import llama_cpp
 import llama_cpp._internals as internals
 import llama_cpp.llama_chat_format as llama_chat_format
 
+from dflash_gguf.memory import LOW_MEMORY, LOW_MEMORY_DRAFT_WINDOW, low_memory_settings  # noqa: F401
 from dflash_gguf.engine import Context, ContextOptions, DrafterInfo, Model, clamp_n_draft
 from dflash_gguf.pair import pair_files
 from dflash_gguf.errors import BusyError, ModelFileError, ModelNotFoundError
@@ -91,33 +92,6 @@ def check_grammar(llm: llama_cpp.Llama, grammar) -> None:
     if not sampler:
         raise ValueError("invalid grammar: llama.cpp could not parse it (its log says where)")
     llama_cpp.llama_sampler_free(sampler)
-
-
-# Llama(..., low_memory=True): what it sets unless given (measured in BENCHMARKS.md section 7)
-LOW_MEMORY = {
-    "use_mmap": False,     # repacked CPU weights + the mapped file would both be resident
-    "n_batch": 256,
-    "n_ubatch": 64,        # compute buffers scale with the ubatch (llama.cpp reserves n_ubatch logits rows)
-    "flash_attn": True,    # no n_ctx x n_ubatch x n_head attention-score matrix
-    "type_k": 8,           # GGML_TYPE_Q8_0: the KV cache at about half its f16 size (needs flash_attn)
-    "type_v": 8,
-}
-LOW_MEMORY_DRAFT_WINDOW = 496    # a 512-cell drafter cache at block 16 (the window at block 8 is 496 too)
-
-
-def low_memory_settings(header) -> dict:
-    """:data:`LOW_MEMORY` for a target (its GGUF header): a Q8_0 KV cache needs head sizes that are
-    multiples of Q8_0's 32-value block (llama.cpp refuses the context otherwise), else f16 stays."""
-    arch = header.arch
-    n_embd, n_head = header.get(f"{arch}.embedding_length"), header.get(f"{arch}.attention.head_count")
-    per_head = n_embd // n_head if isinstance(n_embd, int) and isinstance(n_head, int) and n_head else 0
-    k = header.get(f"{arch}.attention.key_length", per_head)
-    v = header.get(f"{arch}.attention.value_length", per_head)
-    out = dict(LOW_MEMORY)
-    if not (isinstance(k, int) and isinstance(v, int) and k and v and k % 32 == 0 and v % 32 == 0):
-        log.info("low_memory: head sizes %s/%s are not multiples of 32, the KV cache stays f16", k, v)
-        del out["type_k"], out["type_v"]
-    return out
 
 
 # --------------------------------------------------------------------------- Llama

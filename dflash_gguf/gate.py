@@ -2,11 +2,16 @@
 
 On a CPU the target's verify pass costs more with every row, and the drafter's cost grows with the
 block too, so drafting the whole block is not always fastest (and drafting nothing, plain decoding,
-wins when the drafter is rarely right). :class:`DraftLength` keeps decayed per-position acceptance
-counts and the measured cost of a step for each draft length it has tried, fits a line through
-those costs for the lengths it has not, and picks the length with the most expected tokens per
-second: ``(1 + sum of P(accepted >= i) for i <= n)`` over ``cost(n)``. It only changes speed:
-the decoder's output is the target's whatever length is drafted.
+wins when the drafter is rarely right). :class:`DraftLength` keeps decayed per-position counts of
+how often position i was reached (every earlier drafted token accepted) and accepted, and the
+measured cost of a step for each draft length it has tried; it fits a line through the drafting
+steps' costs for the lengths it has not, and picks the length with the most expected tokens per
+second: ``(1 + sum of P(accepted >= i) for i <= n)`` over ``cost(n)``, where P(accepted >= i) is
+the product of the per-position conditional rates. A position seldom reached (deep in the block,
+while shorter blocks or short probes are drafted) leans on the estimate of the position before it
+instead of on a few old draws, so an unlucky warm-up block cannot pin the choice to short blocks or
+to plain decoding. It only changes
+speed: the decoder's output is the target's whatever length is drafted.
 """
 from __future__ import annotations
 
@@ -14,19 +19,22 @@ import numpy as np
 
 
 class DraftLength:
-    WARMUP = (None, 0, None, 0, "half", None, 1, None)      # None = n_max
+    WARMUP = (None, 0, None, "half", None)                  # None = n_max; costs of n_max, half and 0
     WARMUP_GIVE_UP = 2                                       # drafted blocks with not one token right: warm-up ends
     PROBE_SHORT = 4                                          # tokens drafted by a probe while decoding plainly
     PROBE_EVERY = 24                                         # re-measure n_max and plain now and then ...
+    PROBE_SOON = 4                                           # ... sooner after leaving a drafter that
+    DIP = 1.5                                                #     still gets this many tokens per step
     PROBE_MAX = 96                                           # ... less often while the choice stays put
     REPLAN_EVERY = 8                                         # steps between re-evaluations of the choice
     DECAY = 0.97                                             # acceptance memory, per drafting step
+    PRIOR = 2.0                                              # pseudo-draws of the previous position's rate
     COST_EMA = 0.2
 
     def __init__(self, n_max: int):
         self.n_max = n_max
         self.hits = np.zeros(n_max)                 # position i accepted (decayed count)
-        self.tries = np.zeros(n_max)                # position i drafted (decayed count)
+        self.tries = np.zeros(n_max)                # position i reached: drafted, all before it accepted
         self.cost = np.full(n_max + 1, np.nan)      # seconds of one step drafting n tokens
         self.steps = 0
         self.last = n_max
@@ -48,12 +56,13 @@ class DraftLength:
             w = self.WARMUP[self.steps - 1]
         elif self.steps >= self._next_probe:
             # probe what the plan does not use: a short block while decoding plainly (is the drafter
-            # right again?); while drafting, full blocks and plain decoding in turn
+            # right again?), a full block while drafting shorter ones, plain decoding while drafting
+            # full blocks
             self._probes += 1
             self._next_probe = self.steps + self.probe_every
             if not self._plan:
                 return min(self.PROBE_SHORT, self.n_max)
-            w = None if self._probes % 2 else 0
+            w = None if self._plan < self.n_max else 0
         else:
             return None
         if w is None:
@@ -62,15 +71,25 @@ class DraftLength:
 
     def expected_tokens(self) -> np.ndarray:
         """Expected tokens per step for n = 0..n_max drafted tokens."""
-        rate = np.divide(self.hits, self.tries, out=np.zeros_like(self.hits), where=self.tries > 0)
-        return 1.0 + np.concatenate([[0.0], np.cumsum(rate)])
+        reached = self.tries.sum()
+        prior = self.hits.sum() / reached if reached > 0 else 0.0    # position 1: the pooled rate
+        cond = np.empty(self.n_max)
+        for i in range(self.n_max):          # position i + 1 leans on position i's estimate
+            cond[i] = prior = (self.hits[i] + self.PRIOR * prior) / (self.tries[i] + self.PRIOR)
+        return 1.0 + np.concatenate([[0.0], np.cumsum(np.cumprod(cond))])
 
     def step_cost(self) -> np.ndarray:
+        """Seconds per step for n = 0..n_max: measured where known, else a line through the measured
+        drafting steps (n >= 1). A plain step (n = 0) has no drafter call, so it stays out of the fit:
+        the drafter's cost is a step at n = 1, not a slope."""
         known = ~np.isnan(self.cost)
         ns = np.arange(self.n_max + 1)
-        if known.sum() >= 2:   # least-squares line through the measured costs
-            x, y = ns[known], self.cost[known]
-            slope = float(np.cov(x, y, bias=True)[0, 1] / np.var(x))
+        fit = known & (ns >= 1)
+        if fit.sum() < 2:
+            fit = known
+        if fit.sum() >= 2:   # least-squares line
+            x, y = ns[fit], self.cost[fit]
+            slope = max(float(np.cov(x, y, bias=True)[0, 1] / np.var(x)), 0.0)
             model = np.maximum(y.mean() + slope * (ns - x.mean()), 1e-9)
         else:
             model = np.full(self.n_max + 1, np.nanmax(self.cost) if known.any() else 1.0)
@@ -81,11 +100,17 @@ class DraftLength:
         n = self._scheduled()
         if n is None:
             if self._plan is None or self.steps % self.REPLAN_EVERY == 0:
-                plan = int(np.argmax(self.expected_tokens() / self.step_cost()))
+                expected = self.expected_tokens()
+                plan = int(np.argmax(expected / self.step_cost()))
                 # a choice that survives re-measuring is probed less often (a never-right drafter then
-                # costs one full block every PROBE_MAX steps); a change restarts frequent probing
+                # costs one short block every PROBE_MAX steps); a change restarts frequent probing, and
+                # plain decoding chosen over a drafter that does get tokens right (a dip, or few draws)
+                # is re-probed soon
                 steady = plan == self._plan
                 self.probe_every = min(self.probe_every * 2, self.PROBE_MAX) if steady else self.PROBE_EVERY
+                if plan == 0 and not steady and expected[-1] > self.DIP:
+                    self.probe_every = self.PROBE_SOON
+                    self._next_probe = min(self._next_probe, self.steps + self.PROBE_SOON)
                 self._plan = plan
             n = self._plan
         self.last = n
@@ -101,7 +126,7 @@ class DraftLength:
             self._right += accepted > 0
             self.hits *= self.DECAY
             self.tries *= self.DECAY
-            self.tries[:n] += 1
+            self.tries[:min(accepted + 1, n)] += 1
             self.hits[:accepted] += 1
         c = self.cost[n]
         self.cost[n] = seconds if np.isnan(c) else (1 - self.COST_EMA) * c + self.COST_EMA * seconds

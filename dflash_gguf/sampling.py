@@ -3,10 +3,11 @@
 The chain is the one llama-cpp-python builds for ``Llama.sample``: penalties over the tokens
 generated so far (last ``penalty_last_n``), then greedy at ``temperature == 0``; otherwise
 top-k -> typical -> top-p -> min-p -> temperature -> sample. ``temperature < 0`` samples from the
-raw distribution. Acceptance of a drafted token ``d`` with target distribution ``p`` and a
-deterministic proposal (q one-hot at ``d``) is the standard rejection rule: accept with
-probability ``p[d]``; on rejection sample from ``p`` with ``d`` removed, renormalised. The
-output distribution is then exactly ``p`` at every position.
+raw distribution. Acceptance of a drafted token ``d`` drawn from a proposal ``q`` against the
+target distribution ``p`` is the standard rejection rule: accept with probability
+``min(1, p[d] / q[d])``; on rejection sample from ``max(0, p - q)``, renormalised. A deterministic
+proposal is q one-hot at ``d``: accept with ``p[d]``, else sample ``p`` without ``d``. The output
+distribution is then exactly ``p`` at every position.
 """
 from __future__ import annotations
 
@@ -109,8 +110,12 @@ class TokenChooser:
         ids, p = distribution(lg, self.sp)
         return int(ids[self.rng.choice(len(ids), p=p)])
 
-    def verify(self, logits: np.ndarray, draft: int, extra: list[int]) -> tuple[bool, int]:
-        """Accept ``draft`` or return the replacement token (lossless rejection sampling)."""
+    def verify(self, logits: np.ndarray, draft: int, extra: list[int],
+               q: tuple[np.ndarray, np.ndarray] | None = None) -> tuple[bool, int]:
+        """Accept ``draft`` or return the replacement token (lossless rejection sampling).
+
+        ``q``: (token ids, probabilities) ``draft`` was drawn from; None for a deterministic proposal.
+        """
         lg = self._logits(logits, extra)
         if self.sp.greedy:
             best = int(np.argmax(lg))
@@ -118,6 +123,18 @@ class TokenChooser:
         ids, p = distribution(lg, self.sp)
         hit = np.nonzero(ids == draft)[0]
         p_d = float(p[hit[0]]) if len(hit) else 0.0
+        if q is not None:
+            order = np.argsort(q[0])
+            q_ids, q_p = q[0][order], q[1][order]
+            q_d = float(q_p[np.searchsorted(q_ids, draft)])           # draft was drawn from q: it is there
+            if self.rng.random() * q_d < p_d:                         # probability min(1, p_d / q_d)
+                return True, draft
+            at = np.searchsorted(q_ids, ids).clip(max=len(q_ids) - 1)
+            q_on_p = np.where(q_ids[at] == ids, q_p[at], 0.0)
+            r = np.maximum(p - q_on_p, 0.0)
+            if r.sum() <= 0.0:
+                r = p
+            return False, int(ids[self.rng.choice(len(ids), p=r / r.sum())])
         if p_d > 0.0 and self.rng.random() < p_d:
             return True, draft
         if len(hit):

@@ -65,6 +65,41 @@ def test_sampled_accept_first_token_has_the_target_distribution():
     assert chi2 < 31.3, (chi2, counts, expected)
 
 
+@pytest.mark.parametrize("q_case", ["overlap", "disjoint", "equal"])
+def test_sampled_accept_with_a_proposal_distribution_keeps_the_target_distribution(q_case):
+    """Drafts drawn from q (DFlash2's selector distribution), accepted with min(1, p/q) and resampled
+    from max(0, p - q): the committed token ~ p exactly, whatever q is; acceptance is higher the
+    closer q is to p."""
+    rng = np.random.default_rng(2)
+    logits = rng.normal(scale=1.5, size=12).astype(np.float32)
+    sp = SamplingParams(temperature=0.9, top_k=0, top_p=1.0, min_p=0.0, seed=7)
+    ids, probs = distribution(logits, sp)
+    p = np.zeros(12)
+    p[ids] = probs
+    if q_case == "equal":
+        q_ids, q = np.arange(12), p.copy()
+    elif q_case == "overlap":       # 4 candidates: two of p's likeliest, two others
+        q_ids = np.array([int(np.argmax(p)), int(np.argsort(p)[-3]), 0, 5])
+        q = np.array([0.4, 0.1, 0.3, 0.2])
+    else:                           # tokens p gives (almost) nothing: every draft rejected
+        q_ids, q = np.array([int(np.argmin(p))]), np.array([1.0])
+    chooser = TokenChooser(sp)
+    n, counts, accepted = 6000, np.zeros(12), 0
+    for _ in range(n):
+        k = int(chooser.rng.choice(len(q_ids), p=q))
+        draft = np.array([q_ids[k]], np.int32)
+        got = sampled_accept(draft, lambda i: logits, chooser, [(q_ids, q)])
+        counts[got[0]] += 1
+        accepted += len(got) == 2
+    expected = p * n
+    mask = expected > 0
+    chi2 = float((((counts - expected) ** 2)[mask] / expected[mask]).sum())
+    assert counts[~mask].sum() == 0
+    assert chi2 < 31.3, (chi2, counts, expected)      # 0.1% critical value at 11 degrees of freedom
+    overlap = float(sum(min(p[t], w) for t, w in zip(q_ids, q)))   # P(accept) = sum min(p, q)
+    assert accepted / n == pytest.approx(overlap, abs=0.03)
+
+
 def test_stats_observe_step_and_merge():
     a, b = GenerationStats(), GenerationStats()
     a.observe_step(3, 2)

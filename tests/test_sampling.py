@@ -160,3 +160,41 @@ def test_greedy_penalties_match_llama_cpp(setup, penalties):
     tc.close()
     assert out == ref
     assert st.steps > 0
+
+
+def test_dflash2_samples_from_the_selector_and_keeps_the_target_distribution(models):
+    """A DFlash2 drafter at temperature > 0: drafts are drawn from its selector's top-k distribution
+    (patch 0008's lattice; q is not one-hot), accepted with min(1, p/q); the first three tokens still
+    follow the target's exact distribution, and a seeded request repeats itself."""
+    pair = models.pair("qwen3", "dflash2", 8)
+    tm, dm = Model(pair.target), Model(pair.drafter)
+    opts = ContextOptions(n_ctx=256, n_batch=64, n_ubatch=64)
+    pc, tc = Context(tm, opts), Context(tm, opts)
+    dc = Context(dm, opts, other=tc)
+    try:
+        prompt = tm.tokenize(PROMPT)
+        exact = exact_distribution(pc, prompt, SP)
+        dec = DFlashDecoder(tc, dc, SpecOptions())
+        assert dec.info.kind == "dflash2" and dec.lattice is not None
+        calls, qs = [0], []
+        inner = dec.lattice.propose
+
+        def spy(*a, **k):
+            calls[0] += 1
+            n, q = inner(*a, **k)
+            qs.extend(q)
+            return n, q
+        dec.lattice.propose = spy
+        counts, st = Counter(), GenerationStats()
+        for seed in range(N_RUNS):
+            sp = SamplingParams(**{**SP.__dict__, "seed": seed})
+            counts[tuple(dec.generate(prompt, K_TOKENS, sampling=sp, stats=st, stop_tokens=[]))] += 1
+        assert calls[0] > 0 and st.drafted > 0
+        assert all(abs(q.sum() - 1) < 1e-9 for _, q in qs) and any(q.max() < 1 for _, q in qs)
+        p = chi2_pvalue(counts, exact)
+        assert p > ALPHA, f"DFlash2 samples do not follow the target distribution (p={p:.2e})"
+        sp = SamplingParams(temperature=0.8, seed=11)
+        first = list(dec.generate(prompt, 24, sampling=sp))
+        assert list(dec.generate(prompt, 24, sampling=sp)) == first
+    finally:
+        dc.close(), tc.close(), pc.close(), dm.close(), tm.close()

@@ -24,19 +24,22 @@ def greedy_accept(draft: np.ndarray, target_ids: np.ndarray) -> list[int]:
     return [*draft[:a].tolist(), int(target_ids[a])]
 
 
-def sampled_accept(draft: Sequence[int], logits_row: Callable[[int], np.ndarray], chooser) -> list[int]:
-    """Tokens committed by a sampled step (rejection sampling with a deterministic proposal).
+def sampled_accept(draft: Sequence[int], logits_row: Callable[[int], np.ndarray], chooser,
+                   q: Sequence[tuple[np.ndarray, np.ndarray]] | None = None) -> list[int]:
+    """Tokens committed by a sampled step (speculative rejection sampling).
 
-    ``chooser`` is a :class:`dflash_gguf.sampling.TokenChooser`: ``verify(logits, token, history)``
-    keeps a drafted token with probability p(token) and otherwise resamples from the residual,
-    ``pick(logits, history)`` samples the bonus token after a fully accepted block.
+    ``chooser`` is a :class:`dflash_gguf.sampling.TokenChooser`: ``verify(logits, token, history, q)``
+    keeps a drafted token with probability min(1, p/q) (p(token) for a deterministic proposal,
+    ``q=None``) and otherwise resamples from the residual, ``pick(logits, history)`` samples the
+    bonus token after a fully accepted block. ``q[i]``: (token ids, probabilities) the i-th token
+    was drawn from.
     """
     commit: list[int] = []
     n = len(draft)
     for i in range(n + 1):
         logits = logits_row(i)
         if i < n:
-            ok, tok = chooser.verify(logits, int(draft[i]), commit)
+            ok, tok = chooser.verify(logits, int(draft[i]), commit, None if q is None else q[i])
         else:
             ok, tok = False, chooser.pick(logits, commit)
         commit.append(tok)

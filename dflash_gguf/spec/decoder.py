@@ -31,7 +31,7 @@ from dflash_gguf.gate import DraftLength
 from dflash_gguf.sampling import SamplingParams, TokenChooser
 from dflash_gguf.spec.acceptance import cut_at_stop, greedy_accept, sampled_accept
 from dflash_gguf.spec.features import FeatureFeed
-from dflash_gguf.spec.proposer import DrafterProposer, Proposer
+from dflash_gguf.spec.proposer import DrafterProposer, LatticeProposer, Proposer
 from dflash_gguf.spec.rollback import make_rollback
 from dflash_gguf.spec.stats import GenerationStats
 
@@ -52,6 +52,7 @@ class SpecOptions:
     n_draft: int | None = None   # tokens drafted per block; default and maximum: block_size - 1
     rollback: str = "auto"       # auto | seq_rm | snapshot | checkpoint
     adaptive: bool = False       # speed gate: draft per step as many tokens as pays (gate.DraftLength)
+    sample_lattice: bool = True  # DFlash2 at temperature > 0: draft from the selector's top-k distribution
 
 
 class DFlashDecoder:
@@ -80,6 +81,9 @@ class DFlashDecoder:
             self.features = FeatureFeed(target, drafter, self.info)
             self.n_draft = clamp_n_draft(self.info, self.opts.n_draft, n_batch=target.n_batch,
                                          n_ubatch=drafter.n_ubatch)
+        self.lattice: LatticeProposer | None = None
+        if self.info is not None and self.info.kind == "dflash2" and self.opts.sample_lattice and self.info.selector_top_k:
+            self.lattice = LatticeProposer(self.info.selector_top_k, self.n_draft)
         self._rollback = make_rollback(target, self.n_draft, self.opts.rollback)
         self.gate = DraftLength(self.n_draft) if (self.opts.adaptive and self.n_draft > 0) else None
         self.cache: list[int] = []     # tokens whose KV is in the target (and features in the drafter)
@@ -154,16 +158,23 @@ class DFlashDecoder:
             self._inject(pos0 + off, len(chunk), "injecting prompt features into the drafter", pos0 + len(tokens))
         stats.t_prefill += time.perf_counter() - t0
 
-    def _draft_block(self, pos: int, pending: int, n: int, stats: GenerationStats) -> int:
+    def _draft_block(self, pos: int, pending: int, n: int, stats: GenerationStats,
+                     sample: TokenChooser | None = None) -> tuple[int, list | None]:
+        """Draft up to ``n`` tokens into ``self._draft``; with ``sample`` (a sampled request on a DFlash2
+        drafter) they are drawn from the selector's lattice and their distributions come back too."""
         if n <= 0:
-            return 0
+            return 0, None
         t0 = time.perf_counter()
         self.features.flush()          # rows kept on the host during plain steps
         t1 = time.perf_counter()
         stats.t_inject += t1 - t0
-        n = self.proposer.propose(self.drafter, pos, pending, n, self._draft, lambda: self.cache)
+        q = None
+        if sample is not None:
+            n, q = self.lattice.propose(self.drafter, pos, pending, n, self._draft, sample.rng, sample.sp.temperature)
+        else:
+            n = self.proposer.propose(self.drafter, pos, pending, n, self._draft, lambda: self.cache)
         stats.t_draft += time.perf_counter() - t1
-        return n
+        return n, q
 
     def _verify_block(self, pos: int, pending: int, n: int, greedy: bool, stats: GenerationStats) -> np.ndarray:
         """Decode ``[pending, d1..dn]`` at ``pos``; greedy reads the per-row argmax ids only."""
@@ -236,6 +247,8 @@ class DFlashDecoder:
         # the gate's choices follow measured timings; sampled requests keep fixed drafting so that a
         # seeded request draws the same random numbers, and gives the same text, every time
         gate = self.gate if (n_draft and sp.greedy) else None
+        # DFlash2, sampled: propose from the selector's distribution (the drafter's own proposer only)
+        lattice = chooser if (self.lattice is not None and not sp.greedy and type(self.proposer) is DrafterProposer) else None
         produced = 0
         try:
             while produced < max_tokens:
@@ -246,13 +259,13 @@ class DFlashDecoder:
                 want = gate.choose() if gate is not None else n_draft
                 n = min(want, max_tokens - produced - 1, self.target.n_ctx - pos - 1)
                 t_step = stats.t_draft + stats.t_verify
-                n = self._draft_block(pos, pending, n, stats)
+                n, q = self._draft_block(pos, pending, n, stats, lattice)
                 saved = self._rollback.save(n)
                 rows = self._verify_block(pos, pending, n, greedy, stats)
                 if greedy:
                     commit = greedy_accept(self._draft[:n], self._argmax[:n + 1])
                 else:
-                    commit = sampled_accept(self._draft[:n], self.target.logits_row, chooser)
+                    commit = sampled_accept(self._draft[:n], self.target.logits_row, chooser, q)
                 a = len(commit) - 1
                 if gate is not None:
                     gate.record(n, a, stats.t_draft + stats.t_verify - t_step)

@@ -3,7 +3,9 @@
 :class:`DrafterProposer` asks the DFlash drafter (one C call per block). :class:`OverrideProposer`
 still runs the drafter - its cost is paid and its cache stays exactly as without the override - and
 then replaces the proposal with a function of the context: an oracle for tests, replayed acceptance
-profiles for benchmarks.
+profiles for benchmarks. :class:`LatticeProposer` serves DFlash2 drafters at temperature > 0: it
+samples each drafted token from the selector's top-k distribution and returns that distribution
+(q) for the acceptance rule.
 """
 from __future__ import annotations
 
@@ -42,3 +44,38 @@ class OverrideProposer(DrafterProposer):
         n = super().propose(drafter, pos, pending, n, out, context)
         out[:n] = np.asarray(self.fn(context() + [pending], n), dtype=np.int32)[:n]
         return n
+
+
+class LatticeProposer:
+    """DFlash2 at temperature > 0: drafted tokens sampled from the selector's lattice (patch 0008).
+
+    For block row i the lattice holds top_k candidate ids and, for each candidate p of row i - 1,
+    transition scores over row i's candidates. Row i's proposal distribution is
+    softmax(scores[pred] / temperature) over its candidates, given the candidate drawn for row i - 1
+    (row 1: the anchor, index 0); the drafted token is drawn from it with the request's random
+    generator, and ``(ids, q)`` per row goes to the acceptance rule (accept with min(1, p/q)).
+    """
+
+    def __init__(self, top_k: int, n_max: int):
+        self.k = top_k
+        self.width = top_k + top_k * top_k
+        self.buf = np.zeros((max(n_max, 1), self.width), dtype=np.float32)
+
+    def propose(self, drafter: Context, pos: int, pending: int, n: int, out: np.ndarray, rng: np.random.Generator,
+                temperature: float) -> tuple[int, list[tuple[np.ndarray, np.ndarray]]]:
+        got = B.check(B.lib.llama_dflash_draft_lattice(drafter.cptr, 0, pos, pending, n,
+                                                       B.ffi.from_buffer("float[]", self.buf), self.buf.size),
+                      "drafting a block (DFlash2 lattice)")
+        k, t = self.k, temperature if temperature > 0 else 1.0
+        qs, pred = [], 0
+        for i in range(got):
+            row = self.buf[i]
+            scores = row[k + pred * k:k + (pred + 1) * k].astype(np.float64) / t
+            q = np.exp(scores - scores.max())
+            q /= q.sum()
+            pred = int(rng.choice(k, p=q))
+            ids = row[:k].astype(np.int64)
+            out[i] = ids[pred]
+            uniq, inv = np.unique(ids, return_inverse=True)      # a token listed twice: its q is the sum
+            qs.append((uniq, np.bincount(inv, weights=q, minlength=len(uniq))))
+        return got, qs

@@ -110,7 +110,8 @@ def run_case(case: dict) -> dict:
         for spec in case["profiles"]:
             name, cum = parse_profile(spec)
             runs[name] = {"cum": cum, "expected_tau": round(expected_tau(cum, n_draft), 3), "tps": [], "tau": None}
-        runs["own"] = {"tps": [], "tau": None}          # the drafter's own proposals (random weights: ~never right)
+        if case.get("own", True):
+            runs["own"] = {"tps": [], "tau": None}      # the drafter's own proposals (random weights: ~never right)
         if case.get("gate"):
             for name in list(runs):
                 runs[name + "+gate"] = dict(runs[name], tps=[], tau=None)
