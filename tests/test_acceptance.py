@@ -43,26 +43,33 @@ def test_sampled_accept_greedy_chain_equals_greedy_accept():
         assert got == greedy_accept(draft, target)
 
 
-def test_sampled_accept_first_token_has_the_target_distribution():
-    """Rejection sampling with a fixed (one-hot) proposal: the first committed token ~ p exactly."""
-    rng = np.random.default_rng(1)
-    logits = rng.normal(scale=1.5, size=12).astype(np.float32)
-    sp = SamplingParams(temperature=0.9, top_k=0, top_p=1.0, min_p=0.0, seed=123)
+def _twelve_tokens(seed: int, sampler_seed: int):
+    """Random logits over 12 tokens, a sampling setup, and the exact target distribution p."""
+    logits = np.random.default_rng(seed).normal(scale=1.5, size=12).astype(np.float32)
+    sp = SamplingParams(temperature=0.9, top_k=0, top_p=1.0, min_p=0.0, seed=sampler_seed)
     ids, probs = distribution(logits, sp)
     p = np.zeros(12)
     p[ids] = probs
-    draft = np.array([int(np.argsort(p)[-2]), 0], np.int32)   # a plausible but not the best token
-    chooser = TokenChooser(sp)
-    n = 6000
-    counts = np.zeros(12)
-    for _ in range(n):
-        counts[sampled_accept(draft, lambda i: logits, chooser)[0]] += 1
-    expected = p * n
+    return logits, sp, p
+
+
+def _assert_follows(counts: np.ndarray, p: np.ndarray) -> None:
+    expected = p * counts.sum()
     mask = expected > 0
     chi2 = float((((counts - expected) ** 2)[mask] / expected[mask]).sum())
     assert counts[~mask].sum() == 0
-    # 11 degrees of freedom at most: the 0.1% critical value is 31.3
-    assert chi2 < 31.3, (chi2, counts, expected)
+    assert chi2 < 31.3, (chi2, counts, expected)      # 0.1% critical value at 11 degrees of freedom
+
+
+def test_sampled_accept_first_token_has_the_target_distribution():
+    """Rejection sampling with a fixed (one-hot) proposal: the first committed token ~ p exactly."""
+    logits, sp, p = _twelve_tokens(1, 123)
+    draft = np.array([int(np.argsort(p)[-2]), 0], np.int32)   # a plausible but not the best token
+    chooser = TokenChooser(sp)
+    counts = np.zeros(12)
+    for _ in range(6000):
+        counts[sampled_accept(draft, lambda i: logits, chooser)[0]] += 1
+    _assert_follows(counts, p)
 
 
 @pytest.mark.parametrize("q_case", ["overlap", "disjoint", "equal"])
@@ -70,12 +77,7 @@ def test_sampled_accept_with_a_proposal_distribution_keeps_the_target_distributi
     """Drafts drawn from q (DFlash2's selector distribution), accepted with min(1, p/q) and resampled
     from max(0, p - q): the committed token ~ p exactly, whatever q is; acceptance is higher the
     closer q is to p."""
-    rng = np.random.default_rng(2)
-    logits = rng.normal(scale=1.5, size=12).astype(np.float32)
-    sp = SamplingParams(temperature=0.9, top_k=0, top_p=1.0, min_p=0.0, seed=7)
-    ids, probs = distribution(logits, sp)
-    p = np.zeros(12)
-    p[ids] = probs
+    logits, sp, p = _twelve_tokens(2, 7)
     if q_case == "equal":
         q_ids, q = np.arange(12), p.copy()
     elif q_case == "overlap":       # 4 candidates: two of p's likeliest, two others
@@ -91,11 +93,7 @@ def test_sampled_accept_with_a_proposal_distribution_keeps_the_target_distributi
         got = sampled_accept(draft, lambda i: logits, chooser, [(q_ids, q)])
         counts[got[0]] += 1
         accepted += len(got) == 2
-    expected = p * n
-    mask = expected > 0
-    chi2 = float((((counts - expected) ** 2)[mask] / expected[mask]).sum())
-    assert counts[~mask].sum() == 0
-    assert chi2 < 31.3, (chi2, counts, expected)      # 0.1% critical value at 11 degrees of freedom
+    _assert_follows(counts, p)
     overlap = float(sum(min(p[t], w) for t, w in zip(q_ids, q)))   # P(accept) = sum min(p, q)
     assert accepted / n == pytest.approx(overlap, abs=0.03)
 
