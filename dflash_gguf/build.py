@@ -17,6 +17,8 @@ import argparse
 import hashlib
 import json
 import logging
+import importlib
+import importlib.util
 import os
 import platform
 import re
@@ -242,6 +244,22 @@ def _pip_install(args: list[str]) -> None:
         raise BuildError(f"pip install {' '.join(args)} failed:\n{r.stderr.strip()[-1500:]}")
 
 
+def gguf_installed(marker: Path, key: str) -> bool:
+    """The vendored gguf-py of build ``key`` is installed in this environment.
+
+    The marker (in the shared cache) names the build and the environment's prefix; a fresh
+    environment made at the same path (a CI clone) has the same prefix and no gguf, so the
+    package itself must also be importable from inside this environment.
+    """
+    if not (marker.exists() and marker.read_text() == f"{key}:{sys.prefix}"):
+        return False
+    importlib.invalidate_caches()
+    spec = importlib.util.find_spec("gguf")
+    if spec is None or spec.origin is None:
+        return False
+    return Path(spec.origin).resolve().is_relative_to(Path(sys.prefix).resolve())
+
+
 def install(wheel: Path, tree: Path, key: str) -> None:
     marker = paths.install_marker()
     if marker is not None and marker.exists() and marker.read_text().strip() == key:
@@ -256,7 +274,7 @@ def install(wheel: Path, tree: Path, key: str) -> None:
         marker.write_text(key)
     gguf_py = tree / "vendor" / "llama.cpp" / "gguf-py"
     gguf_marker = paths.cache_dir() / "gguf-installed"
-    if not (gguf_marker.exists() and gguf_marker.read_text() == f"{key}:{sys.prefix}"):
+    if not gguf_installed(gguf_marker, key):
         log.info("installing the vendored gguf-py (DFlash-aware) as 'gguf'")
         _pip_install(["--force-reinstall", "--no-deps", str(gguf_py)])
         _pip_install([str(gguf_py)])

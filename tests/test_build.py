@@ -99,3 +99,21 @@ def test_cache_key_follows_series_and_flags():
     if platform.machine() not in ("aarch64", "arm64"):
         with pytest.raises(build.BuildError, match="--cross aarch64-linux-gnu"):
             build.BuildOptions(platform="kleidiai").all_cmake_args()
+
+
+def test_gguf_marker_alone_does_not_count_as_installed(tmp_path, monkeypatch):
+    """A fresh environment at the same path (a CI clone's new .venv) matches the cache's marker but has
+    no gguf: the build must install it again, not trust the marker."""
+    import importlib.util
+    import sys
+
+    marker = tmp_path / "gguf-installed"
+    assert not build.gguf_installed(marker, "k")                      # no marker
+    marker.write_text(f"k:{sys.prefix}")
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name: None)
+    assert not build.gguf_installed(marker, "k")                      # marker, but nothing importable
+    monkeypatch.undo()
+    marker.write_text(f"other:{sys.prefix}")
+    assert not build.gguf_installed(marker, "k")                      # another build's marker
+    marker.write_text(f"k:{sys.prefix}")
+    assert build.gguf_installed(marker, "k")      # this environment: the build installed gguf into it
