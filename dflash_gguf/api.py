@@ -34,11 +34,11 @@ import llama_cpp
 import llama_cpp._internals as internals
 import llama_cpp.llama_chat_format as llama_chat_format
 
-from dflash_gguf.memory import LOW_MEMORY, LOW_MEMORY_DRAFT_WINDOW, low_memory_settings  # noqa: F401
 from dflash_gguf.engine import Context, ContextOptions, DrafterInfo, Model, clamp_n_draft
 from dflash_gguf.pair import pair_files
 from dflash_gguf.errors import BusyError, ModelFileError, ModelNotFoundError
 from dflash_gguf.gguf_check import check_gguf
+from dflash_gguf.memory import LOW_MEMORY_DRAFT_WINDOW, low_memory_settings
 from dflash_gguf.sampling import SamplingParams
 from dflash_gguf.spec.decoder import DFlashDecoder, SpecOptions, common_prefix_len
 from dflash_gguf.spec.rollback import choose_for_memory, recurrent_state_bytes
@@ -119,7 +119,7 @@ class Llama(llama_cpp.Llama):
             default llama.cpp keeps one snapshot of the recurrent state per drafted token (fastest);
             when those copies exceed the cap, one host checkpoint with a replay of the committed
             rows is used instead; a cap below one copy is an error.
-        low_memory: the low-memory preset (see ``LOW_MEMORY`` and README "Memory"): weights read
+        low_memory: the low-memory preset (``dflash_gguf.memory.LOW_MEMORY``, README "Memory"): weights read
             into memory rather than mapped (with llama.cpp's repacked CPU weights a mapped file is
             resident twice), smaller batches, flash attention, a Q8_0 KV cache, a 512-cell drafter
             cache (drafter window 512 - block).

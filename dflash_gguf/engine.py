@@ -291,6 +291,9 @@ class Context(_Handle):
     def clear(self) -> None:
         B.lib.llama_memory_clear(self.mem, True)
 
+    def pos_min(self) -> int:
+        return B.lib.llama_memory_seq_pos_min(self.mem, 0)
+
     def pos_max(self) -> int:
         return B.lib.llama_memory_seq_pos_max(self.mem, 0)
 

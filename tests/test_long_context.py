@@ -162,7 +162,7 @@ def test_long_context_lossless_and_sized_as_predicted(arch_pair, n_ctx):
         # the drafter's cache slid with the context: exactly the last `window` committed positions
         n_done = len(dec.cache)
         assert dc.pos_max() == n_done - 1
-        assert _pos_min(dc) == n_done - WINDOW
+        assert dc.pos_min() == n_done - WINDOW
         grown = _rss_mib() - rss0
         log.info("%s n_ctx=%d: plain %.1f s, dflash %.1f s (with prefill), buffers %.1f MiB, RSS +%.1f MiB",
                  arch, n_ctx, t_plain, t_dflash, reported, grown)
@@ -220,12 +220,6 @@ def test_api_rejects_a_prompt_over_the_context(models):
         llm.close()
 
 
-def _pos_min(ctx: Context) -> int:
-    import llama_cpp.llama_cpp as C
-
-    return C.llama_memory_seq_pos_min(C.llama_get_memory(ctx.ptr), 0)
-
-
 @pytest.mark.parametrize("window", (1, 100, 1000))
 def test_drafter_window_bounds_the_cache_and_stays_lossless(models, window):
     """draft_window=W: the drafter's context is W + block cells (padded by llama.cpp) whatever n_ctx,
@@ -245,7 +239,7 @@ def test_drafter_window_bounds_the_cache_and_stays_lossless(models, window):
             assert list(dec.generate(prompt, 40, stats=st, stop_tokens=[])) == plain
             assert 0 < st.accepted < st.drafted
             n_done = len(dec.cache)
-            assert dc.pos_max() == n_done - 1 and _pos_min(dc) == n_done - window
+            assert dc.pos_max() == n_done - 1 and dc.pos_min() == n_done - window
             # the real drafter on the same windowed cache: still exact
             dec.proposer = DrafterProposer()
             assert list(dec.generate(prompt, 40, stop_tokens=[])) == plain

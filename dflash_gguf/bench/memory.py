@@ -71,7 +71,7 @@ def child(spec: dict) -> dict:
     logs.set_log_handler(lg)
     base = _status()
     if spec["kwargs"] == "LOW_MEMORY":
-        from dflash_gguf.api import LOW_MEMORY
+        from dflash_gguf.memory import LOW_MEMORY
         kwargs = dict(LOW_MEMORY)
     else:
         kwargs = dict(spec["kwargs"])

@@ -75,7 +75,7 @@ def sweep(target: str, drafter: str, windows: list[int], lengths: list[int], n_g
                             taus.append(st.tau)
                             tps.append(st.n_generated / max(st.t_total - st.t_prefill, 1e-9))
                             prefill.append(st.t_prefill)
-                            cells = max(cells, dctx.pos_max() + 1 - _pos_min(dctx))
+                            cells = max(cells, dctx.pos_max() + 1 - dctx.pos_min())
                         rows.append({"prompt_tokens": length, "window": w, "drafter_n_ctx": dctx.n_ctx,
                                      "cells_after": cells, "tau": statistics.mean(taus),
                                      "tps": statistics.median(tps), "prefill_s": statistics.median(prefill),
@@ -85,12 +85,6 @@ def sweep(target: str, drafter: str, windows: list[int], lengths: list[int], n_g
                         log.info("L=%d window=%s tau=%.2f tok/s=%.1f lossless %d/%d", length, w or "all",
                                  rows[-1]["tau"], rows[-1]["tps"], same, len(prompts))
     return rows
-
-
-def _pos_min(ctx) -> int:
-    import llama_cpp.llama_cpp as C
-
-    return C.llama_memory_seq_pos_min(C.llama_get_memory(ctx.ptr), 0)
 
 
 def table(rows: list[dict]) -> str:
