@@ -26,7 +26,6 @@ import logging
 import os
 import threading
 import weakref
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator, Sequence
 
@@ -34,6 +33,8 @@ import llama_cpp
 import llama_cpp._internals as internals
 import llama_cpp.llama_chat_format as llama_chat_format
 
+from dflash_gguf.calls import CallState, Request, check_grammar
+from dflash_gguf.constructors import PairConstructors
 from dflash_gguf.engine import Context, ContextOptions, DrafterInfo, Model, clamp_n_draft
 from dflash_gguf.pair import pair_files
 from dflash_gguf.errors import BusyError, ModelFileError, ModelNotFoundError
@@ -52,50 +53,8 @@ _COMPLETION_SIG = inspect.signature(llama_cpp.Llama._create_completion)
 _CHAT_SIG = inspect.signature(llama_cpp.Llama.create_chat_completion)
 
 
-@dataclass
-class _Request:
-    """What ``_create_completion`` knows about a call and ``generate`` needs."""
-    max_tokens: int | None
-    logprobs: int | None
-    dflash: bool | None
-    served: bool = False               # True once generate() picked the DFlash path
-    stats: GenerationStats | None = None
-    reason: str | None = None          # why the plain path served it (a fallback)
-    n_prompt: int = 0                  # tokens of the prompt handed to generate()
-    n_completion: int = 0              # tokens llama_cpp took as completion (consumed, not end-of-generation)
-
-    def usage(self) -> dict:
-        return {"prompt_tokens": self.n_prompt, "completion_tokens": self.n_completion,
-                "total_tokens": self.n_prompt + self.n_completion}
-
-
-@dataclass
-class _CallState:
-    """Per-call state of a :class:`Llama`, in one place.
-
-    llama_cpp's entry points call each other (chat -> completion -> generate) without a way to pass
-    our extras along, so they travel here: ``dflash`` is the per-call override; ``created`` is the
-    request ``_create_completion`` made (read back by ``create_chat_completion`` for its stats);
-    ``handoff`` is set right before llama_cpp's body calls ``generate()``, which takes it; ``live``
-    is the DFlash generator in flight.
-    """
-    dflash: bool | None = None
-    created: _Request | None = None
-    handoff: _Request | None = None
-    live: weakref.ref | None = None
-
-
-def check_grammar(llm: llama_cpp.Llama, grammar) -> None:
-    """Raise ValueError for a grammar llama.cpp cannot parse (llama_cpp would crash on it)."""
-    sampler = llama_cpp.llama_sampler_init_grammar(llm._model.vocab, grammar._grammar.encode("utf-8"),
-                                                   grammar._root.encode("utf-8"))
-    if not sampler:
-        raise ValueError("invalid grammar: llama.cpp could not parse it (its log says where)")
-    llama_cpp.llama_sampler_free(sampler)
-
-
 # --------------------------------------------------------------------------- Llama
-class Llama(llama_cpp.Llama):
+class Llama(PairConstructors, llama_cpp.Llama):
     """``llama_cpp.Llama`` plus a DFlash/DFlash2 drafter.
 
     Extra arguments (everything else is ``llama_cpp.Llama``'s):
@@ -138,7 +97,7 @@ class Llama(llama_cpp.Llama):
         if draft_n_max is not None and draft_n_max < 0:
             raise ValueError(f"draft_n_max must be >= 0 (0: no drafting), got {draft_n_max}")
         self._decoder: DFlashDecoder | None = None
-        self._call = _CallState()
+        self._call = CallState()
         self.last_dflash_stats: GenerationStats | None = None
         self._interrupt = threading.Event()
         self.dflash = dflash
@@ -179,50 +138,6 @@ class Llama(llama_cpp.Llama):
             self._open_drafter()
         elif kwargs.get("draft_model") is None:
             log.info("no draft_model_path: %s decodes plainly", Path(model_path).name)
-
-    # ------------------------------------------------------------------ construction
-    @classmethod
-    def from_pair(cls, path: str | os.PathLike, *, verify: bool = False, **kwargs) -> "Llama":
-        """Open a converted pair directory (``pair.json`` + ``target*.gguf`` + ``drafter*.gguf``).
-
-        ``verify=True`` also checks both files against the sha256 sums in ``pair.json``.
-        """
-        target, drafter = pair_files(path, verify=verify)
-        return cls(str(target), draft_model_path=str(drafter), **kwargs)
-
-    @classmethod
-    def from_pretrained(cls, repo_id: str, filename: str, draft_repo_id: str | None = None,
-                        draft_filename: str | None = None, *, revision: str | None = None,
-                        draft_revision: str | None = None, cache_dir: str | os.PathLike | None = None,
-                        local_files_only: bool = False, **kwargs) -> "Llama":
-        """A target GGUF (and a drafter GGUF) from the Hugging Face Hub, through its cache.
-
-        ``filename`` / ``draft_filename``: a file name or a glob matching exactly one file
-        (``"*Q8_0.gguf"``). ``draft_repo_id`` defaults to ``repo_id`` when only ``draft_filename`` is
-        given. Offline (``HF_HUB_OFFLINE=1`` or ``local_files_only=True``) only the cache is read.
-        Needs ``huggingface_hub`` (``pip install 'dflash-gguf[hub]'``); see :mod:`dflash_gguf.hub`.
-        """
-        from dflash_gguf.hub import hub_file
-
-        target = hub_file(repo_id, filename, revision=revision, cache_dir=cache_dir, local_files_only=local_files_only)
-        drafter = None
-        if draft_filename is not None:
-            drafter = hub_file(draft_repo_id or repo_id, draft_filename, revision=draft_revision, cache_dir=cache_dir,
-                               local_files_only=local_files_only)
-        elif draft_repo_id is not None:
-            raise ValueError("draft_repo_id needs draft_filename (the drafter GGUF's name or a glob)")
-        return cls(str(target), draft_model_path=str(drafter) if drafter else None, **kwargs)
-
-    @classmethod
-    def from_pair_pretrained(cls, repo_id: str, *, revision: str | None = None,
-                             cache_dir: str | os.PathLike | None = None, local_files_only: bool = False,
-                             **kwargs) -> "Llama":
-        """A converted pair published on the Hub with its ``pair.json`` (made by ``dflash_gguf.convert``):
-        the manifest, then the two GGUFs it names (sizes checked as :meth:`from_pair` does)."""
-        from dflash_gguf.hub import pair_snapshot
-
-        root = pair_snapshot(repo_id, revision=revision, cache_dir=cache_dir, local_files_only=local_files_only)
-        return cls.from_pair(root, **kwargs)
 
     def _open_drafter(self) -> None:
         ngl = self.draft_n_gpu_layers if self.draft_n_gpu_layers is not None else self.model_params.n_gpu_layers
@@ -374,7 +289,7 @@ class Llama(llama_cpp.Llama):
                    or llama_chat_format.get_chat_completion_handler(self.chat_format))
         return handler(llama=self, **call, **extra)
 
-    def _chat_stream(self, chunks, req: _Request | None):
+    def _chat_stream(self, chunks, req: Request | None):
         try:
             for chunk in chunks:
                 if chunk.get("choices") and chunk["choices"][0].get("finish_reason") is not None:
@@ -391,11 +306,11 @@ class Llama(llama_cpp.Llama):
         bound = _COMPLETION_SIG.bind(self, *args, **kwargs)
         bound.apply_defaults()
         a = bound.arguments
-        req = _Request(max_tokens=a["max_tokens"], logprobs=a["logprobs"], dflash=self._call.dflash)
+        req = Request(max_tokens=a["max_tokens"], logprobs=a["logprobs"], dflash=self._call.dflash)
         self._call.created = req
         return self._completion_chunks(req, super()._create_completion(*args, **kwargs))
 
-    def _completion_chunks(self, req: _Request, chunks):
+    def _completion_chunks(self, req: Request, chunks):
         # Set right before llama_cpp's body runs: it calls self.generate() within this same resume.
         self._call.handoff = req
         try:
@@ -412,7 +327,7 @@ class Llama(llama_cpp.Llama):
                 self._call.handoff = None
             chunks.close()
 
-    def _stats_dict(self, req: _Request | None) -> dict | None:
+    def _stats_dict(self, req: Request | None) -> dict | None:
         """The response's ``dflash`` object: the statistics, or why plain decoding served it (None
         without a drafter: then this class is llama_cpp.Llama)."""
         if req is None or self._decoder is None:
@@ -424,7 +339,7 @@ class Llama(llama_cpp.Llama):
     # ------------------------------------------------------------------ generation
     def dflash_unsupported(self, *, sampling: SamplingParams, reset: bool = True, mirostat_mode: int = 0,
                            logits_processor=None, stopping_criteria=None, grammar=None,
-                           request: _Request | None = None) -> str | None:
+                           request: Request | None = None) -> str | None:
         """Why a generation must use the plain path (None when DFlash serves it exactly)."""
         want = self.dflash if request is None or request.dflash is None else request.dflash
         if self._decoder is None:
@@ -522,7 +437,7 @@ class Llama(llama_cpp.Llama):
         self._call.live = weakref.ref(gen)
         return self._watched(req, len(tokens), gen)
 
-    def _watched(self, req: _Request | None, n_prompt: int, gen) -> Iterator[int]:
+    def _watched(self, req: Request | None, n_prompt: int, gen) -> Iterator[int]:
         """``gen`` counted for usage and stopped by :meth:`interrupt` (before each token)."""
         if req is not None:
             req.n_prompt, req.n_completion = n_prompt, 0
@@ -546,7 +461,7 @@ class Llama(llama_cpp.Llama):
             gen.close()
 
     def _dflash_tokens(self, prompt: list[int], sp: SamplingParams, stats: GenerationStats,
-                       req: _Request | None, stop_ids: set[int]) -> Iterator[int]:
+                       req: Request | None, stop_ids: set[int]) -> Iterator[int]:
         room = max(self._n_ctx - len(prompt), 0)
         want = req.max_tokens if req is not None else None
         # Draft no further than the request needs. llama_cpp reads on past max_tokens while a UTF-8

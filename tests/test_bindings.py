@@ -5,6 +5,7 @@ Layer-index convention under test: tap L is the INPUT of target layer L, which i
 """
 from __future__ import annotations
 
+import logging
 import os
 import re
 import subprocess
@@ -12,6 +13,7 @@ import sys
 import textwrap
 from pathlib import Path
 
+import llama_cpp.llama_cpp as C
 import numpy as np
 import pytest
 
@@ -89,6 +91,49 @@ def test_taps_match_transformers_hidden_states(models, arch):
         np.testing.assert_array_equal(part, out[5:8, 2 * m.n_embd:3 * m.n_embd])
 
 
+def test_direct_taps_read_the_graph(models):
+    """patches/0010: direct taps give the copied taps' bytes for one-ubatch decodes, nothing for longer."""
+    _, gguf = models.target("qwen3")
+    layers = [1, 2, 3]
+    with Model(gguf) as m, Context(m, ContextOptions(n_ctx=256, n_batch=64, n_ubatch=16)) as a, \
+            Context(m, ContextOptions(n_ctx=256, n_batch=64, n_ubatch=16)) as b:
+        tokens = np.array(m.tokenize(PROMPT), np.int32)
+        assert len(tokens) > 16
+        for ctx in (a, b):
+            B.check(B.lib.llama_dflash_set_taps(ctx.cptr, layers, len(layers), True), "set taps")
+        assert B.lib.llama_dflash_set_taps_direct(b.cptr, True) == 0     # returns the previous mode
+        assert B.lib.llama_dflash_set_taps_direct(b.cptr, True) == 1
+
+        def taps(ctx, row0, n):
+            out = np.zeros((n, len(layers) * m.n_embd), np.float32)
+            B.check(B.lib.llama_dflash_get_taps(ctx.cptr, layers, len(layers), row0, n,
+                                                B.ffi.from_buffer("float[]", out), out.size), "get taps")
+            return out
+
+        # the prompt in one-ubatch chunks, then single rows: the same bytes either way
+        for off in range(0, len(tokens), 16):
+            chunk = tokens[off:off + 16]
+            for ctx in (a, b):
+                ctx.decode(chunk, off, out_row0=len(chunk))
+            assert B.lib.llama_dflash_tap_rows(b.cptr) == len(chunk)
+            np.testing.assert_array_equal(taps(b, 0, len(chunk)), taps(a, 0, len(chunk)))
+            np.testing.assert_array_equal(taps(b, 2, 3), taps(a, 2, 3))
+        # a decode of several ubatches: copied taps have every row, direct taps none (an error, not a wrong row)
+        n = len(tokens)
+        for ctx in (a, b):
+            ctx.clear()
+            ctx.decode(tokens, 0, out_row0=n)
+        assert B.lib.llama_dflash_tap_rows(a.cptr) == n and B.lib.llama_dflash_tap_rows(b.cptr) == 0
+        with pytest.raises(RowRangeError):
+            taps(b, 0, 1)
+        # back to copies: the next decode's rows are readable again, and equal
+        assert B.lib.llama_dflash_set_taps_direct(b.cptr, False) == 1
+        for ctx in (a, b):
+            ctx.clear()
+            ctx.decode(tokens, 0, out_row0=n)
+        np.testing.assert_array_equal(taps(b, 0, n), taps(a, 0, n))
+
+
 def test_tap_errors_are_codes_not_aborts(models):
     _, gguf = models.target("qwen3")
     with Model(gguf) as m, Context(m, ContextOptions(n_ctx=128, n_batch=32, n_ubatch=32)) as ctx:
@@ -150,6 +195,50 @@ def test_drafter_info_and_pair_checks(models):
             B.check(B.lib.llama_dflash_prepare(lone.cptr, tc.cptr, B.ffi.NULL), "swapped")
         lone.close()
         tc.close()
+
+
+class _Lines(logging.Handler):
+    """Collects llama.cpp's log lines (routed to logging by conftest's set_log_handler)."""
+
+    def __init__(self):
+        super().__init__(logging.DEBUG)
+        self.lines: list[str] = []
+
+    def emit(self, record):
+        self.lines.append(record.getMessage())
+
+
+def _load_logged(path: Path) -> tuple[Model, str]:
+    lg = logging.getLogger("dflash_gguf.llama_cpp")
+    h, old = _Lines(), lg.level
+    lg.addHandler(h)
+    lg.setLevel(logging.DEBUG)
+    try:
+        m = Model(path)
+    finally:
+        lg.removeHandler(h)
+        lg.setLevel(old)
+    return m, "\n".join(h.lines)
+
+
+def test_drafter_vocab_is_ids_only(models):
+    """patches/0009: a drafter's vocabulary keeps ids, texts and special ids, not a tokenizer."""
+    pair = models.pair("qwen35", "dflash", 8)       # the GPT-2 byte-level BPE: 50,000 merges
+    tm, tlog = _load_logged(pair.target)
+    dm, dlog = _load_logged(pair.drafter)
+    with tm, dm:
+        merges = lambda log: [int(x) for x in re.findall(r"n_merges\s*=\s*(\d+)", log)]  # noqa: E731
+        assert merges(tlog) == [50000] and merges(dlog) == [0]
+        assert dm.n_vocab == tm.n_vocab
+        # what pair checks compare (upstream's included): texts, attributes and special ids
+        for fn in (C.llama_vocab_bos, C.llama_vocab_eos):
+            assert fn(dm.vocab) == fn(tm.vocab)
+        for t in range(0, tm.n_vocab, 97):
+            assert C.llama_vocab_get_text(dm.vocab, t) == C.llama_vocab_get_text(tm.vocab, t)
+            assert C.llama_vocab_get_attr(dm.vocab, t) == C.llama_vocab_get_attr(tm.vocab, t)
+        # without a piece cache, pieces are made from the token's text: same bytes as the target
+        for t in tm.tokenize(b" parse(self, args):\n", add_bos=False):
+            assert dm.token_bytes(t) == tm.token_bytes(t)
 
 
 def test_prepare_refuses_drafter_of_other_hidden_size(models, tmp_path):

@@ -77,9 +77,12 @@ class DFlashDecoder:
             cinfo = B.ffi.new("struct llama_dflash_drafter_info *")
             B.check(B.lib.llama_dflash_prepare(target.cptr, drafter.cptr, cinfo),
                     f"pairing drafter {drafter.model.path.name} with target {target.model.path.name}")
+            # taps are read from the target's graph, not copied to its output buffer (patch 0010):
+            # every decode of this loop is at most one target ubatch (prefill chunks, verify blocks)
+            B.check(B.lib.llama_dflash_set_taps_direct(target.cptr, True), "reading taps from the target's graph")
             self.info = DrafterInfo.from_c(cinfo)
             self.features = FeatureFeed(target, drafter, self.info)
-            self.n_draft = clamp_n_draft(self.info, self.opts.n_draft, n_batch=target.n_batch,
+            self.n_draft = clamp_n_draft(self.info, self.opts.n_draft, n_batch=min(target.n_batch, target.n_ubatch),
                                          n_ubatch=drafter.n_ubatch)
         self.lattice: LatticeProposer | None = None
         if self.info is not None and self.info.kind == "dflash2" and self.opts.sample_lattice and self.info.selector_top_k:
@@ -151,7 +154,7 @@ class DFlashDecoder:
     # ------------------------------------------------------------------ phases
     def _prefill(self, tokens: np.ndarray, pos0: int, stats: GenerationStats) -> None:
         t0 = time.perf_counter()
-        step = self.target.n_batch
+        step = min(self.target.n_batch, self.target.n_ubatch)   # one ubatch per decode: direct taps
         for off in range(0, len(tokens), step):
             chunk = tokens[off:off + step]
             self.target.decode(chunk, pos0 + off, out_row0=len(chunk))

@@ -1,0 +1,51 @@
+"""Per-call state of :class:`dflash_gguf.Llama`: what one request carries through llama_cpp's entry points."""
+from __future__ import annotations
+
+import weakref
+from dataclasses import dataclass
+
+import llama_cpp
+
+from dflash_gguf.spec.stats import GenerationStats
+
+
+@dataclass
+class Request:
+    """What ``_create_completion`` knows about a call and ``generate`` needs."""
+    max_tokens: int | None
+    logprobs: int | None
+    dflash: bool | None
+    served: bool = False               # True once generate() picked the DFlash path
+    stats: GenerationStats | None = None
+    reason: str | None = None          # why the plain path served it (a fallback)
+    n_prompt: int = 0                  # tokens of the prompt handed to generate()
+    n_completion: int = 0              # tokens llama_cpp took as completion (consumed, not end-of-generation)
+
+    def usage(self) -> dict:
+        return {"prompt_tokens": self.n_prompt, "completion_tokens": self.n_completion,
+                "total_tokens": self.n_prompt + self.n_completion}
+
+
+@dataclass
+class CallState:
+    """Per-call state of a :class:`Llama`, in one place.
+
+    llama_cpp's entry points call each other (chat -> completion -> generate) without a way to pass
+    our extras along, so they travel here: ``dflash`` is the per-call override; ``created`` is the
+    request ``_create_completion`` made (read back by ``create_chat_completion`` for its stats);
+    ``handoff`` is set right before llama_cpp's body calls ``generate()``, which takes it; ``live``
+    is the DFlash generator in flight.
+    """
+    dflash: bool | None = None
+    created: Request | None = None
+    handoff: Request | None = None
+    live: weakref.ref | None = None
+
+
+def check_grammar(llm: llama_cpp.Llama, grammar) -> None:
+    """Raise ValueError for a grammar llama.cpp cannot parse (llama_cpp would crash on it)."""
+    sampler = llama_cpp.llama_sampler_init_grammar(llm._model.vocab, grammar._grammar.encode("utf-8"),
+                                                   grammar._root.encode("utf-8"))
+    if not sampler:
+        raise ValueError("invalid grammar: llama.cpp could not parse it (its log says where)")
+    llama_cpp.llama_sampler_free(sampler)
