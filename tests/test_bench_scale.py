@@ -138,3 +138,9 @@ def test_reduced_head_on_synthetic_pair_and_run_case(small_pairs, tmp_path):
     md = markdown([r], {"command": "test", "cpu": "cpu", "cores": 1, "load_start": "0", "load_end": "0",
                         "threads": 1, "tokens": 24, "trials": 1})
     assert "| test |" in md and "synthetic random weights, replayed acceptance" in md
+    # --gate-only: the gated columns alone, with the draws the fixed columns would have had
+    g = run_case(dict(case, drafters={"full": case["drafters"]["full"]}, profiles=["strong", "none"], own=False,
+                      gate="only"))
+    runs = g["drafters"]["full"]["runs"]
+    assert set(runs) == {"strong+gate", "none+gate"}
+    assert all(run["exact"] for run in runs.values()) and runs["none+gate"]["tau"] == 1.0

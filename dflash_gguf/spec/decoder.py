@@ -82,7 +82,7 @@ class DFlashDecoder:
             B.check(B.lib.llama_dflash_set_taps_direct(target.cptr, True), "reading taps from the target's graph")
             self.info = DrafterInfo.from_c(cinfo)
             self.features = FeatureFeed(target, drafter, self.info)
-            self.n_draft = clamp_n_draft(self.info, self.opts.n_draft, n_batch=min(target.n_batch, target.n_ubatch),
+            self.n_draft = clamp_n_draft(self.info, self.opts.n_draft, n_batch=target.n_ubatch,
                                          n_ubatch=drafter.n_ubatch)
         self.lattice: LatticeProposer | None = None
         if self.info is not None and self.info.kind == "dflash2" and self.opts.sample_lattice and self.info.selector_top_k:
@@ -154,7 +154,7 @@ class DFlashDecoder:
     # ------------------------------------------------------------------ phases
     def _prefill(self, tokens: np.ndarray, pos0: int, stats: GenerationStats) -> None:
         t0 = time.perf_counter()
-        step = min(self.target.n_batch, self.target.n_ubatch)   # one ubatch per decode: direct taps
+        step = self.target.n_ubatch   # one ubatch per decode (direct taps); llama.cpp keeps n_ubatch <= n_batch
         for off in range(0, len(tokens), step):
             chunk = tokens[off:off + step]
             self.target.decode(chunk, pos0 + off, out_row0=len(chunk))

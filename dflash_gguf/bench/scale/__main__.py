@@ -33,6 +33,8 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--repeats", type=int, default=5, help="calls per cost measurement (fastest kept)")
     ap.add_argument("-t", "--threads", type=int, default=None, help="threads (default: all cores)")
     ap.add_argument("--gate", action="store_true", help="also run every profile with the speed gate on")
+    ap.add_argument("--gate-only", action="store_true", help="run every profile with the speed gate on only "
+                    "(no fixed-drafting columns: long runs of slow profiles)")
     ap.add_argument("--no-own", action="store_true", help="skip the random drafter's own proposals (slow columns "
                     "at acceptance 1; upstream's column is the comparison for them)")
     ap.add_argument("--no-upstream", action="store_true", help="skip upstream's llama-speculative-simple column")
@@ -187,7 +189,8 @@ def main(argv: list[str] | None = None) -> int:
             if dv:
                 drafters[f"dv{dv}"] = str(reduced_pair(pair, dv) / "drafter.gguf")
             case = {"name": name, "target": str(pair / "target.gguf"), "drafters": drafters, "profiles": profiles,
-                    "tokens": a.tokens, "trials": a.trials, "repeats": a.repeats, "threads": threads, "gate": a.gate,
+                    "tokens": a.tokens, "trials": a.trials, "repeats": a.repeats, "threads": threads,
+                    "gate": "only" if a.gate_only else a.gate,
                     "own": not a.no_own}
             log.info("case %s", name)
             r = run_one(case)

@@ -112,15 +112,18 @@ def run_case(case: dict) -> dict:
             runs[name] = {"cum": cum, "expected_tau": round(expected_tau(cum, n_draft), 3), "tps": [], "tau": None}
         if case.get("own", True):
             runs["own"] = {"tps": [], "tau": None}      # the drafter's own proposals (random weights: ~never right)
+        order = list(runs)                               # seeds follow the profiles, gated or not
         if case.get("gate"):
-            for name in list(runs):
+            for name in order:
                 runs[name + "+gate"] = dict(runs[name], tps=[], tau=None)
+            if case["gate"] == "only":
+                runs = {name: r for name, r in runs.items() if name.endswith("+gate")}
         for trial in range(trials):
             _, st = _gen(plain, prompt_ids, n_tok)
             plain_tps.append(st.tokens_per_second)
             for name, r in runs.items():
                 base = name.removesuffix("+gate")
-                seed = [trial, list(runs).index(base)]       # independent draws per profile and trial
+                seed = [trial, order.index(base)]            # independent draws per profile and trial
                 prop = None if base == "own" else ReplayProposer(reference, r["cum"], tm.n_vocab, seed=seed)
                 dec = DFlashDecoder(tctx, dctx, SpecOptions(adaptive=name.endswith("+gate")),
                                     OverrideProposer(prop) if prop is not None else None)
