@@ -39,7 +39,7 @@ from dflash_gguf.engine import Context, ContextOptions, DrafterInfo, Model, clam
 from dflash_gguf.pair import pair_files
 from dflash_gguf.errors import BusyError, ModelFileError, ModelNotFoundError
 from dflash_gguf.gguf_check import check_gguf
-from dflash_gguf.memory import LOW_MEMORY_DRAFT_WINDOW, low_memory_settings
+from dflash_gguf.memory import LOW_MEMORY_DRAFT_WINDOW, low_memory_settings, release_free_heap
 from dflash_gguf.sampling import SamplingParams
 from dflash_gguf.spec.decoder import DFlashDecoder, SpecOptions, common_prefix_len
 from dflash_gguf.spec.rollback import choose_for_memory, recurrent_state_bytes
@@ -157,6 +157,7 @@ class Llama(PairConstructors, llama_cpp.Llama):
         opts = ContextOptions(n_ctx=self._n_ctx, n_batch=self.n_batch, n_ubatch=self.context_params.n_ubatch,
                               n_threads=self.n_threads, flash_attn=flash, draft_window=self.draft_window)
         self._draft_ctx = Context(self._draft_model, opts, other=target)
+        release_free_heap()   # what loading the drafter freed goes back to the system
         self._decoder = DFlashDecoder(target, self._draft_ctx,
                                       SpecOptions(n_draft=n_draft, adaptive=self.draft_adaptive))
         self.n_tokens = 0   # the decoder cleared the target memory

@@ -34,3 +34,21 @@ def low_memory_settings(header) -> dict:
         log.info("low_memory: head sizes %s/%s are not multiples of 32, the KV cache stays f16", k, v)
         del out["type_k"], out["type_v"]
     return out
+
+
+def release_free_heap() -> int:
+    """Hand the C heap's free pages back to the system (glibc's ``malloc_trim``); returns 1 if any were.
+
+    Loading a drafter leaves freed loader memory in the heap (its GGUF metadata, and since
+    ``patches/0012`` its vocabulary's text -> id map, about 10 MiB at 151,936 tokens), which glibc
+    keeps resident until the same process allocates it again. Called once after the drafter is
+    loaded; a no-op (0) where the C library has no ``malloc_trim`` (macOS, musl, Android).
+    """
+    import ctypes
+
+    try:
+        trim = ctypes.CDLL(None).malloc_trim
+    except (AttributeError, OSError):
+        return 0
+    trim.argtypes, trim.restype = [ctypes.c_size_t], ctypes.c_int
+    return int(trim(0))

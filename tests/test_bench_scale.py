@@ -144,3 +144,10 @@ def test_reduced_head_on_synthetic_pair_and_run_case(small_pairs, tmp_path):
     runs = g["drafters"]["full"]["runs"]
     assert set(runs) == {"strong+gate", "none+gate"}
     assert all(run["exact"] for run in runs.values()) and runs["none+gate"]["tau"] == 1.0
+    # --gate-warm: one gated decoder across trials (as a Llama keeps its gate): fresh caches every
+    # trial, so every trial is exact; the first (cold) trial is reported apart from the median
+    w = run_case(dict(case, drafters={"full": case["drafters"]["full"]}, profiles=["strong"], own=False,
+                      gate="only", gate_warm=True, trials=2))
+    run = w["drafters"]["full"]["runs"]["strong+gate warm"]
+    assert run["exact"] and len(run["tps"]) == 2
+    assert run["tps_cold"] == round(run["tps"][0], 3) and run["tps_median"] == round(run["tps"][1], 3)

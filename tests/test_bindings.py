@@ -20,8 +20,8 @@ import pytest
 from dflash_gguf import _bindings as B
 from dflash_gguf import paths
 from dflash_gguf.engine import Context, ContextOptions, Model
-from dflash_gguf.errors import (DFlashError, BufferTooSmallError, LayerError, NotADrafterError, PairMismatchError,
-                                RowRangeError, TapDisabledError)
+from dflash_gguf.errors import (DFlashError, BufferTooSmallError, InvalidArgumentError, LayerError, NotADrafterError,
+                                PairMismatchError, RowRangeError, TapDisabledError)
 
 PROMPT = b"def parse(self, args):\n    for name in args:\n        yield name"
 
@@ -134,6 +134,57 @@ def test_direct_taps_read_the_graph(models):
         np.testing.assert_array_equal(taps(b, 0, n), taps(a, 0, n))
 
 
+@pytest.mark.parametrize("arch", ["qwen3", "llama", "qwen35"])
+def test_capped_taps_keep_the_last_rows(models, arch):
+    """patches/0011: a cap keeps the last rows of each ubatch's taps (the same bytes as the copies);
+    earlier rows are an error, never a wrong row. The cap needs direct taps; turning those off drops it."""
+    _, gguf = models.target(arch)
+    layers = [1, 2, 3]
+    cap = 5
+    with Model(gguf) as m, Context(m, ContextOptions(n_ctx=256, n_batch=64, n_ubatch=16)) as a, \
+            Context(m, ContextOptions(n_ctx=256, n_batch=64, n_ubatch=16)) as c:
+        tokens = np.array(m.tokenize(PROMPT * 2), np.int32)
+        assert len(tokens) > 34
+        for ctx in (a, c):
+            B.check(B.lib.llama_dflash_set_taps(ctx.cptr, layers, len(layers), True), "set taps")
+        with pytest.raises(InvalidArgumentError):       # copies read every row: no cap without direct taps
+            B.check(B.lib.llama_dflash_set_tap_rows_max(c.cptr, cap), "cap without direct taps")
+        with pytest.raises(InvalidArgumentError):
+            B.check(B.lib.llama_dflash_set_tap_rows_max(c.cptr, -1), "negative cap")
+        B.lib.llama_dflash_set_taps_direct(c.cptr, True)
+        assert B.lib.llama_dflash_set_tap_rows_max(c.cptr, cap) == 0     # returns the previous cap
+        assert B.lib.llama_dflash_set_tap_rows_max(c.cptr, cap) == cap
+
+        def taps(ctx, row0, n):
+            out = np.zeros((n, len(layers) * m.n_embd), np.float32)
+            B.check(B.lib.llama_dflash_get_taps(ctx.cptr, layers, len(layers), row0, n,
+                                                B.ffi.from_buffer("float[]", out), out.size), "get taps")
+            return out
+
+        pos = 0
+        for n in (16, 3, cap, 9, 1):          # longer and shorter than the cap
+            chunk = tokens[pos:pos + n]
+            for ctx in (a, c):
+                ctx.decode(chunk, pos, out_row0=len(chunk))
+            pos += len(chunk)
+            k = min(cap, len(chunk))
+            assert B.lib.llama_dflash_tap_rows(c.cptr) == len(chunk)
+            np.testing.assert_array_equal(taps(c, len(chunk) - k, k), taps(a, len(chunk) - k, k))
+            np.testing.assert_array_equal(taps(c, len(chunk) - 1, 1), taps(a, len(chunk) - 1, 1))
+            if len(chunk) > cap:
+                with pytest.raises(RowRangeError):
+                    taps(c, len(chunk) - k - 1, 2)
+                with pytest.raises(RowRangeError):
+                    taps(c, 0, 1)
+        # direct taps off: the cap goes with them, every row of the next decode is readable again
+        assert B.lib.llama_dflash_set_taps_direct(c.cptr, False) == 1
+        assert B.lib.llama_dflash_set_tap_rows_max(c.cptr, 0) == 0
+        for ctx in (a, c):
+            ctx.clear()
+            ctx.decode(tokens[:16], 0, out_row0=16)
+        np.testing.assert_array_equal(taps(c, 0, 16), taps(a, 0, 16))
+
+
 def test_tap_errors_are_codes_not_aborts(models):
     _, gguf = models.target("qwen3")
     with Model(gguf) as m, Context(m, ContextOptions(n_ctx=128, n_batch=32, n_ubatch=32)) as ctx:
@@ -239,6 +290,9 @@ def test_drafter_vocab_is_ids_only(models):
         # without a piece cache, pieces are made from the token's text: same bytes as the target
         for t in tm.tokenize(b" parse(self, args):\n", add_bos=False):
             assert dm.token_bytes(t) == tm.token_bytes(t)
+        # patches/0012: its text -> id map is released after loading; tokenizing gives no tokens, not an abort
+        assert tm.tokenize(b" parse(self, args):\n", add_bos=False)
+        assert dm.tokenize(b" parse(self, args):\n", add_bos=False) == []
 
 
 def test_prepare_refuses_drafter_of_other_hidden_size(models, tmp_path):

@@ -96,7 +96,8 @@ def _engine_pair(target: Path, drafter: Path):
     return tm, dm, tctx, dctx
 
 
-def _proposals(target: Path, drafter: Path, prompt_len: int = 24, steps: int = 6) -> list[list[int]]:
+def _proposals(target: Path, drafter: Path, prompt_len: int = 24, steps: int = 6,
+               ids: bool = True) -> list[list[int]]:
     """The drafter's raw block proposals at a few positions of a plain run (no proposer hook)."""
     from dflash_gguf import _bindings as B
     from dflash_gguf.spec import DFlashDecoder
@@ -104,6 +105,8 @@ def _proposals(target: Path, drafter: Path, prompt_len: int = 24, steps: int = 6
     tm, dm, tctx, dctx = _engine_pair(target, drafter)
     try:
         dec = DFlashDecoder(tctx, dctx)
+        if not ids:   # the decoder's default is argmax ids from the drafter's graph (patch 0013)
+            assert B.lib.llama_dflash_set_draft_ids(dctx.cptr, False) == 1
         prompt = tm.tokenize(b"def parse(argv):\n    parser = argparse.ArgumentParser(")[:prompt_len]
         out = []
         buf = np.zeros(16, dtype=np.int32)
@@ -115,9 +118,33 @@ def _proposals(target: Path, drafter: Path, prompt_len: int = 24, steps: int = 6
             got = B.check(B.lib.llama_dflash_draft(dctx.cptr, 0, pos, pending, n, B.ffi.from_buffer("llama_token[]", buf)),
                           "draft")
             out.append(buf[:got].tolist())
+            # ids mode leaves no logits to read; a DFlash block's logits scan leaves them
+            if ids or dec.info.kind == "dflash":
+                assert (B.lib.llama_get_logits_ith(dctx.cptr, 1) == B.ffi.NULL) == ids
         return out
     finally:
         dctx.close(), tctx.close(), dm.close(), tm.close()
+
+
+@pytest.mark.parametrize("kind", ["dflash", "dflash2"])
+def test_draft_ids_from_the_graph_equal_the_logits_scan(models, tmp_path, kind):
+    """patches/0013: the drafter's in-graph argmax (what the decoder uses) proposes what scanning its
+    logits on the host proposed, with the full head and with a reduced head (ids after the d2t scatter)."""
+    from dflash_gguf import _bindings as B
+    from dflash_gguf.engine import Context, ContextOptions, Model
+    from dflash_gguf.errors import NotADrafterError
+
+    p = models.pair("qwen3", kind, 8)
+    v = dv.read_vocab(p.target)
+    red = tmp_path / f"{kind}-reduced.gguf"
+    ids = np.array(sorted(set(range(0, v.n_vocab, 3)) | set(range(200))))[:1024]
+    dv.write_reduced_drafter(p.drafter, p.target, ids, red)
+    for drafter in (p.drafter, red):
+        by_ids, by_scan = _proposals(p.target, drafter), _proposals(p.target, drafter, ids=False)
+        assert by_ids == by_scan and any(by_ids), drafter.name
+    with Model(p.target) as tm, Context(tm, ContextOptions(n_ctx=64)) as tctx:
+        with pytest.raises(NotADrafterError):
+            B.check(B.lib.llama_dflash_set_draft_ids(tctx.cptr, True), "ids on a target")
 
 
 def _lossless(target: Path, drafter: Path, n: int = 48) -> tuple[list[int], list[int], float]:

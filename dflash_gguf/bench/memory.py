@@ -1,10 +1,12 @@
 """Where peak memory goes: plain llama_cpp.Llama vs dflash_gguf.Llama, default and low-memory settings.
 
-``python -m dflash_gguf.bench.memory [--pair DIR] [--n-ctx 4096] [--prompt-tokens 600] [--tokens 32]``
+``python -m dflash_gguf.bench.memory [--pair DIR] [--n-ctx 4096] [--prompt-tokens 2000] [--tokens 32]``
 
 Every configuration runs in its own child process (peak RSS is per process): it loads the model(s),
 completes a prompt of ``--prompt-tokens`` tokens (longer than one ubatch, so compute buffers are
-used, not only reserved) and generates ``--tokens`` tokens greedily. The child reports its peak RSS
+used, not only reserved; by default also longer than the drafter's window plus one ubatch, so
+DFlash decodes the head of the prompt in full ubatches as plain decoding does, and its last rows
+in the short chunks whose taps the drafter reads) and generates ``--tokens`` tokens greedily. The child reports its peak RSS
 (``VmHWM``), resident anonymous and file-backed memory, and the buffers llama.cpp allocated (from
 its own log: model buffers by type, KV caches, compute and output buffers), plus decode speed.
 The table puts DFlash's extra memory next to its budget (drafter weights + 25%) and the low-memory
@@ -166,7 +168,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--child", help=argparse.SUPPRESS)
     ap.add_argument("--pair", help="converted pair directory (default: the shipped demo pair)")
     ap.add_argument("--n-ctx", type=int, default=4096)
-    ap.add_argument("--prompt-tokens", type=int, default=600)
+    ap.add_argument("--prompt-tokens", type=int, default=2000)
     ap.add_argument("--tokens", type=int, default=32)
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--configs", default=",".join(DEFAULT_CONFIGS),

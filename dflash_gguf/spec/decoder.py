@@ -35,6 +35,11 @@ from dflash_gguf.spec.proposer import DrafterProposer, LatticeProposer, Proposer
 from dflash_gguf.spec.rollback import make_rollback
 from dflash_gguf.spec.stats import GenerationStats
 
+# target rows whose taps a decode keeps (llama_dflash_set_tap_rows_max): a verify block and the
+# prompt's last rows in chunks of this many; five taps of a 2048-wide target cost 2.6 MiB of its
+# compute buffer at 64 rows instead of 21 MiB for a 512-row ubatch (BENCHMARKS.md section 7)
+TAP_ROWS = 64
+
 log = logging.getLogger("dflash_gguf.spec")
 
 
@@ -73,6 +78,7 @@ class DFlashDecoder:
         self.info: DrafterInfo | None = None
         self.features: FeatureFeed | None = None
         self.n_draft = 0
+        self.tap_rows = target.n_ubatch
         if drafter is not None:
             cinfo = B.ffi.new("struct llama_dflash_drafter_info *")
             B.check(B.lib.llama_dflash_prepare(target.cptr, drafter.cptr, cinfo),
@@ -80,9 +86,16 @@ class DFlashDecoder:
             # taps are read from the target's graph, not copied to its output buffer (patch 0010):
             # every decode of this loop is at most one target ubatch (prefill chunks, verify blocks)
             B.check(B.lib.llama_dflash_set_taps_direct(target.cptr, True), "reading taps from the target's graph")
+            # ... and only their last TAP_ROWS rows are kept (patch 0011): rows whose features the
+            # drafter needs are decoded in chunks of at most that many, verify blocks included
+            self.tap_rows = min(TAP_ROWS, target.n_ubatch)
+            B.check(B.lib.llama_dflash_set_tap_rows_max(target.cptr, self.tap_rows), "capping the target's taps")
             self.info = DrafterInfo.from_c(cinfo)
+            if self.info.kind in ("dflash", "dflash2"):
+                # the drafter's graph gives argmax ids, not a block of logits (patch 0013)
+                B.check(B.lib.llama_dflash_set_draft_ids(drafter.cptr, True), "drafting by ids")
             self.features = FeatureFeed(target, drafter, self.info)
-            self.n_draft = clamp_n_draft(self.info, self.opts.n_draft, n_batch=target.n_ubatch,
+            self.n_draft = clamp_n_draft(self.info, self.opts.n_draft, n_batch=self.tap_rows,
                                          n_ubatch=drafter.n_ubatch)
         self.lattice: LatticeProposer | None = None
         if self.info is not None and self.info.kind == "dflash2" and self.opts.sample_lattice and self.info.selector_top_k:
@@ -154,11 +167,23 @@ class DFlashDecoder:
     # ------------------------------------------------------------------ phases
     def _prefill(self, tokens: np.ndarray, pos0: int, stats: GenerationStats) -> None:
         t0 = time.perf_counter()
-        step = self.target.n_ubatch   # one ubatch per decode (direct taps); llama.cpp keeps n_ubatch <= n_batch
-        for off in range(0, len(tokens), step):
+        end = pos0 + len(tokens)
+        # rows the drafter will attend to (its window's worth at the end) are decoded TAP_ROWS at a
+        # time and injected; the rest in whole ubatches (one per decode: direct taps), nothing kept
+        split = 0
+        if self.features is not None and self.features.window:
+            split = min(max(end - self.features.window - pos0, 0), len(tokens))
+        elif self.features is None:
+            split = len(tokens)
+        step = self.target.n_ubatch   # llama.cpp keeps n_ubatch <= n_batch
+        for off in range(0, split, step):
+            chunk = tokens[off:min(off + step, split)]
+            self.target.decode(chunk, pos0 + off, out_row0=len(chunk))
+        step = self.tap_rows
+        for off in range(split, len(tokens), step):
             chunk = tokens[off:off + step]
             self.target.decode(chunk, pos0 + off, out_row0=len(chunk))
-            self._inject(pos0 + off, len(chunk), "injecting prompt features into the drafter", pos0 + len(tokens))
+            self._inject(pos0 + off, len(chunk), "injecting prompt features into the drafter", end)
         stats.t_prefill += time.perf_counter() - t0
 
     def _draft_block(self, pos: int, pending: int, n: int, stats: GenerationStats,

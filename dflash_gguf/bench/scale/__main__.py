@@ -35,6 +35,8 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--gate", action="store_true", help="also run every profile with the speed gate on")
     ap.add_argument("--gate-only", action="store_true", help="run every profile with the speed gate on only "
                     "(no fixed-drafting columns: long runs of slow profiles)")
+    ap.add_argument("--gate-warm", action="store_true", help="gated columns keep one decoder for all trials, as a "
+                    "Llama keeps its gate between calls (the first, cold trial is reported apart from the median)")
     ap.add_argument("--no-own", action="store_true", help="skip the random drafter's own proposals (slow columns "
                     "at acceptance 1; upstream's column is the comparison for them)")
     ap.add_argument("--no-upstream", action="store_true", help="skip upstream's llama-speculative-simple column")
@@ -129,7 +131,8 @@ def markdown(results: list[dict], meta: dict) -> str:
                 cells.append("-")
                 continue
             ideal = f", ideal {x['ideal_x_plain']:.2f}x" if x.get("ideal_x_plain") else ""
-            cells.append(f"{x['tps_median']:.2f} ({x['x_plain']:.2f}x, tau {x['tau']:.2f}{ideal})")
+            cold = f", first call {x['tps_cold']:.2f}" if x.get("tps_cold") else ""
+            cells.append(f"{x['tps_median']:.2f} ({x['x_plain']:.2f}x, tau {x['tau']:.2f}{ideal}{cold})")
         up = r.get("upstream") or {}
         if up.get("tps"):
             ux = up["tps"] / r["plain_tps_median"]
@@ -190,7 +193,7 @@ def main(argv: list[str] | None = None) -> int:
                 drafters[f"dv{dv}"] = str(reduced_pair(pair, dv) / "drafter.gguf")
             case = {"name": name, "target": str(pair / "target.gguf"), "drafters": drafters, "profiles": profiles,
                     "tokens": a.tokens, "trials": a.trials, "repeats": a.repeats, "threads": threads,
-                    "gate": "only" if a.gate_only else a.gate,
+                    "gate": "only" if a.gate_only else (a.gate or a.gate_warm), "gate_warm": a.gate_warm,
                     "own": not a.no_own}
             log.info("case %s", name)
             r = run_one(case)
