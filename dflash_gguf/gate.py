@@ -10,7 +10,8 @@ second: ``(1 + sum of P(accepted >= i) for i <= n)`` over ``cost(n)``, where P(a
 the product of the per-position conditional rates. A position seldom reached (deep in the block,
 while shorter blocks or short probes are drafted) leans on the estimate of the position before it
 instead of on a few old draws, so an unlucky warm-up block cannot pin the choice to short blocks or
-to plain decoding. It only changes
+to plain decoding. Near a tie (within ``PREFER_FULL``) it drafts the whole block, whose cost is
+measured rather than read off the fitted line. It only changes
 speed: the decoder's output is the target's whatever length is drafted.
 """
 from __future__ import annotations
@@ -30,6 +31,7 @@ class DraftLength:
     DECAY = 0.97                                             # acceptance memory, per drafting step
     PRIOR = 2.0                                              # pseudo-draws of the previous position's rate
     COST_EMA = 0.2
+    PREFER_FULL = 0.03                                       # the whole block unless another length is this much faster
 
     def __init__(self, n_max: int):
         self.n_max = n_max
@@ -101,7 +103,13 @@ class DraftLength:
         if n is None:
             if self._plan is None or self.steps % self.REPLAN_EVERY == 0:
                 expected = self.expected_tokens()
-                plan = int(np.argmax(expected / self.step_cost()))
+                rate = expected / self.step_cost()
+                plan = int(np.argmax(rate))
+                if plan and rate[self.n_max] >= (1 - self.PREFER_FULL) * rate[plan]:
+                    # near a tie, the whole block: its cost is measured, not read off a line, and it
+                    # keeps drawing every position's acceptance (shorter blocks leave the deep ones to
+                    # extrapolation); the most this gives up is PREFER_FULL
+                    plan = self.n_max
                 # a choice that survives re-measuring is probed less often (a never-right drafter then
                 # costs one short block every PROBE_MAX steps); a change restarts frequent probing, and
                 # plain decoding chosen over a drafter that does get tokens right (a dip, or few draws)
