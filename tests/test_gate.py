@@ -22,6 +22,23 @@ def feed(gate: DraftLength, steps: int, accept, cost) -> list[int]:
     return chosen
 
 
+def simulate(gate: DraftLength | int, cond, cost, rng, tokens: int) -> float:
+    """Tokens per second over ``tokens`` tokens with a gate (or a fixed draft length): position i of a
+    block is accepted with probability ``cond[i]`` once every position before it was; ``cost(n)``
+    is a step's seconds."""
+    toks = t = 0.0
+    while toks < tokens:
+        n = gate if isinstance(gate, int) else gate.choose()
+        a = 0
+        while a < n and rng.random() < cond[a]:
+            a += 1
+        if not isinstance(gate, int):
+            gate.record(n, a, cost(n))
+        toks += a + 1
+        t += cost(n)
+    return toks / t
+
+
 def test_always_right_drafter_with_cheap_rows_drafts_the_whole_block():
     g = DraftLength(7)
     chosen = feed(g, 60, accept=lambda n: n, cost=lambda n: 1.0 + 0.05 * n)
@@ -143,19 +160,7 @@ def test_an_unlucky_start_does_not_pin_the_choice():
         return 0.058 if n == 0 else 0.107 + 0.105 + 0.0078 * (n + 1)
 
     def run(policy, seed):
-        rng = np.random.default_rng(seed)
-        g = DraftLength(15) if policy is None else None
-        toks = t = 0.0
-        while toks < 1024:
-            n = g.choose() if g else policy
-            a = 0
-            while a < n and rng.random() < cond[a]:
-                a += 1
-            if g:
-                g.record(n, a, cost(n))
-            toks += a + 1
-            t += cost(n)
-        return toks / t
+        return simulate(DraftLength(15) if policy is None else policy, cond, cost, np.random.default_rng(seed), 1024)
 
     gate = np.mean([run(None, s) for s in range(30)])
     best = max(np.mean([run(n, s) for s in range(30)]) for n in (7, 12, 15))
@@ -178,24 +183,11 @@ def test_a_gate_kept_between_calls_matches_the_best_fixed_length():
     reach = [0.78, 0.68, 0.61, 0.56, 0.51, 0.46, 0.42]
     demo = [reach[0]] + [reach[i] / reach[i - 1] for i in range(1, 7)] + [0.913] * 8
 
-    def call(g, n_fixed, cond, rng, tokens=128):
-        toks = t = 0.0
-        while toks < tokens:
-            n = g.choose() if g else n_fixed
-            a = 0
-            while a < n and rng.random() < cond[a]:
-                a += 1
-            if g:
-                g.record(n, a, cost(n))
-            toks += a + 1
-            t += cost(n)
-        return toks / t
-
     for cond in (demo, [0.885] * 15):
-        best = max(np.mean([call(None, n, cond, np.random.default_rng(s), 6 * 128) for s in range(40)])
+        best = max(np.mean([simulate(n, cond, cost, np.random.default_rng(s), 6 * 128) for s in range(40)])
                    for n in (7, 12, 14, 15))
         kept = []
         for s in range(40):
             rng, g = np.random.default_rng(s), DraftLength(15)
-            kept += [call(g, None, cond, rng) for _ in range(6)][1:]   # the first call pays the warm-up
+            kept += [simulate(g, cond, cost, rng, 128) for _ in range(6)][1:]   # the first call pays the warm-up
         assert np.mean(kept) >= 0.97 * best, (np.mean(kept), best)
