@@ -24,6 +24,15 @@ re-run; target and drafter training checkpoint every minute and continue where t
 
     .venv/bin/python examples/train_demo_pair.py                       # the shipped pair (~30 CPU-min on 2 cores)
     .venv/bin/python examples/train_demo_pair.py --smoke --work out/smoke --dest out/smoke/demo
+
+DFlash2 (``--kind dflash2``) adds the grouped dynamic causal conv and the candidate selector
+(``demo_pair/dflash2.py``) and, by default, trains on continuations at temperatures 0, 0.7 and 1
+with the target's own distribution as soft labels, so that the selector's distribution is a usable
+proposal at temperature > 0. ``--target-gguf`` rebuilds stage 3 from an existing F16/F32 target
+instead of training one (the tokenizer must come out the same: same --vocab, --seed and Python):
+
+    .venv/bin/python examples/train_demo_pair.py --kind dflash2 --target-gguf dflash_gguf/data/demo/target.gguf \
+        --work out/demo2-train --dest dflash_gguf/data/demo-dflash2
 """
 from __future__ import annotations
 
@@ -43,7 +52,7 @@ from demo_pair.common import CLOCK, MASK_PIECE, REPO, done, log, mark  # noqa: E
 from demo_pair.corpus import build_corpus, sp_model, train_tokenizer  # noqa: E402
 from demo_pair.drafter import make_samples, train_drafter  # noqa: E402
 from demo_pair.publish import align_check, convert, install, verify  # noqa: E402
-from demo_pair.target import train_target  # noqa: E402
+from demo_pair.target import target_from_gguf, train_target  # noqa: E402
 
 
 # ----------------------------------------------------------------------------- main
@@ -81,6 +90,21 @@ def parse(argv=None):
     ap.add_argument("--gen-len", type=int, default=160)
     ap.add_argument("--train-seqs", type=int, default=512)
     ap.add_argument("--val-seqs", type=int, default=32)
+    ap.add_argument("--kind", choices=("dflash", "dflash2"), default="dflash", help="drafter kind (default dflash)")
+    ap.add_argument("--target-gguf", type=Path, default=None,
+                    help="use this F16/F32 qwen3 GGUF as the target instead of training one (its drafter only)")
+    ap.add_argument("--conv-kernel", type=int, default=2, help="DFlash2 conv taps (default 2)")
+    ap.add_argument("--conv-group", type=int, default=16, help="DFlash2 channels per dynamic coefficient (default 16)")
+    ap.add_argument("--selector-rank", type=int, default=64, help="DFlash2 token code size (default 64)")
+    ap.add_argument("--selector-top-k", type=int, default=15,
+                    help="DFlash2 candidates per row (default 15; llama.cpp needs top_k * (top_k + 1) <= hidden)")
+    ap.add_argument("--selector-weight", type=float, default=1.0, help="weight of the selector's loss (default 1)")
+    ap.add_argument("--soft-labels", type=int, default=None,
+                    help="train on the target's J most likely tokens and their probabilities instead of its greedy "
+                         "token (default: 0 = greedy for dflash, 32 for dflash2)")
+    ap.add_argument("--sample-temps", type=lambda s: tuple(float(x) for x in s.split(",")), default=None,
+                    help="temperatures of the training continuations, cycled per batch of 32 (default: 0 for dflash, "
+                         "0,0.7,1 for dflash2); the held-out ones are always greedy")
     ap.add_argument("--outtype", default="f16", help="GGUF weight type (f16, bf16, f32, q8_0)")
     ap.add_argument("--upstream-convert", action="store_true", help="use upstream's converter even if ours exists")
     ap.add_argument("--verify-tokens", type=int, default=96)
@@ -94,6 +118,16 @@ def parse(argv=None):
         a.verify_tokens, a.log_every = 32, 5
     if max(a.taps) >= a.layers - 1:
         ap.error(f"--taps {a.taps}: never tap the last layer ({a.layers - 1}); llama.cpp has no input there")
+    v2 = a.kind == "dflash2"
+    a.soft_labels = (32 if v2 else 0) if a.soft_labels is None else a.soft_labels
+    a.sample_temps = ((0.0, 0.7, 1.0) if v2 else (0.0,)) if a.sample_temps is None else a.sample_temps
+    if v2 and a.selector_top_k * (a.selector_top_k + 1) > a.hidden:
+        ap.error(f"--selector-top-k {a.selector_top_k}: llama.cpp packs top_k * (top_k + 1) scores per row into "
+                 f"the hidden size {a.hidden}; use at most {int(((4 * a.hidden + 1) ** 0.5 - 1) / 2)}")
+    if v2 and a.hidden % a.conv_group:
+        ap.error(f"--conv-group {a.conv_group} must divide the hidden size {a.hidden}")
+    if a.soft_labels < 0 or any(t < 0 for t in a.sample_temps):
+        ap.error("--soft-labels and --sample-temps must not be negative")
     return a
 
 
@@ -139,8 +173,8 @@ def main(argv=None) -> int:
     stage("tokenizer", lambda: (train_tokenizer(work, a.vocab, a.seed), {"vocab": a.vocab})[1])
     mask_id = sp_model(work).piece_to_id(MASK_PIECE)
     info.setdefault("tokenizer", {})["mask_token_id"] = mask_id
-    stage("target", lambda: train_target(work, a))
-    stage("samples", lambda: {"train": make_samples(work, a, "train", a.train_seqs, a.seed + 11),
+    stage("target", lambda: target_from_gguf(work, a.target_gguf, a) if a.target_gguf else train_target(work, a))
+    stage("samples", lambda: {"train": make_samples(work, a, "train", a.train_seqs, a.seed + 11, a.sample_temps),
                               "val": make_samples(work, a, "val", a.val_seqs, a.seed + 12)})
     stage("drafter", lambda: train_drafter(work, a, mask_id))
     stage("convert", lambda: convert(work, a))
@@ -148,7 +182,7 @@ def main(argv=None) -> int:
     stage("align", lambda: align_check(work, a, mask_id))
     info["total_minutes_this_run"] = round((time.time() - T0) / 60, 2)
     infof.write_text(json.dumps(info, indent=2))
-    install(work, a.dest, info)
+    install(work, a.dest, info, with_target=a.target_gguf is None)
     if not info["verify"]["all_equal"]:
         log("WARNING: DFlash output differed from plain output; do not ship this pair")
         return 1

@@ -133,3 +133,30 @@ def test_bench_writes_json(tmp_path):
     prof = res["profile"]
     assert len(prof["verify_ms_argmax"]) >= 8 and len(prof["draft_ms"]) == res["meta"]["block_size"] - 1
     assert (out / "results.png").exists() or "matplotlib is not installed" in (r.stdout + r.stderr)
+
+
+def test_sampling_bench_compares_lattice_and_one_hot(tmp_path):
+    """``python -m dflash_gguf.bench.sampling`` on the shipped DFlash2 drafter: both proposal kinds run
+    on the same prompts and seeds, their counts add up, and a non-DFlash2 drafter is refused."""
+    prompts = tmp_path / "p.txt"
+    prompts.write_text("### a\ndef read_lines(path):\n\n### b\nclass Stack:\n    def __init__(self):\n")
+    out = tmp_path / "res"
+    cmd = [sys.executable, "-m", "dflash_gguf.bench.sampling", "--prompts", str(prompts), "--temperatures", "0,1",
+           "--seeds", "2", "-n", "12", "-t", "2", "--out", str(out)]
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=_env(), cwd=REPO)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
+    rows = json.loads((out / "sampling.json").read_text())["rows"]
+    assert [row["temperature"] for row in rows] == [0.0, 1.0]
+    for row in rows:
+        for mode in ("plain", "one-hot", "lattice"):
+            assert row[mode]["tokens"] == 2 * 2 * 12 and row[mode]["tps"] > 0
+        for mode in ("one-hot", "lattice"):
+            m = row[mode]
+            assert 0 <= m["accepted"] <= m["drafted"] and m["steps"] > 0
+            assert m["tau"] == pytest.approx((m["accepted"] + m["steps"]) / m["steps"])
+    greedy = rows[0]          # T = 0: both modes are the same greedy walk
+    assert greedy["one-hot"]["accepted"] == greedy["lattice"]["accepted"]
+    assert "| 1 | lattice |" in (out / "sampling.md").read_text()
+    r = subprocess.run([sys.executable, "-m", "dflash_gguf.bench.sampling", "--drafter", str(DRAFTER), "--seeds", "1",
+                        "-n", "4"], capture_output=True, text=True, timeout=600, env=_env(), cwd=REPO)
+    assert r.returncode != 0 and "not a DFlash2 drafter" in r.stdout + r.stderr

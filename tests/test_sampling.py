@@ -198,3 +198,32 @@ def test_dflash2_samples_from_the_selector_and_keeps_the_target_distribution(mod
         assert list(dec.generate(prompt, 24, sampling=sp)) == first
     finally:
         dc.close(), tc.close(), pc.close(), dm.close(), tm.close()
+
+
+def test_dflash2_lattice_on_the_trained_drafter_keeps_the_target_distribution():
+    """The shipped DFlash2 demo drafter (``data/demo-dflash2``, trained): its selector's q is peaked and
+    often right, so unlike the random drafter above most drafts are accepted through min(1, p/q) and the
+    rejections draw from the residual max(0, p - q) with q's mass partly outside the target's top-2.
+    The first three tokens still follow the target's exact distribution."""
+    from dflash_gguf.demo import DEMO_DIR
+
+    drafter = DEMO_DIR.parent / "demo-dflash2" / "drafter.gguf"
+    tm, dm = Model(DEMO_DIR / "target.gguf"), Model(drafter)
+    opts = ContextOptions(n_ctx=256, n_batch=64, n_ubatch=64)
+    pc, tc = Context(tm, opts), Context(tm, opts)
+    dc = Context(dm, opts, other=tc)
+    try:
+        prompt = tm.tokenize(PROMPT)
+        exact = exact_distribution(pc, prompt, SP)
+        dec = DFlashDecoder(tc, dc, SpecOptions())
+        assert dec.info.kind == "dflash2" and dec.lattice is not None
+        counts, st = Counter(), GenerationStats()
+        for seed in range(N_RUNS):
+            sp = SamplingParams(**{**SP.__dict__, "seed": seed})
+            counts[tuple(dec.generate(prompt, K_TOKENS, sampling=sp, stats=st, stop_tokens=[]))] += 1
+        assert st.accepted > 0.2 * st.drafted, (st.accepted, st.drafted)   # the accept path carries the test (~30%)
+        assert st.accepted < st.drafted                                     # and rejections happen
+        p = chi2_pvalue(counts, exact)
+        assert p > ALPHA, f"DFlash2 samples do not follow the target distribution (p={p:.2e})"
+    finally:
+        dc.close(), tc.close(), pc.close(), dm.close(), tm.close()

@@ -10,12 +10,17 @@ import numpy as np
 
 from .common import CLOCK, clock, log, lr_at, save_ckpt
 from .corpus import encode_split, line_starts, sp_model
+from .dflash2 import selector_loss
 from .target import load_target
 
 
 # ----------------------------------------------------------------------------- 4 samples
-def make_samples(work: Path, a, split: str, n_seqs: int, seed: int) -> dict:
-    """Greedy continuations of corpus prompts + tap features + the target's argmax per position."""
+def make_samples(work: Path, a, split: str, n_seqs: int, seed: int, temps: tuple[float, ...] = (0.0,)) -> dict:
+    """Continuations of corpus prompts + tap features + the target's argmax per position.
+
+    Batch b continues at temperature ``temps[b % len(temps)]`` (0: greedy). With ``a.soft_labels`` = J
+    the target's J most likely tokens and their probabilities (temperature 1) are kept per position too.
+    """
     import torch
 
     sp = sp_model(work)
@@ -29,10 +34,21 @@ def make_samples(work: Path, a, split: str, n_seqs: int, seed: int) -> dict:
     feats = np.zeros((n_seqs, L, len(taps) * a.hidden), dtype=np.float16)
     toks = np.zeros((n_seqs, L), dtype=np.int32)
     amax = np.zeros((n_seqs, L), dtype=np.int32)
+    J = a.soft_labels
+    soft_ids = np.zeros((n_seqs, L, J), dtype=np.int32)
+    soft_p = np.zeros((n_seqs, L, J), dtype=np.float16)
+    gen = torch.Generator().manual_seed(seed)
     t0 = time.time()
     bs = 32
     for b0 in range(0, n_seqs, bs):
         nb = min(bs, n_seqs - b0)
+        temp = temps[(b0 // bs) % len(temps)]
+
+        def pick(logits, temp=temp):
+            if temp <= 0:
+                return logits.argmax(-1, keepdim=True)
+            return torch.multinomial(torch.softmax(logits / temp, -1), 1, generator=gen)
+
         # prompts: BOS + a window from a line start (length varies through where it is cut)
         idx = rng.choice(starts[starts < len(stream) - P], size=nb)
         prompt = np.stack([np.concatenate([[sp.bos_id()], stream[i:i + P - 1]]) for i in idx]).astype(np.int64)
@@ -41,12 +57,12 @@ def make_samples(work: Path, a, split: str, n_seqs: int, seed: int) -> dict:
             out = model(input_ids=x, use_cache=True)
             past = out.past_key_values
             seq = [x]
-            nxt = out.logits[:, -1].argmax(-1, keepdim=True)
+            nxt = pick(out.logits[:, -1])
             for _ in range(G):
                 seq.append(nxt)
                 out = model(input_ids=nxt, past_key_values=past, use_cache=True)
                 past = out.past_key_values
-                nxt = out.logits[:, -1].argmax(-1, keepdim=True)
+                nxt = pick(out.logits[:, -1])
             full = torch.cat(seq, 1)
             out = model(input_ids=full, output_hidden_states=True)
             hs = out.hidden_states
@@ -54,21 +70,32 @@ def make_samples(work: Path, a, split: str, n_seqs: int, seed: int) -> dict:
             feats[b0:b0 + nb] = f.numpy().astype(np.float16)
             toks[b0:b0 + nb] = full.numpy()
             amax[b0:b0 + nb] = out.logits.argmax(-1).numpy()
+            if J:
+                top = torch.softmax(out.logits.float(), -1).topk(J, -1)
+                soft_ids[b0:b0 + nb], soft_p[b0:b0 + nb] = top.indices.numpy(), top.values.numpy()
         if (b0 // bs) % 4 == 0:
             log(f"samples[{split}]: {b0 + nb}/{n_seqs} sequences ({time.time() - t0:.0f} s)")
     # how often the teacher-forced argmax agrees with the cached greedy token (numerics)
     agree = float((amax[:, P - 1:L - 1] == toks[:, P:]).mean())
-    np.savez(work / f"samples-{split}.npz", feats=feats, toks=toks, amax=amax, prompt_len=P)
-    log(f"samples[{split}]: {n_seqs} x ({P} prompt + {G} greedy) tokens in {time.time() - t0:.0f} s; "
-        f"argmax/greedy agreement {agree:.4f}")
-    return {"n": n_seqs, "prompt_len": P, "gen_len": G, "seconds": round(time.time() - t0, 1), "agree": agree}
+    extra = {"soft_ids": soft_ids, "soft_p": soft_p} if J else {}
+    np.savez(work / f"samples-{split}.npz", feats=feats, toks=toks, amax=amax, prompt_len=P, **extra)
+    log(f"samples[{split}]: {n_seqs} x ({P} prompt + {G} generated) tokens at temperatures {list(temps)} in "
+        f"{time.time() - t0:.0f} s; argmax/continuation agreement {agree:.4f}")
+    return {"n": n_seqs, "prompt_len": P, "gen_len": G, "temperatures": list(temps), "soft_labels": J,
+            "seconds": round(time.time() - t0, 1), "agree": agree}
 
 
 # ----------------------------------------------------------------------------- 5 drafter
 def build_drafter_module(a, vocab: int):
+    """The drafter in the z-lab layout; ``a.kind == "dflash2"`` adds the conv and the selector."""
     import torch
     import torch.nn as nn
     import torch.nn.functional as F
+
+    from .dflash2 import conv_modules, selector_module
+
+    v2 = a.kind == "dflash2"
+    Conv = conv_modules(a.hidden, a.conv_kernel, a.conv_group) if v2 else None
 
     H, nh, nkv = a.hidden, a.heads, a.kv_heads
     hd = H // nh
@@ -110,6 +137,9 @@ def build_drafter_module(a, vocab: int):
             self.post_attention_layernorm = RMSNorm(H)
             self.self_attn = Attn()
             self.mlp = MLP()
+            if v2:
+                self.attention_conv = Conv()
+                self.mlp_conv = Conv()
 
     def rope(x, pos):   # x [..., T, n, hd], pos [..., T]; HF/NEOX rotate_half
         inv = 1.0 / (10000.0 ** (torch.arange(0, hd, 2, dtype=torch.float32) / hd))
@@ -126,6 +156,8 @@ def build_drafter_module(a, vocab: int):
             self.hidden_norm = RMSNorm(H)
             self.layers = nn.ModuleList([Layer() for _ in range(a.d_layers)])
             self.norm = RMSNorm(H)
+            if v2:
+                self.candidate_selector = selector_module(H, vocab, a.selector_rank)()
 
         def forward(self, feats, ctx_pos, noise_emb, noise_pos, mask):
             """feats [S, L, nT*H]; noise_emb [S, Q, H]; mask [S, 1, Q, L + Q] (True = attend)."""
@@ -133,9 +165,13 @@ def build_drafter_module(a, vocab: int):
             Q = noise_emb.shape[1]
             ctx = self.hidden_norm(self.fc(feats))
             h = noise_emb
+            B = a.block
             for lyr in self.layers:
                 at = lyr.self_attn
                 x = lyr.input_layernorm(h)
+                if v2:
+                    dyn = lyr.attention_conv.coefficients(x)
+                    x = lyr.attention_conv(x, dyn, 0, B)
                 q = rope(at.q_norm(at.q_proj(x).view(S, Q, nh, hd)), noise_pos)
                 kn = rope(at.k_norm(at.k_proj(x).view(S, Q, nkv, hd)), noise_pos)
                 vn = at.v_proj(x).view(S, Q, nkv, hd)
@@ -146,8 +182,16 @@ def build_drafter_module(a, vocab: int):
                 k = k.repeat_interleave(nh // nkv, 1)
                 v = v.repeat_interleave(nh // nkv, 1)
                 o = F.scaled_dot_product_attention(q.transpose(1, 2), k, v, attn_mask=mask)
-                h = h + at.o_proj(o.transpose(1, 2).reshape(S, Q, nh * hd))
-                h = h + lyr.mlp(lyr.post_attention_layernorm(h))
+                o = at.o_proj(o.transpose(1, 2).reshape(S, Q, nh * hd))
+                if v2:
+                    o = lyr.attention_conv(o, dyn, 1, B)
+                h = h + o
+                y = lyr.post_attention_layernorm(h)
+                if v2:
+                    dyn = lyr.mlp_conv.coefficients(y)
+                    h = h + lyr.mlp_conv(lyr.mlp(lyr.mlp_conv(y, dyn, 0, B)), dyn, 1, B)
+                else:
+                    h = h + lyr.mlp(y)
             return self.norm(h)
 
     return Drafter()
@@ -162,12 +206,17 @@ class DrafterData:
         self.toks = torch.from_numpy(z["toks"].astype(np.int64))
         self.amax = torch.from_numpy(z["amax"].astype(np.int64))
         self.P = int(z["prompt_len"])
+        self.soft = (torch.from_numpy(z["soft_ids"].astype(np.int64)), torch.from_numpy(z["soft_p"])) \
+            if a.soft_labels and "soft_ids" in z else None
         self.B = a.block
         self.mask_id = mask_id
         self.n, self.L = self.toks.shape
 
     def batch(self, rng: np.random.Generator, seqs: np.ndarray, n_anchor: int, embed):
-        """Anchors a in [P-1, L-B]: every slot label is a greedy token of the target."""
+        """Anchors a in [P-1, L-B]: every slot label is a greedy token of the target.
+
+        Also returns the tokens before each slot (``prev``: the anchor, then the sequence's tokens) and,
+        with soft labels, the target's top tokens and probabilities for each slot (else None)."""
         import torch
 
         S, L, B = len(seqs), self.L, self.B
@@ -183,7 +232,15 @@ class DrafterData:
         offs = torch.arange(B)
         pos = A[..., None] + offs                                       # [S, nb, B]
         # slot k (1..B-1) predicts the target's greedy token at a+k = argmax at position a+k-1
-        lab = torch.gather(amax, 1, (A[..., None] + offs[1:] - 1).reshape(S, -1)).reshape(S, nb, B - 1)
+        at = (A[..., None] + offs[1:] - 1).reshape(S, -1)
+        lab = torch.gather(amax, 1, at).reshape(S, nb, B - 1)
+        prev = torch.gather(toks, 1, at).reshape(S, nb, B - 1)
+        soft = None
+        if self.soft is not None:
+            sid, sp = self.soft[0][sidx], self.soft[1][sidx]
+            J = sid.shape[-1]
+            soft = (torch.gather(sid, 1, at[..., None].expand(-1, -1, J)).reshape(S, nb, B - 1, J),
+                    torch.gather(sp, 1, at[..., None].expand(-1, -1, J)).reshape(S, nb, B - 1, J).float())
         noise = embed(ids.reshape(S, nb * B))
         ctx_pos = torch.arange(L).expand(S, L)
         cmask = torch.arange(L)[None, None, :] < A[..., None]           # [S, nb, L] ctx strictly before anchor
@@ -191,7 +248,7 @@ class DrafterData:
         blk = torch.arange(nb).repeat_interleave(B)
         nmask = (blk[:, None] == blk[None, :]).expand(S, nb * B, nb * B)  # non-causal within the block only
         mask = torch.cat([cmask, nmask], -1)[:, None]
-        return feats, ctx_pos, noise, pos.reshape(S, -1), mask, lab
+        return feats, ctx_pos, noise, pos.reshape(S, -1), mask, lab, prev, soft
 
 
 def accept_len(pred, lab):
@@ -229,14 +286,25 @@ def train_drafter(work: Path, a, mask_id: int) -> dict:
         log(f"drafter: resumed at step {state['step']} ({state['elapsed'] / 60:.1f} min done)")
 
     def run(data, seqs, rng, n_anchor):
-        feats, ctx_pos, noise, pos, mask, lab = data.batch(rng, seqs, n_anchor, emb)
+        feats, ctx_pos, noise, pos, mask, lab, prev, soft = data.batch(rng, seqs, n_anchor, emb)
         h = model(feats, ctx_pos, noise, pos, mask)
         S = h.shape[0]
         h = h.view(S, n_anchor, B, -1)[:, :, 1:]
         logits = h @ W.T
-        ce = F.cross_entropy(logits.reshape(-1, vocab), lab.reshape(-1), reduction="none").view_as(lab).float()
+        if soft is None:
+            ce = F.cross_entropy(logits.reshape(-1, vocab), lab.reshape(-1), reduction="none").view_as(lab).float()
+        else:
+            ids, probs = soft
+            ce = -(torch.log_softmax(logits.float(), -1).gather(-1, ids) * probs).sum(-1) / probs.sum(-1)
         loss = (ce * wk).sum(-1).mean() / wk.sum()
-        return loss, logits.argmax(-1), lab
+        if a.kind != "dflash2":
+            return loss, logits.argmax(-1), lab, {}
+        sel = model.candidate_selector
+        sl, covered = selector_loss(sel, logits, h, prev, lab, a.selector_top_k, soft)
+        with torch.no_grad():   # teacher-forced walk: the true previous token, the argmax of the scores
+            cand = logits.topk(a.selector_top_k, -1).indices
+            pred = cand.gather(-1, sel.scores(logits, h, prev, cand).argmax(-1, keepdim=True))[..., 0]
+        return loss + a.selector_weight * sl, pred, lab, {"sel": sl.item(), "covered": covered}
 
     def evaluate():
         model.eval()
@@ -246,7 +314,7 @@ def train_drafter(work: Path, a, mask_id: int) -> dict:
             losses = []
             for s0 in range(0, va.n, 8):
                 seqs = np.arange(s0, min(va.n, s0 + 8))
-                loss, pred, lab = run(va, seqs, rng, a.anchors)
+                loss, pred, lab, _ = run(va, seqs, rng, a.anchors)
                 losses.append(loss.item())
                 lens.append(accept_len(pred, lab).flatten())
                 per += (pred == lab).cumprod(-1).float().mean((0, 1))
@@ -258,7 +326,7 @@ def train_drafter(work: Path, a, mask_id: int) -> dict:
     rng = np.random.default_rng(a.seed + 7 + state["step"])
     t_seg, el0 = clock(), state["elapsed"]
     t_last_ck = t_last_log = t_last_eval = time.time()
-    ema = emal = None
+    ema = emal = esel = None
     model.train()
     while True:
         el = el0 + clock() - t_seg
@@ -268,7 +336,7 @@ def train_drafter(work: Path, a, mask_id: int) -> dict:
         for g in opt.param_groups:
             g["lr"] = lr
         seqs = rng.choice(tr.n, size=a.d_batch, replace=False)
-        loss, pred, lab = run(tr, seqs, rng, a.anchors)
+        loss, pred, lab, parts = run(tr, seqs, rng, a.anchors)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
@@ -277,10 +345,14 @@ def train_drafter(work: Path, a, mask_id: int) -> dict:
         al = 1.0 + accept_len(pred, lab).mean().item()
         ema = loss.item() if ema is None else 0.95 * ema + 0.05 * loss.item()
         emal = al if emal is None else 0.95 * emal + 0.05 * al
+        if parts:
+            esel = parts["sel"] if esel is None else 0.95 * esel + 0.05 * parts["sel"]
         now = time.time()
         if now - t_last_log >= a.log_every or state["step"] == 1:
             t_last_log = now
-            log(f"drafter step {state['step']:5d}  loss {ema:.3f}  train tau~{emal:.2f}  lr {lr:.2e}  "
+            sel_txt = f"  selector loss {esel:.3f} (top-{a.selector_top_k} holds the label: {parts['covered']:.2f})" \
+                if parts else ""
+            log(f"drafter step {state['step']:5d}  loss {ema:.3f}{sel_txt}  train tau~{emal:.2f}  lr {lr:.2e}  "
                 f"{(el0 + clock() - t_seg) / 60:.1f}/{a.minutes_drafter:g} min ({CLOCK['kind']} clock)")
         if now - t_last_eval >= 180:
             t_last_eval = now
@@ -299,8 +371,9 @@ def train_drafter(work: Path, a, mask_id: int) -> dict:
     log(f"drafter done: {state['step']} steps, {state['elapsed'] / 60:.1f} min; held-out loss {vl:.3f}, "
         f"acceptance length {vt:.2f}; per-position (cumulative) " + " ".join(f"{p:.2f}" for p in per))
     export_drafter(work, a, model, mask_id)
-    return {"params": n_params, "steps": state["step"], "minutes": round(state["elapsed"] / 60, 2),
+    return {"kind": a.kind, "params": n_params, "steps": state["step"], "minutes": round(state["elapsed"] / 60, 2),
             "train_loss": round(float(ema or 0), 4), "val_loss": round(vl, 4), "val_tau_torch": round(vt, 3),
+            "selector_loss": round(float(esel), 4) if esel is not None else None,
             "val_per_position": [round(p, 4) for p in per], "batch_seqs": a.d_batch, "anchors_per_seq": a.anchors,
             "gamma": a.gamma, "lr": a.lr_drafter, "history": state["history"]}
 
@@ -323,4 +396,9 @@ def export_drafter(work: Path, a, model, mask_id: int) -> None:
         "dflash_config": {"mask_token_id": mask_id, "target_layer_ids": list(a.taps)},
         "torch_dtype": "float32",
     }
+    if a.kind == "dflash2":
+        cfg["architectures"] = ["DFlash2DraftModel"]
+        cfg["is_causal"] = False    # non-causal within the block (a sliding layer would default to causal)
+        cfg["dflash_config"].update({"conv_kernel_size": a.conv_kernel, "conv_group_size": a.conv_group,
+                                     "selector_rank": a.selector_rank, "selector_top_k": a.selector_top_k})
     (out / "config.json").write_text(json.dumps(cfg, indent=2))

@@ -13,6 +13,7 @@ import numpy as np
 
 from .common import CHECK_PROMPTS, REPO, log
 from .corpus import sp_model
+from .dflash2 import greedy_walk
 from .drafter import build_drafter_module
 from .target import load_target
 
@@ -134,7 +135,13 @@ def align_check(work: Path, a, mask_id: int) -> dict:
                 ids = torch.tensor([[int(toks[i, pos])] + [mask_id] * (B - 1)])
                 h = dr(feats[i:i + 1, :pos], torch.arange(pos)[None], target.model.embed_tokens(ids),
                        (pos + torch.arange(B))[None], torch.ones(1, 1, B, pos + B, dtype=torch.bool))
-                ok = ((h[0, 1:] @ W.T).argmax(-1).numpy() == amax[i, pos:pos + B - 1]).astype(int)
+                logits = h[0, 1:] @ W.T
+                if a.kind == "dflash2":     # the runtime's T = 0 walk through the selector's lattice
+                    prop = np.array(greedy_walk(dr.candidate_selector, logits, h[0, 1:], int(toks[i, pos]),
+                                                a.selector_top_k))
+                else:
+                    prop = logits.argmax(-1).numpy()
+                ok = (prop == amax[i, pos:pos + B - 1]).astype(int)
                 k = int(np.cumprod(ok).sum())
                 steps, acc = steps + 1, acc + k
                 pos += k + 1
@@ -160,20 +167,26 @@ def align_check(work: Path, a, mask_id: int) -> dict:
             setattr(tot, k, getattr(tot, k) + getattr(st, k))
     log(f"align: acceptance length on {len(toks)} held-out greedy sequences: torch replay {tau_torch:.2f}, "
         f"llama.cpp {tot.tau:.2f}; llama.cpp greedy == torch greedy on {same}/{len(toks)} sequences")
-    return {"tau_torch_replay": round(tau_torch, 3), "tau_llama_cpp": round(tot.tau, 3),
-            "greedy_equal_torch": f"{same}/{len(toks)}", "sequences": len(toks), "tokens_each": L - P}
+    out = {"tau_torch_replay": round(tau_torch, 3), "tau_llama_cpp": round(tot.tau, 3),
+           "greedy_equal_torch": f"{same}/{len(toks)}", "sequences": len(toks), "tokens_each": L - P}
+    if a.kind == "dflash2":
+        out["lattice"] = lattice_check(work, a, mask_id)
+    return out
 
 
-def install(work: Path, dest: Path, info: dict) -> None:
+def install(work: Path, dest: Path, info: dict, with_target: bool = True) -> None:
+    """Copy the pair (or, for a drafter of an existing target, the drafter alone) with its card."""
     dest.mkdir(parents=True, exist_ok=True)
-    for f in ("target.gguf", "drafter.gguf", "pair.json"):
+    files = ("target.gguf", "drafter.gguf", "pair.json") if with_target else ("drafter.gguf",)
+    for f in files:
         src = work / "gguf" / f
         if src.exists():
             shutil.copy(src, dest / f)
     slim = {k: v for k, v in info.items()}
     (dest / "training.json").write_text(json.dumps(slim, indent=2) + "\n")
-    (dest / "MODEL_CARD.md").write_text(model_card(info, dest))
-    log(f"installed the pair into {dest} (target.gguf, drafter.gguf, pair.json, training.json, MODEL_CARD.md)")
+    card = model_card(info, dest) if with_target else drafter_card(info, dest)
+    (dest / "MODEL_CARD.md").write_text(card)
+    log(f"installed {', '.join(files)}, training.json and MODEL_CARD.md into {dest}")
 
 
 def model_card(info: dict, dest: Path) -> str:
@@ -270,3 +283,133 @@ models).
 - The files are rebuilt bit-for-bit only with the same Python (the corpus is its stdlib), library
   versions and CPU-time budgets.
 """
+
+
+def drafter_card(info: dict, dest: Path) -> str:
+    """The card of a drafter trained for an existing target (``--target-gguf``), e.g. the DFlash2 demo drafter."""
+    a, t, d, v, al, s = info["args"], info["target"], info["drafter"], info["verify"], info["align"], info["samples"]
+    db = (dest / "drafter.gguf").stat().st_size
+    per = " ".join(f"{x:.2f}" for x in d["val_per_position"])
+    kind = "DFlash2" if a["kind"] == "dflash2" else "DFlash"
+    extra = (f"; grouped dynamic causal conv (kernel {a['conv_kernel']}, {a['conv_group']} channels per coefficient) "
+             f"around both sublayers, candidate selector (rank {a['selector_rank']}, top-{a['selector_top_k']})"
+             if a["kind"] == "dflash2" else "")
+    labels = (f"the target's {a['soft_labels']} most likely tokens with their probabilities (soft labels)"
+              if a["soft_labels"] else "the target's greedy token")
+    rows = "\n".join(f"| `{r['prompt'].splitlines()[0][:48]}` | {'yes' if r['equal'] else 'NO'} | {r['tau']:.2f} |"
+                     for r in v["prompts"])
+    return f"""# dflash-gguf demo: a {kind} drafter for the demo target
+
+`drafter.gguf` ({db / 1e6:.1f} MB, {info['convert']['outtype'].upper()}): a {kind} drafter for the demo
+target `dflash_gguf/data/demo/target.gguf` (sha256 `{t['sha256'][:16]}...`), {a['d_layers']} layers,
+block size {a['block']}, taps on target layers {a['taps']} (HF `target_layer_ids`){extra};
+{d['params'] / 1e6:.2f} M parameters + the target's embeddings / LM head.
+
+```
+python -m dflash_gguf.bench.sampling          # acceptance at temperature > 0: lattice proposals vs one-hot
+```
+
+## How it was made
+
+```
+python examples/train_demo_pair.py --kind {a['kind']} --target-gguf dflash_gguf/data/demo/target.gguf \\
+    --work out/demo2-train --dest {a['dest']} --minutes-drafter {a['minutes_drafter']:g}
+```
+
+The target was not retrained: stage 3 rebuilt its Hugging Face folder from the GGUF (the tokenizer
+retrained from the same corpus and seed came out identical to the GGUF's vocabulary, which the
+script checks). Training data: {s['train']['n']} sequences of a corpus prompt ({s['train']['prompt_len']} tokens)
+plus {s['train']['gen_len']} tokens of the target's own continuation at temperatures
+{s['train']['temperatures']} (cycled per batch of 32), with the tapped hidden states; labels are
+{labels}. The rest is the DFlash recipe of the demo pair (random anchors, `[anchor, <|mask|> x
+{a['block'] - 1}]`, context injected as K/V, CE weighted by exp(-(k-1)/{a['gamma']:g}), frozen embeddings
+and LM head){'; the selector adds a K-way CE over the detached top-k of each row, with the true previous token as predecessor (`examples/demo_pair/dflash2.py`)' if a['kind'] == 'dflash2' else ''}.
+{d['steps']} steps of {d['batch_seqs']} sequences, {d['minutes']:.1f} min; held-out (greedy sequences)
+teacher-forced acceptance length {d['val_tau_torch']:.2f} (per-position prefix acceptance {per}).
+
+## Measured
+
+llama.cpp (this package's patched build), greedy, {v['max_tokens']} tokens per prompt, compared token by
+token with plain decoding:
+
+| prompt | DFlash == plain | acceptance length |
+|---|---|---|
+{rows}
+
+Alignment cross-check on {al['sequences']} held-out greedy sequences: torch replay {al['tau_torch_replay']:.2f},
+llama.cpp {al['tau_llama_cpp']:.2f}. Mean acceptance length over the check prompts: **{v['tau']:.2f}**.
+"""
+
+
+def lattice_check(work: Path, a, mask_id: int, n_prompts: int = 4) -> dict:
+    """DFlash2 only: the selector lattice of the torch drafter and of llama.cpp for the same contexts.
+
+    For the last token of a few held-out greedy prefixes both sides draft one block; per row the
+    candidate sets must agree and so must the transition scores (compared candidate by candidate,
+    since the two top-k routines may list them in different orders). A conv or selector tensor laid
+    out differently from what llama.cpp reads shows up here even when acceptance looks plausible."""
+    import torch
+    from safetensors.torch import load_file
+
+    sys.path.insert(0, str(REPO))
+    from dflash_gguf import _bindings as B
+    from dflash_gguf.engine import Context, ContextOptions, Model
+    from dflash_gguf.logs import set_log_handler
+    from dflash_gguf.spec import DFlashDecoder
+
+    target = load_target(work)
+    W = target.model.embed_tokens.weight
+    dr = build_drafter_module(a, W.shape[0])
+    dr.load_state_dict(load_file(work / "hf-drafter" / "model.safetensors"))
+    dr.eval()
+    z = np.load(work / "samples-val.npz")
+    toks, P, K, Bk = z["toks"], int(z["prompt_len"]), a.selector_top_k, a.block
+    set_log_handler()
+    tm, dm = Model(work / "gguf" / "target.gguf"), Model(work / "gguf" / "drafter.gguf")
+    opts = ContextOptions(n_ctx=1024, n_batch=256, n_ubatch=256, n_threads=a.threads)
+    same_sets = rows = 0
+    worst = 0.0
+    scale = 0.0
+    for i in range(min(n_prompts, len(toks))):
+        prompt = toks[i, :P + 8 * i].tolist()
+        pos, last = len(prompt) - 1, prompt[-1]
+        tctx = Context(tm, opts)
+        dctx = Context(dm, opts, other=tctx)
+        spec = DFlashDecoder(tctx, dctx)
+        spec.feed(prompt[:-1])
+        spec.features.flush()
+        buf = np.zeros((Bk - 1, K + K * K), dtype=np.float32)
+        got = B.check(B.lib.llama_dflash_draft_lattice(dctx.cptr, 0, pos, last, Bk - 1,
+                                                       B.ffi.from_buffer("float[]", buf), buf.size), "lattice")
+        del spec
+        dctx.close()
+        tctx.close()
+        with torch.no_grad():
+            x = torch.tensor([prompt])
+            hs = target(input_ids=x, output_hidden_states=True).hidden_states
+            feats = torch.cat([hs[t + 1] for t in a.taps], -1)[:, :pos]
+            ids = torch.tensor([[last] + [mask_id] * (Bk - 1)])
+            h = dr(feats, torch.arange(pos)[None], target.model.embed_tokens(ids), (pos + torch.arange(Bk))[None],
+                   torch.ones(1, 1, Bk, pos + Bk, dtype=torch.bool))[0, 1:]
+            logits = h @ W.T
+            cand = logits.topk(K, -1).indices
+            sel = dr.candidate_selector
+            for r in range(got):
+                ours = buf[r, :K].astype(np.int64)
+                theirs = cand[r].numpy()
+                rows += 1
+                if set(ours.tolist()) != set(theirs.tolist()):
+                    continue
+                same_sets += 1
+                order = [int(np.nonzero(theirs == t)[0][0]) for t in ours]     # llama.cpp's order in torch's
+                preds = torch.tensor([last]) if r == 0 else (
+                    torch.from_numpy(buf[r - 1, :K].astype(np.int64)))
+                for pi, p in enumerate(preds):
+                    ref = sel.scores(logits[r], h[r], p, cand[r]).numpy()[order]
+                    mine = buf[r, K + pi * K:K + (pi + 1) * K]
+                    worst = max(worst, float(np.abs(ref - mine).max()))
+                    scale = max(scale, float(np.abs(ref).max()))
+    log(f"lattice: candidate sets equal on {same_sets}/{rows} rows; transition scores differ by at most "
+        f"{worst:.4f} (largest score {scale:.2f}; F16 weights in llama.cpp, F32 in torch)")
+    return {"rows": rows, "same_candidate_sets": same_sets, "max_score_diff": round(worst, 5),
+            "max_abs_score": round(scale, 3)}

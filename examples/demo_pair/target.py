@@ -159,3 +159,68 @@ def load_target(work: Path):
     for p in m.parameters():
         p.requires_grad_(False)
     return m
+
+
+# GGUF (qwen3) tensor names -> Hugging Face Qwen3ForCausalLM names; the qwen3 converter copies them
+# without permutation (NeoX RoPE), so the bytes map one to one
+_GGUF_TO_HF = {
+    "token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head",
+    "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
+    "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj", "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm",
+    "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj",
+}
+
+
+def target_from_gguf(work: Path, gguf_path: Path, a) -> dict:
+    """Stage 3 for a new drafter of an existing target: the Hugging Face folder rebuilt from its GGUF
+    (F32/F16 weights, e.g. the shipped demo target), checked against this run's arguments and tokenizer."""
+    import gguf
+    import torch
+    import transformers
+
+    r = gguf.GGUFReader(str(gguf_path))
+    arch = bytes(r.fields["general.architecture"].parts[-1]).decode()
+    if arch != "qwen3":
+        raise SystemExit(f"--target-gguf {gguf_path}: architecture {arch!r}, this script rebuilds qwen3 targets only")
+
+    def kv(key):
+        return int(r.fields[f"qwen3.{key}"].parts[-1][0])
+
+    f = r.fields["tokenizer.ggml.tokens"]
+    pieces = [bytes(f.parts[i]).decode() for i in f.data]
+    sp = sp_model(work)
+    if pieces != [sp.id_to_piece(i) for i in range(sp.get_piece_size())]:
+        raise SystemExit(f"--target-gguf {gguf_path}: its vocabulary differs from the tokenizer this run trained "
+                         "(use the same --vocab, --seed and Python as the run that made the target)")
+    got = {"layers": kv("block_count"), "hidden": kv("embedding_length"), "inter": kv("feed_forward_length"),
+           "heads": kv("attention.head_count"), "kv_heads": kv("attention.head_count_kv")}
+    if got != {k: getattr(a, k) for k in got}:
+        raise SystemExit(f"--target-gguf {gguf_path}: shape {got} differs from this run's arguments; pass them")
+    model = transformers.Qwen3ForCausalLM(target_config(len(pieces), a))
+    sd = {}
+    for t in r.tensors:
+        if t.tensor_type.name not in ("F32", "F16"):
+            raise SystemExit(f"--target-gguf: tensor {t.name} is {t.tensor_type.name}; pass an F32/F16 target")
+        parts = t.name.split(".")
+        if parts[0] == "blk":
+            name = f"model.layers.{parts[1]}.{_GGUF_TO_HF[parts[2]]}.weight"
+        else:
+            name = f"{_GGUF_TO_HF[parts[0]]}.weight"
+        sd[name] = torch.from_numpy(np.array(t.data, dtype=np.float32).reshape([int(x) for x in reversed(t.shape)]))
+    missing, unexpected = model.load_state_dict(sd, strict=False)
+    if unexpected or set(missing) - {"lm_head.weight"}:
+        raise SystemExit(f"--target-gguf: tensors missing {missing} / unexpected {unexpected}")
+    model.tie_weights()
+    hf = work / "hf-target"
+    model.save_pretrained(hf, safe_serialization=True)
+    write_tokenizer_files(hf, work)
+    n_params = sum(p.numel() for p in model.parameters())
+    log(f"target: rebuilt from {gguf_path} ({n_params / 1e6:.2f} M parameters, {len(sd)} tensors)")
+    return {"params": n_params, "from_gguf": str(gguf_path.name), "sha256": _sha256(gguf_path)}
+
+
+def _sha256(path: Path) -> str:
+    import hashlib
+
+    return hashlib.sha256(path.read_bytes()).hexdigest()

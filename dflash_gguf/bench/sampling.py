@@ -1,0 +1,135 @@
+"""Acceptance at temperature > 0: DFlash2 lattice proposals (q = the selector's distribution) vs
+one-hot proposals (the greedy walk, q = 1 on the drafted token).
+
+``python -m dflash_gguf.bench.sampling [--target T.gguf] [--drafter D.gguf] [--temperatures 0.7,1.0]``
+
+Without paths it uses the shipped demo target and its DFlash2 drafter (``data/demo-dflash2``). For
+each temperature, each prompt and each seed it generates with fixed drafting three ways on the same
+contexts: plain decoding, DFlash with one-hot proposals (``SpecOptions(sample_lattice=False)``) and
+DFlash with lattice proposals. Both DFlash modes are lossless (the acceptance rule takes the q they
+proposed with, see ``spec/accept.py``); what changes is how much of each block is kept. It reports the
+acceptance length, the share of drafted tokens accepted, acceptance per block position and decode
+tokens/s (prefill excluded), with DFlash's ratio to plain measured in the same run. Greedy (T = 0)
+rows can be added with ``--temperatures 0,...`` (both modes are then the same greedy walk).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+import time
+from pathlib import Path
+
+from dflash_gguf.spec.stats import GenerationStats
+
+log = logging.getLogger("dflash_gguf.bench.sampling")
+_DATA = Path(__file__).resolve().parent.parent / "data"
+MODES = ("plain", "one-hot", "lattice")
+
+
+def measure(target: str, drafter: str, prompts: list[str], temperatures: list[float], seeds: int, n_gen: int,
+            threads: int | None) -> list[dict]:
+    from dflash_gguf.engine import Context, ContextOptions, Model
+    from dflash_gguf.sampling import SamplingParams
+    from dflash_gguf.spec import DFlashDecoder, SpecOptions
+
+    rows = []
+    with Model(target) as tm, Model(drafter) as dm:
+        toks = [tm.tokenize(p.encode()) for p in prompts]
+        n_ctx = max(map(len, toks)) + n_gen + 16
+        opts = ContextOptions(n_ctx=n_ctx, n_batch=256, n_ubatch=256, n_threads=threads)
+        with Context(tm, opts) as tc, Context(dm, opts, other=tc) as dc:
+            decs = {"plain": DFlashDecoder(tc, None),
+                    "one-hot": DFlashDecoder(tc, dc, SpecOptions(sample_lattice=False)),
+                    "lattice": DFlashDecoder(tc, dc, SpecOptions(sample_lattice=True))}
+            if decs["lattice"].lattice is None:
+                raise SystemExit(f"{drafter} is not a DFlash2 drafter with a selector: nothing to compare")
+            for p in toks[:1]:                       # warm-up (first-call allocations)
+                for dec in decs.values():
+                    dec.reset()
+                    list(dec.generate(p, 8, SamplingParams(temperature=0.7, seed=0)))
+            for temp in temperatures:
+                st = {m: GenerationStats() for m in MODES}
+                secs = dict.fromkeys(MODES, 0.0)
+                t0 = time.perf_counter()
+                for seed in range(seeds):
+                    for p in toks:
+                        for m in MODES:              # interleaved: the machine's drift hits all three alike
+                            dec = decs[m]
+                            dec.reset()
+                            s = GenerationStats()
+                            list(dec.generate(p, n_gen, SamplingParams(temperature=temp, seed=1000 + seed), stats=s,
+                                              stop_tokens=[]))
+                            st[m].merge(s)
+                            secs[m] += s.t_total - s.t_prefill
+                row = {"temperature": temp, "prompts": len(toks), "seeds": seeds, "tokens_each": n_gen}
+                for m in MODES:
+                    s = st[m]
+                    row[m] = {"tokens": s.n_generated, "decode_s": round(secs[m], 3),
+                              "tps": s.n_generated / max(secs[m], 1e-9)}
+                    if m != "plain":
+                        row[m].update(tau=s.tau, steps=s.steps, drafted=s.drafted, accepted=s.accepted,
+                                      accept_rate=s.accepted / max(s.drafted, 1),
+                                      per_pos=[a / d if d else 0.0 for a, d in zip(s.accepted_per_pos, s.drafted_per_pos)])
+                rows.append(row)
+                log.info("T=%.2f (%.0f s): tau one-hot %.2f, lattice %.2f; tok/s plain %.1f, one-hot %.1f, lattice %.1f",
+                         temp, time.perf_counter() - t0, row["one-hot"]["tau"], row["lattice"]["tau"],
+                         row["plain"]["tps"], row["one-hot"]["tps"], row["lattice"]["tps"])
+            for dec in decs.values():
+                dec.reset()
+    return rows
+
+
+def table(rows: list[dict]) -> str:
+    out = ["| T | proposals | acceptance length | drafted tokens accepted | accepted at block positions 1..n "
+           "| decode tok/s | x plain |", "|---|---|---|---|---|---|---|"]
+    for r in rows:
+        plain = r["plain"]["tps"]
+        out.append(f"| {r['temperature']:g} | plain | - | - | - | {plain:.1f} | 1.00 |")
+        for m in ("one-hot", "lattice"):
+            x = r[m]
+            per = " ".join(f"{v:.2f}" for v in x["per_pos"])
+            out.append(f"| {r['temperature']:g} | {m} | {x['tau']:.2f} | {x['accept_rate']:.1%} | {per} | "
+                       f"{x['tps']:.1f} | {x['tps'] / plain:.2f} |")
+    return "\n".join(out)
+
+
+def main(argv: list[str] | None = None) -> int:
+    from dflash_gguf.bench.prompts import load_prompts
+    from dflash_gguf.bench.results import machine_info, versions
+    from dflash_gguf.logs import set_log_handler
+
+    ap = argparse.ArgumentParser(prog="python -m dflash_gguf.bench.sampling", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--target", default=str(_DATA / "demo" / "target.gguf"))
+    ap.add_argument("--drafter", default=str(_DATA / "demo-dflash2" / "drafter.gguf"), help="a DFlash2 drafter GGUF")
+    ap.add_argument("--prompts", nargs="+", default=["code"], help="prompt sets (code, math, prose, all) or files")
+    ap.add_argument("--temperatures", default="0.7,1.0")
+    ap.add_argument("--seeds", type=int, default=3, help="seeds per prompt and temperature (default 3)")
+    ap.add_argument("-n", "--tokens", type=int, default=96, help="tokens generated per run (default 96)")
+    ap.add_argument("-t", "--threads", type=int, default=None)
+    ap.add_argument("--out", type=Path, default=None, help="also write the rows as JSON and the table as Markdown here")
+    a = ap.parse_args(argv)
+    temps = [float(t) for t in a.temperatures.split(",")]
+    if any(t < 0 for t in temps) or a.seeds < 1 or a.tokens < 1:
+        ap.error("temperatures must be >= 0, --seeds and --tokens >= 1")
+    for f in (a.target, a.drafter):
+        if not Path(f).is_file():
+            ap.error(f"{f} not found")
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    set_log_handler()
+    prompts = [p["text"] for p in load_prompts(a.prompts)]
+    rows = measure(a.target, a.drafter, prompts, temps, a.seeds, a.tokens, a.threads)
+    md = table(rows)
+    print(md)
+    if a.out is not None:
+        a.out.mkdir(parents=True, exist_ok=True)
+        doc = {"command": "python -m dflash_gguf.bench.sampling " + " ".join(argv if argv is not None else sys.argv[1:]),
+               "target": a.target, "drafter": a.drafter, "rows": rows, "machine": machine_info(), "versions": versions()}
+        (a.out / "sampling.json").write_text(json.dumps(doc, indent=2) + "\n")
+        (a.out / "sampling.md").write_text(md + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
