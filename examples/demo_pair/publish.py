@@ -298,6 +298,10 @@ def drafter_card(info: dict, dest: Path) -> str:
               if a["soft_labels"] else "the target's greedy token")
     rows = "\n".join(f"| `{r['prompt'].splitlines()[0][:48]}` | {'yes' if r['equal'] else 'NO'} | {r['tau']:.2f} |"
                      for r in v["prompts"])
+    lat = al.get("lattice")
+    lattice = (f" The selector lattice of the torch drafter and of llama.cpp for {lat['rows']} block rows: candidate "
+               f"sets equal on {lat['same_candidate_sets']}, transition scores within {lat['max_score_diff']:.4f} "
+               f"(largest {lat['max_abs_score']:.1f})." if lat else "")
     return f"""# dflash-gguf demo: a {kind} drafter for the demo target
 
 `drafter.gguf` ({db / 1e6:.1f} MB, {info['convert']['outtype'].upper()}): a {kind} drafter for the demo
@@ -337,7 +341,10 @@ token with plain decoding:
 {rows}
 
 Alignment cross-check on {al['sequences']} held-out greedy sequences: torch replay {al['tau_torch_replay']:.2f},
-llama.cpp {al['tau_llama_cpp']:.2f}. Mean acceptance length over the check prompts: **{v['tau']:.2f}**.
+llama.cpp {al['tau_llama_cpp']:.2f}. Mean acceptance length over the check prompts: **{v['tau']:.2f}**.{lattice}
+
+At temperature > 0 (DFlash2): acceptance with drafts sampled from the selector's distribution vs
+one-hot drafts, measured with `python -m dflash_gguf.bench.sampling`: `BENCHMARKS.md` section 8.
 """
 
 
