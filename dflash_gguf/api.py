@@ -63,8 +63,9 @@ class Llama(PairConstructors, llama_cpp.Llama):
         draft_n_max: tokens drafted per block (default and maximum: the drafter's block size - 1).
         draft_adaptive: the speed gate (default on): draft per step as many tokens as currently
             pays (at most draft_n_max, down to plain decoding), from step costs measured on this
-            machine and the running acceptance (see dflash_gguf.gate). False: draft draft_n_max
-            tokens every step.
+            machine and the running acceptance (see dflash_gguf.gate), for greedy requests and for
+            sampled ones without a seed (a ``Llama(seed=...)`` keeps fixed drafting, so that its
+            text repeats). False: draft draft_n_max tokens every step.
         dflash: default for every call; each call can override it with ``dflash=True/False``.
         draft_n_gpu_layers: layers of the drafter to offload (default: as the target).
         draft_use_mmap: map the drafter file instead of reading it into memory (default False: a

@@ -11,8 +11,10 @@ the product of the per-position conditional rates. A position seldom reached (de
 while shorter blocks or short probes are drafted) leans on the estimate of the position before it
 instead of on a few old draws, so an unlucky warm-up block cannot pin the choice to short blocks or
 to plain decoding. Near a tie (within ``PREFER_FULL``) it drafts the whole block, whose cost is
-measured rather than read off the fitted line. It only changes
-speed: the decoder's output is the target's whatever length is drafted.
+measured rather than read off the fitted line. A step's cost is its whole work as the decoder
+measures it (drafting, verifying, acceptance and sampling, keeping the rows), so per-step overheads
+that do not scale with the model count on small pairs. It only changes speed: the decoder's output
+is the target's whatever length is drafted.
 """
 from __future__ import annotations
 
@@ -31,6 +33,7 @@ class DraftLength:
     DECAY = 0.97                                             # acceptance memory, per drafting step
     PRIOR = 2.0                                              # pseudo-draws of the previous position's rate
     COST_EMA = 0.2
+    OUTLIER = 2.0                                            # a step costing more than this x its estimate counts as this
     PREFER_FULL = 0.03                                       # the whole block unless another length is this much faster
 
     def __init__(self, n_max: int):
@@ -64,7 +67,8 @@ class DraftLength:
             self._next_probe = self.steps + self.probe_every
             if not self._plan:
                 return min(self.PROBE_SHORT, self.n_max)
-            w = None if self._plan < self.n_max else 0
+            # (a middle length re-measures both ends in turn: its own cost is measured every step)
+            w = 0 if self._plan == self.n_max or (self._plan > 0 and self._probes % 2 == 0) else None
         else:
             return None
         if w is None:
@@ -125,8 +129,12 @@ class DraftLength:
         return n
 
     def record(self, n: int, accepted: int, seconds: float) -> None:
-        if n > 0 and self._plan == 0 and self.steps > self._warmup and 2 * accepted >= n:
-            # a probe while decoding plainly found the drafter right: look again soon, re-plan now
+        if n > 0 and self._plan == 0 and self.steps > self._warmup and 2 * accepted >= n and \
+                not (1 + accepted) * self.cost[0] <= seconds:
+            # a probe while decoding plainly found the drafter right, and its step beat a plain one (or
+            # plain's cost is unknown): look again soon, re-plan now. A probe that was right but still
+            # slower than plain decoding (a drafter that pays on a larger target, not on this one) only
+            # adds its draws: probing soon after it, again and again, would cost more than it finds.
             self._plan = None
             self._next_probe = self.steps + 2
         if n > 0:
@@ -137,4 +145,8 @@ class DraftLength:
             self.tries[:min(accepted + 1, n)] += 1
             self.hits[:accepted] += 1
         c = self.cost[n]
+        if not np.isnan(c):
+            # one slow step (the OS, a page fault, a collector pause) moves the estimate a little; a
+            # lasting change still shows within a few steps
+            seconds = min(seconds, self.OUTLIER * c)
         self.cost[n] = seconds if np.isnan(c) else (1 - self.COST_EMA) * c + self.COST_EMA * seconds

@@ -227,3 +227,51 @@ def test_dflash2_lattice_on_the_trained_drafter_keeps_the_target_distribution():
         assert p > ALPHA, f"DFlash2 samples do not follow the target distribution (p={p:.2e})"
     finally:
         dc.close(), tc.close(), pc.close(), dm.close(), tm.close()
+
+
+def test_unseeded_sampling_is_gated_and_keeps_the_target_distribution(monkeypatch):
+    """A sampled request without a seed goes through the speed gate (its own acceptance history, kept
+    across calls; the greedy gate is not touched), so its draft length changes from step to step; the
+    first three tokens still follow the target's exact distribution. A seeded request keeps fixed
+    drafting. The gate follows measured timings, so its choices differ between runs: the unseeded
+    random generators are numbered here, and the test uses a smaller alpha (the verdict may change
+    from run to run only by chance, not through a bug)."""
+    from dflash_gguf.demo import DEMO_DIR
+    from dflash_gguf.sampling import TokenChooser
+
+    numbered = itertools.count()
+    init = TokenChooser.__init__
+
+    def numbered_init(self, sp):
+        init(self, sp)
+        if sp.seed is None:
+            self.rng = np.random.default_rng(next(numbered))
+    monkeypatch.setattr(TokenChooser, "__init__", numbered_init)
+
+    tm, dm = Model(DEMO_DIR / "target.gguf"), Model(DEMO_DIR.parent / "demo-dflash2" / "drafter.gguf")
+    opts = ContextOptions(n_ctx=256, n_batch=64, n_ubatch=64)
+    pc, tc = Context(tm, opts), Context(tm, opts)
+    dc = Context(dm, opts, other=tc)
+    try:
+        prompt = tm.tokenize(PROMPT)
+        exact = exact_distribution(pc, prompt, SP)
+        dec = DFlashDecoder(tc, dc, SpecOptions(adaptive=True))
+        lengths = Counter()
+        record = dec.gate_sampled.record
+
+        def spy(n, a, seconds):
+            lengths[n] += 1
+            record(n, a, seconds)
+        dec.gate_sampled.record = spy
+        counts, st = Counter(), GenerationStats()
+        for _ in range(N_RUNS):
+            counts[tuple(dec.generate(prompt, K_TOKENS, sampling=SP, stats=st, stop_tokens=[]))] += 1
+        assert len(lengths) >= 2 and st.accepted > 0, lengths        # the gate chose; drafts were kept
+        assert dec.gate.steps == 0                                    # greedy requests keep their own gate
+        p = chi2_pvalue(counts, exact)
+        assert p > 1e-4, f"gated DFlash2 samples do not follow the target distribution (p={p:.2e})"
+        steps = dec.gate_sampled.steps
+        list(dec.generate(prompt, 24, sampling=SamplingParams(temperature=0.8, seed=3)))
+        assert dec.gate_sampled.steps == steps                        # a seeded request: fixed drafting
+    finally:
+        dc.close(), tc.close(), pc.close(), dm.close(), tm.close()

@@ -4,9 +4,11 @@ one-hot proposals (the greedy walk, q = 1 on the drafted token).
 ``python -m dflash_gguf.bench.sampling [--target T.gguf] [--drafter D.gguf] [--temperatures 0.7,1.0]``
 
 Without paths it uses the shipped demo target and its DFlash2 drafter (``data/demo-dflash2``). For
-each temperature, each prompt and each seed it generates with fixed drafting three ways on the same
-contexts: plain decoding, DFlash with one-hot proposals (``SpecOptions(sample_lattice=False)``) and
-DFlash with lattice proposals. Both DFlash modes are lossless (the acceptance rule takes the q they
+each temperature, each prompt and each seed it generates four ways on the same contexts: plain
+decoding, DFlash with fixed drafting and one-hot proposals (``SpecOptions(sample_lattice=False)``),
+DFlash with fixed drafting and lattice proposals (these three with the seed), and lattice proposals
+with the speed gate choosing the draft length (``lattice+gate``: an unseeded request, as a ``Llama``
+without ``seed`` makes it; its gate is kept across the runs). Every DFlash mode is lossless (the acceptance rule takes the q they
 proposed with, see ``spec/accept.py``); what changes is how much of each block is kept. It reports the
 acceptance length, the share of drafted tokens accepted, acceptance per block position and decode
 tokens/s (prefill excluded), with DFlash's ratio to plain measured in the same run. Greedy (T = 0)
@@ -25,7 +27,8 @@ from dflash_gguf.spec.stats import GenerationStats
 
 log = logging.getLogger("dflash_gguf.bench.sampling")
 _DATA = Path(__file__).resolve().parent.parent / "data"
-MODES = ("plain", "one-hot", "lattice")
+MODES = ("plain", "one-hot", "lattice", "lattice+gate")
+GATED = "lattice+gate"   # unseeded requests: the speed gate chooses the draft length (kept across calls)
 
 
 def measure(target: str, drafter: str, prompts: list[str], temperatures: list[float], seeds: int, n_gen: int,
@@ -42,7 +45,8 @@ def measure(target: str, drafter: str, prompts: list[str], temperatures: list[fl
         with Context(tm, opts) as tc, Context(dm, opts, other=tc) as dc:
             decs = {"plain": DFlashDecoder(tc, None),
                     "one-hot": DFlashDecoder(tc, dc, SpecOptions(sample_lattice=False)),
-                    "lattice": DFlashDecoder(tc, dc, SpecOptions(sample_lattice=True))}
+                    "lattice": DFlashDecoder(tc, dc, SpecOptions(sample_lattice=True)),
+                    GATED: DFlashDecoder(tc, dc, SpecOptions(sample_lattice=True, adaptive=True))}
             if decs["lattice"].lattice is None:
                 raise SystemExit(f"{drafter} is not a DFlash2 drafter with a selector: nothing to compare")
             for p in toks[:1]:                       # warm-up (first-call allocations)
@@ -55,12 +59,12 @@ def measure(target: str, drafter: str, prompts: list[str], temperatures: list[fl
                 t0 = time.perf_counter()
                 for seed in range(seeds):
                     for p in toks:
-                        for m in MODES:              # interleaved: the machine's drift hits all three alike
+                        for m in MODES:              # interleaved: the machine's drift hits all alike
                             dec = decs[m]
                             dec.reset()
                             s = GenerationStats()
-                            list(dec.generate(p, n_gen, SamplingParams(temperature=temp, seed=1000 + seed), stats=s,
-                                              stop_tokens=[]))
+                            sp = SamplingParams(temperature=temp, seed=None if m == GATED else 1000 + seed)
+                            list(dec.generate(p, n_gen, sp, stats=s, stop_tokens=[]))
                             st[m].merge(s)
                             secs[m] += s.t_total - s.t_prefill
                 row = {"temperature": temp, "prompts": len(toks), "seeds": seeds, "tokens_each": n_gen}
@@ -73,9 +77,9 @@ def measure(target: str, drafter: str, prompts: list[str], temperatures: list[fl
                                       accept_rate=s.accepted / max(s.drafted, 1),
                                       per_pos=[a / d if d else 0.0 for a, d in zip(s.accepted_per_pos, s.drafted_per_pos)])
                 rows.append(row)
-                log.info("T=%.2f (%.0f s): tau one-hot %.2f, lattice %.2f; tok/s plain %.1f, one-hot %.1f, lattice %.1f",
-                         temp, time.perf_counter() - t0, row["one-hot"]["tau"], row["lattice"]["tau"],
-                         row["plain"]["tps"], row["one-hot"]["tps"], row["lattice"]["tps"])
+                log.info("T=%.2f (%.0f s): tau one-hot %.2f, lattice %.2f; tok/s plain %.1f, one-hot %.1f, lattice %.1f, "
+                         "gated %.1f", temp, time.perf_counter() - t0, row["one-hot"]["tau"], row["lattice"]["tau"],
+                         row["plain"]["tps"], row["one-hot"]["tps"], row["lattice"]["tps"], row[GATED]["tps"])
             for dec in decs.values():
                 dec.reset()
     return rows
@@ -87,8 +91,12 @@ def table(rows: list[dict]) -> str:
     for r in rows:
         plain = r["plain"]["tps"]
         out.append(f"| {r['temperature']:g} | plain | - | - | - | {plain:.1f} | 1.00 |")
-        for m in ("one-hot", "lattice"):
+        for m in MODES[1:]:
             x = r[m]
+            if not x["steps"]:     # the gate decoded plainly throughout
+                out.append(f"| {r['temperature']:g} | {m} | - (no block drafted) | - | - | {x['tps']:.1f} | "
+                           f"{x['tps'] / plain:.2f} |")
+                continue
             per = " ".join(f"{v:.2f}" for v in x["per_pos"])
             out.append(f"| {r['temperature']:g} | {m} | {x['tau']:.2f} | {x['accept_rate']:.1%} | {per} | "
                        f"{x['tps']:.1f} | {x['tps'] / plain:.2f} |")

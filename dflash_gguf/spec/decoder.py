@@ -101,7 +101,9 @@ class DFlashDecoder:
         if self.info is not None and self.info.kind == "dflash2" and self.opts.sample_lattice and self.info.selector_top_k:
             self.lattice = LatticeProposer(self.info.selector_top_k, self.n_draft)
         self._rollback = make_rollback(target, self.n_draft, self.opts.rollback)
-        self.gate = DraftLength(self.n_draft) if (self.opts.adaptive and self.n_draft > 0) else None
+        gated = self.opts.adaptive and self.n_draft > 0
+        self.gate = DraftLength(self.n_draft) if gated else None            # greedy requests
+        self.gate_sampled = DraftLength(self.n_draft) if gated else None    # sampled requests without a seed
         self.cache: list[int] = []     # tokens whose KV is in the target (and features in the drafter)
         self.closed = False            # set when the contexts are freed: a late generator cleanup then does nothing
         self._vocab = target.model.n_vocab
@@ -272,9 +274,12 @@ class DFlashDecoder:
         chooser = TokenChooser(sp)
         greedy = sp.greedy and not sp.has_penalties
         n_draft = self.n_draft if (use_draft and self.drafter is not None) else 0
-        # the gate's choices follow measured timings; sampled requests keep fixed drafting so that a
-        # seeded request draws the same random numbers, and gives the same text, every time
-        gate = self.gate if (n_draft and sp.greedy) else None
+        # the gate's choices follow measured timings, which changes how a sampled request consumes its
+        # random numbers: a seeded request keeps fixed drafting (the same text every time), an unseeded
+        # one is gated like a greedy one, with its own acceptance history (sampled acceptance is lower)
+        gate = None
+        if n_draft:
+            gate = self.gate if sp.greedy else (self.gate_sampled if sp.seed is None else None)
         # DFlash2, sampled: propose from the selector's distribution (the drafter's own proposer only)
         lattice = chooser if (self.lattice is not None and not sp.greedy and type(self.proposer) is DrafterProposer) else None
         produced = 0
@@ -284,9 +289,9 @@ class DFlashDecoder:
                 if pos >= self.target.n_ctx:
                     stats.finish = "context"
                     return
+                t_step = time.perf_counter()   # the gate is charged the step's whole work, not the caller's time
                 want = gate.choose() if gate is not None else n_draft
                 n = min(want, max_tokens - produced - 1, self.target.n_ctx - pos - 1)
-                t_step = stats.t_draft + stats.t_verify
                 n, q = self._draft_block(pos, pending, n, stats, lattice)
                 saved = self._rollback.save(n)
                 rows = self._verify_block(pos, pending, n, greedy, stats)
@@ -295,10 +300,9 @@ class DFlashDecoder:
                 else:
                     commit = sampled_accept(self._draft[:n], self.target.logits_row, chooser, q)
                 a = len(commit) - 1
-                if gate is not None:
-                    gate.record(n, a, stats.t_draft + stats.t_verify - t_step)
                 stats.observe_step(n, a)
                 commit = cut_at_stop(commit, stop)
+                t_work = time.perf_counter() - t_step
                 consumed = 0
                 try:
                     for tok in commit:
@@ -307,12 +311,18 @@ class DFlashDecoder:
                         stats.n_generated += 1
                         yield tok
                 finally:
+                    t_fin = time.perf_counter()
                     self._finish_block(pos, consumed, rows, saved, stats)
                     if consumed:
                         chooser.accept(commit[:consumed])
                         self.cache.append(pending)
                         self.cache.extend(commit[:consumed - 1])
                         pending = commit[consumed - 1]
+                    t_work += time.perf_counter() - t_fin
+                if gate is not None:
+                    # draft (with any deferred feature injection), verify, acceptance, sampling, keeping
+                    # the rows and rolling back: everything a step of this length costs on this machine
+                    gate.record(n, a, t_work)
                 if commit[-1] in stop:
                     stats.finish = "stop"
                     return
