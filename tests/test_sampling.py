@@ -8,6 +8,7 @@ without the rejection rule, or sampling the bonus from the wrong row) fails by a
 """
 from __future__ import annotations
 
+import contextlib
 import itertools
 import math
 from collections import Counter
@@ -15,6 +16,7 @@ from collections import Counter
 import numpy as np
 import pytest
 
+from dflash_gguf.demo import DEMO_DIR
 from dflash_gguf.engine import Context, ContextOptions, Model
 from dflash_gguf.sampling import SamplingParams, distribution
 from dflash_gguf.spec import DFlashDecoder, GenerationStats, OverrideProposer, SpecOptions
@@ -23,6 +25,8 @@ PROMPT = b"def main(argv):\n    parser = argparse.ArgumentParser("
 ALPHA = 1e-3
 K_TOKENS = 3
 N_RUNS = 1500
+TRAINED_TARGET = DEMO_DIR / "target.gguf"                                   # the shipped demo target and
+TRAINED_DFLASH2 = DEMO_DIR.parent / "demo-dflash2" / "drafter.gguf"         # its trained DFlash2 drafter
 
 
 def chi2_sf(x: float, k: int) -> float:
@@ -162,20 +166,38 @@ def test_greedy_penalties_match_llama_cpp(setup, penalties):
     assert st.steps > 0
 
 
-def test_dflash2_samples_from_the_selector_and_keeps_the_target_distribution(models):
-    """A DFlash2 drafter at temperature > 0: drafts are drawn from its selector's top-k distribution
-    (patch 0008's lattice; q is not one-hot), accepted with min(1, p/q); the first three tokens still
-    follow the target's exact distribution, and a seeded request repeats itself."""
-    pair = models.pair("qwen3", "dflash2", 8)
-    tm, dm = Model(pair.target), Model(pair.drafter)
+@contextlib.contextmanager
+def dflash2_decoder(target, drafter, spec: SpecOptions):
+    """A DFlash2 decoder on fresh contexts, the prompt and the target's exact distribution after it."""
+    tm, dm = Model(target), Model(drafter)
     opts = ContextOptions(n_ctx=256, n_batch=64, n_ubatch=64)
     pc, tc = Context(tm, opts), Context(tm, opts)
     dc = Context(dm, opts, other=tc)
     try:
         prompt = tm.tokenize(PROMPT)
         exact = exact_distribution(pc, prompt, SP)
-        dec = DFlashDecoder(tc, dc, SpecOptions())
+        dec = DFlashDecoder(tc, dc, spec)
         assert dec.info.kind == "dflash2" and dec.lattice is not None
+        yield dec, prompt, exact
+    finally:
+        dc.close(), tc.close(), pc.close(), dm.close(), tm.close()
+
+
+def sample_counts(dec: DFlashDecoder, prompt: list[int], stats: GenerationStats, seeded: bool = True) -> Counter:
+    """How often each first-K_TOKENS sequence came out of N_RUNS requests (seeds 0.., or unseeded)."""
+    counts = Counter()
+    for seed in range(N_RUNS):
+        sp = SamplingParams(**{**SP.__dict__, "seed": seed if seeded else None})
+        counts[tuple(dec.generate(prompt, K_TOKENS, sampling=sp, stats=stats, stop_tokens=[]))] += 1
+    return counts
+
+
+def test_dflash2_samples_from_the_selector_and_keeps_the_target_distribution(models):
+    """A DFlash2 drafter at temperature > 0: drafts are drawn from its selector's top-k distribution
+    (patch 0008's lattice; q is not one-hot), accepted with min(1, p/q); the first three tokens still
+    follow the target's exact distribution, and a seeded request repeats itself."""
+    pair = models.pair("qwen3", "dflash2", 8)
+    with dflash2_decoder(pair.target, pair.drafter, SpecOptions()) as (dec, prompt, exact):
         calls, qs = [0], []
         inner = dec.lattice.propose
 
@@ -185,10 +207,8 @@ def test_dflash2_samples_from_the_selector_and_keeps_the_target_distribution(mod
             qs.extend(q)
             return n, q
         dec.lattice.propose = spy
-        counts, st = Counter(), GenerationStats()
-        for seed in range(N_RUNS):
-            sp = SamplingParams(**{**SP.__dict__, "seed": seed})
-            counts[tuple(dec.generate(prompt, K_TOKENS, sampling=sp, stats=st, stop_tokens=[]))] += 1
+        st = GenerationStats()
+        counts = sample_counts(dec, prompt, st)
         assert calls[0] > 0 and st.drafted > 0
         assert all(abs(q.sum() - 1) < 1e-9 for _, q in qs) and any(q.max() < 1 for _, q in qs)
         p = chi2_pvalue(counts, exact)
@@ -196,8 +216,6 @@ def test_dflash2_samples_from_the_selector_and_keeps_the_target_distribution(mod
         sp = SamplingParams(temperature=0.8, seed=11)
         first = list(dec.generate(prompt, 24, sampling=sp))
         assert list(dec.generate(prompt, 24, sampling=sp)) == first
-    finally:
-        dc.close(), tc.close(), pc.close(), dm.close(), tm.close()
 
 
 def test_dflash2_lattice_on_the_trained_drafter_keeps_the_target_distribution():
@@ -205,28 +223,13 @@ def test_dflash2_lattice_on_the_trained_drafter_keeps_the_target_distribution():
     often right, so unlike the random drafter above most drafts are accepted through min(1, p/q) and the
     rejections draw from the residual max(0, p - q) with q's mass partly outside the target's top-2.
     The first three tokens still follow the target's exact distribution."""
-    from dflash_gguf.demo import DEMO_DIR
-
-    drafter = DEMO_DIR.parent / "demo-dflash2" / "drafter.gguf"
-    tm, dm = Model(DEMO_DIR / "target.gguf"), Model(drafter)
-    opts = ContextOptions(n_ctx=256, n_batch=64, n_ubatch=64)
-    pc, tc = Context(tm, opts), Context(tm, opts)
-    dc = Context(dm, opts, other=tc)
-    try:
-        prompt = tm.tokenize(PROMPT)
-        exact = exact_distribution(pc, prompt, SP)
-        dec = DFlashDecoder(tc, dc, SpecOptions())
-        assert dec.info.kind == "dflash2" and dec.lattice is not None
-        counts, st = Counter(), GenerationStats()
-        for seed in range(N_RUNS):
-            sp = SamplingParams(**{**SP.__dict__, "seed": seed})
-            counts[tuple(dec.generate(prompt, K_TOKENS, sampling=sp, stats=st, stop_tokens=[]))] += 1
+    with dflash2_decoder(TRAINED_TARGET, TRAINED_DFLASH2, SpecOptions()) as (dec, prompt, exact):
+        st = GenerationStats()
+        counts = sample_counts(dec, prompt, st)
         assert st.accepted > 0.2 * st.drafted, (st.accepted, st.drafted)   # the accept path carries the test (~30%)
         assert st.accepted < st.drafted                                     # and rejections happen
         p = chi2_pvalue(counts, exact)
         assert p > ALPHA, f"DFlash2 samples do not follow the target distribution (p={p:.2e})"
-    finally:
-        dc.close(), tc.close(), pc.close(), dm.close(), tm.close()
 
 
 def test_unseeded_sampling_is_gated_and_keeps_the_target_distribution(monkeypatch):
@@ -236,7 +239,6 @@ def test_unseeded_sampling_is_gated_and_keeps_the_target_distribution(monkeypatc
     drafting. The gate follows measured timings, so its choices differ between runs: the unseeded
     random generators are numbered here, and the test uses a smaller alpha (the verdict may change
     from run to run only by chance, not through a bug)."""
-    from dflash_gguf.demo import DEMO_DIR
     from dflash_gguf.sampling import TokenChooser
 
     numbered = itertools.count()
@@ -248,14 +250,7 @@ def test_unseeded_sampling_is_gated_and_keeps_the_target_distribution(monkeypatc
             self.rng = np.random.default_rng(next(numbered))
     monkeypatch.setattr(TokenChooser, "__init__", numbered_init)
 
-    tm, dm = Model(DEMO_DIR / "target.gguf"), Model(DEMO_DIR.parent / "demo-dflash2" / "drafter.gguf")
-    opts = ContextOptions(n_ctx=256, n_batch=64, n_ubatch=64)
-    pc, tc = Context(tm, opts), Context(tm, opts)
-    dc = Context(dm, opts, other=tc)
-    try:
-        prompt = tm.tokenize(PROMPT)
-        exact = exact_distribution(pc, prompt, SP)
-        dec = DFlashDecoder(tc, dc, SpecOptions(adaptive=True))
+    with dflash2_decoder(TRAINED_TARGET, TRAINED_DFLASH2, SpecOptions(adaptive=True)) as (dec, prompt, exact):
         lengths = Counter()
         record = dec.gate_sampled.record
 
@@ -263,9 +258,8 @@ def test_unseeded_sampling_is_gated_and_keeps_the_target_distribution(monkeypatc
             lengths[n] += 1
             record(n, a, seconds)
         dec.gate_sampled.record = spy
-        counts, st = Counter(), GenerationStats()
-        for _ in range(N_RUNS):
-            counts[tuple(dec.generate(prompt, K_TOKENS, sampling=SP, stats=st, stop_tokens=[]))] += 1
+        st = GenerationStats()
+        counts = sample_counts(dec, prompt, st, seeded=False)
         assert len(lengths) >= 2 and st.accepted > 0, lengths        # the gate chose; drafts were kept
         assert dec.gate.steps == 0                                    # greedy requests keep their own gate
         p = chi2_pvalue(counts, exact)
@@ -273,5 +267,3 @@ def test_unseeded_sampling_is_gated_and_keeps_the_target_distribution(monkeypatc
         steps = dec.gate_sampled.steps
         list(dec.generate(prompt, 24, sampling=SamplingParams(temperature=0.8, seed=3)))
         assert dec.gate_sampled.steps == steps                        # a seeded request: fixed drafting
-    finally:
-        dc.close(), tc.close(), pc.close(), dm.close(), tm.close()

@@ -112,18 +112,25 @@ def verify(work: Path, a) -> dict:
             "max_tokens": a.verify_tokens}
 
 
+def torch_pair(work: Path, a):
+    """The torch target and the exported drafter (eval mode), as trained."""
+    from safetensors.torch import load_file
+
+    target = load_target(work)
+    dr = build_drafter_module(a, target.model.embed_tokens.weight.shape[0])
+    dr.load_state_dict(load_file(work / "hf-drafter" / "model.safetensors"))
+    dr.eval()
+    return target, dr
+
+
 def align_check(work: Path, a, mask_id: int) -> dict:
     """Same drafter, same held-out greedy sequences, two implementations: the torch drafter replayed
     the way the runtime drafts (anchor after each accepted prefix) and llama.cpp's DFlash. An
     alignment error (a tap, a position, a norm off by one) shows as a gap between the two."""
     import torch
-    from safetensors.torch import load_file
 
-    target = load_target(work)
+    target, dr = torch_pair(work, a)
     W = target.model.embed_tokens.weight
-    dr = build_drafter_module(a, W.shape[0])
-    dr.load_state_dict(load_file(work / "hf-drafter" / "model.safetensors"))
-    dr.eval()
     z = np.load(work / "samples-val.npz")
     feats, toks, amax, P = torch.from_numpy(z["feats"]).float(), z["toks"], z["amax"], int(z["prompt_len"])
     B, L = a.block, toks.shape[1]
@@ -356,7 +363,6 @@ def lattice_check(work: Path, a, mask_id: int, n_prompts: int = 4) -> dict:
     since the two top-k routines may list them in different orders). A conv or selector tensor laid
     out differently from what llama.cpp reads shows up here even when acceptance looks plausible."""
     import torch
-    from safetensors.torch import load_file
 
     sys.path.insert(0, str(REPO))
     from dflash_gguf import _bindings as B
@@ -364,11 +370,8 @@ def lattice_check(work: Path, a, mask_id: int, n_prompts: int = 4) -> dict:
     from dflash_gguf.logs import set_log_handler
     from dflash_gguf.spec import DFlashDecoder
 
-    target = load_target(work)
+    target, dr = torch_pair(work, a)
     W = target.model.embed_tokens.weight
-    dr = build_drafter_module(a, W.shape[0])
-    dr.load_state_dict(load_file(work / "hf-drafter" / "model.safetensors"))
-    dr.eval()
     z = np.load(work / "samples-val.npz")
     toks, P, K, Bk = z["toks"], int(z["prompt_len"]), a.selector_top_k, a.block
     set_log_handler()
