@@ -24,6 +24,7 @@ import ctypes
 import inspect
 import logging
 import os
+import sys
 import threading
 import weakref
 from pathlib import Path
@@ -49,6 +50,7 @@ from dflash_gguf.stopping import stop_token_ids
 log = logging.getLogger("dflash_gguf.api")
 
 _DEFAULT_SEED = llama_cpp.LLAMA_DEFAULT_SEED
+_LLAMA_CREATE_COMPLETION_CODE = llama_cpp.Llama._create_completion.__code__   # its set_seed calls are not the user's
 _COMPLETION_SIG = inspect.signature(llama_cpp.Llama._create_completion)
 _CHAT_SIG = inspect.signature(llama_cpp.Llama.create_chat_completion)
 
@@ -64,8 +66,9 @@ class Llama(PairConstructors, llama_cpp.Llama):
         draft_adaptive: the speed gate (default on): draft per step as many tokens as currently
             pays (at most draft_n_max, down to plain decoding), from step costs measured on this
             machine and the running acceptance (see dflash_gguf.gate), for greedy requests and for
-            sampled ones without a seed (a ``Llama(seed=...)`` keeps fixed drafting, so that its
-            text repeats). False: draft draft_n_max tokens every step.
+            sampled ones without a seed of the user's (``seed=`` per call, ``Llama(seed=...)`` or
+            ``set_seed()`` keep fixed drafting, so that the text repeats). False: draft
+            draft_n_max tokens every step.
         dflash: default for every call; each call can override it with ``dflash=True/False``.
         draft_n_gpu_layers: layers of the drafter to offload (default: as the target).
         draft_use_mmap: map the drafter file instead of reading it into memory (default False: a
@@ -99,6 +102,9 @@ class Llama(PairConstructors, llama_cpp.Llama):
             raise ValueError(f"draft_n_max must be >= 0 (0: no drafting), got {draft_n_max}")
         self._decoder: DFlashDecoder | None = None
         self._call = CallState()
+        # a seed the user chose (here, per call or with set_seed) makes sampled requests repeatable;
+        # llama_cpp's own per-call seeds (derived from the previous one) do not
+        self._seed_given = kwargs.get("seed") not in (None, 0, _DEFAULT_SEED)   # llama_cpp: seed or default
         self.last_dflash_stats: GenerationStats | None = None
         self._interrupt = threading.Event()
         self.dflash = dflash
@@ -259,6 +265,13 @@ class Llama(PairConstructors, llama_cpp.Llama):
         with self._call_options(dflash):
             return super().__call__(*args, **kwargs)
 
+    def set_seed(self, seed: int):
+        """``llama_cpp.Llama.set_seed``; called by the user it makes later sampled requests repeatable
+        (fixed drafting), called by llama_cpp's own completion body (a per-call seed) it does not."""
+        super().set_seed(seed)
+        if sys._getframe(1).f_code is not _LLAMA_CREATE_COMPLETION_CODE:
+            self._seed_given = True
+
     def create_chat_completion(self, *args, dflash: bool | None = None,
                                chat_template_kwargs: dict | None = None, **kwargs):
         """``llama_cpp.Llama.create_chat_completion`` plus ``dflash=`` and ``chat_template_kwargs=``.
@@ -308,7 +321,8 @@ class Llama(PairConstructors, llama_cpp.Llama):
         bound = _COMPLETION_SIG.bind(self, *args, **kwargs)
         bound.apply_defaults()
         a = bound.arguments
-        req = Request(max_tokens=a["max_tokens"], logprobs=a["logprobs"], dflash=self._call.dflash)
+        req = Request(max_tokens=a["max_tokens"], logprobs=a["logprobs"], dflash=self._call.dflash,
+                      seeded=a["seed"] is not None or self._seed_given)
         self._call.created = req
         return self._completion_chunks(req, super()._create_completion(*args, **kwargs))
 
@@ -415,7 +429,8 @@ class Llama(PairConstructors, llama_cpp.Llama):
         sp = SamplingParams(temperature=float(temp), top_k=int(top_k), top_p=float(top_p), min_p=float(min_p),
                             typical_p=float(typical_p), repeat_penalty=float(repeat_penalty),
                             frequency_penalty=float(frequency_penalty), presence_penalty=float(presence_penalty),
-                            penalty_last_n=int(self.last_n_tokens_size), seed=seed)
+                            penalty_last_n=int(self.last_n_tokens_size), seed=seed,
+                            repeatable=req.seeded if req is not None else self._seed_given)
         why = self.dflash_unsupported(sampling=sp, reset=reset, mirostat_mode=mirostat_mode,
                                       logits_processor=logits_processor, stopping_criteria=stopping_criteria,
                                       grammar=grammar, request=req)

@@ -15,6 +15,7 @@ class Request:
     max_tokens: int | None
     logprobs: int | None
     dflash: bool | None
+    seeded: bool = False               # the user gave a seed (this call, the instance, set_seed): repeatable
     served: bool = False               # True once generate() picked the DFlash path
     stats: GenerationStats | None = None
     reason: str | None = None          # why the plain path served it (a fallback)

@@ -28,6 +28,14 @@ class SamplingParams:
     presence_penalty: float = 0.0
     penalty_last_n: int = 64
     seed: int | None = None
+    # the caller asked for a repeatable request (a seed of its own): the decoder then drafts fixed
+    # blocks, since the speed gate's timing-driven lengths change how the random numbers are used;
+    # None: repeatable exactly when a seed is given
+    repeatable: bool | None = None
+
+    @property
+    def is_repeatable(self) -> bool:
+        return self.seed is not None if self.repeatable is None else self.repeatable
 
     @property
     def greedy(self) -> bool:

@@ -216,6 +216,47 @@ def test_sampling_is_seeded(fast):
     assert t1["dflash"] is not None
 
 
+def test_sampled_requests_are_gated_unless_the_user_chose_a_seed():
+    """With the speed gate on (the default), a sampled request is gated unless the user chose a seed:
+    per call (completion or chat), for the instance (``Llama(seed=...)``) or with ``set_seed``; those
+    draft fixed blocks and repeat their text. llama_cpp's own per-call seeds (each derived from the
+    last) do not count as the user's. Shipped demo target with its trained DFlash2 drafter."""
+    from dflash_gguf.demo import DEMO_DIR
+
+    target, drafter = str(DEMO_DIR / "target.gguf"), str(DEMO_DIR.parent / "demo-dflash2" / "drafter.gguf")
+    kw = dict(max_tokens=40, temperature=0.8)
+    llm = Llama(target, draft_model_path=drafter, n_ctx=512, verbose=False)
+    try:
+        llm.create_completion("def main(", **kw)
+        gate = llm._decoder.gate_sampled
+        assert gate.steps > 0 and llm._decoder.gate.steps == 0       # gated, with the sampled requests' gate
+        steps = gate.steps
+        llm.create_completion("import os\n", **kw)                 # llama_cpp set a per-call seed: still gated
+        assert gate.steps > steps
+        steps = gate.steps
+
+        def text(**extra):
+            return llm.create_completion("class Stack:\n", **kw, **extra)["choices"][0]["text"]
+        assert text(seed=5) == text(seed=5)
+        msgs = [{"role": "user", "content": "def f():"}]
+        chat = [llm.create_chat_completion(msgs, max_tokens=24, temperature=0.8, seed=8)["choices"][0]["message"]
+                for _ in range(2)]
+        assert chat[0] == chat[1]
+        llm.set_seed(9)
+        first = text()
+        llm.set_seed(9)
+        assert text() == first
+        assert gate.steps == steps                                   # none of the seeded requests was gated
+    finally:
+        llm.close()
+    llm = Llama(target, draft_model_path=drafter, n_ctx=512, verbose=False, seed=7)
+    try:
+        llm.create_completion("def main(", **kw)
+        assert llm._decoder.gate_sampled.steps == 0 and llm.last_dflash_stats.steps > 0   # drafted, not gated
+    finally:
+        llm.close()
+
+
 def test_save_and_load_state(plain, fast, oracle):
     fast("class Foo:\n", max_tokens=10, temperature=0)
     state = fast.save_state()

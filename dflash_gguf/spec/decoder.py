@@ -275,11 +275,11 @@ class DFlashDecoder:
         greedy = sp.greedy and not sp.has_penalties
         n_draft = self.n_draft if (use_draft and self.drafter is not None) else 0
         # the gate's choices follow measured timings, which changes how a sampled request consumes its
-        # random numbers: a seeded request keeps fixed drafting (the same text every time), an unseeded
-        # one is gated like a greedy one, with its own acceptance history (sampled acceptance is lower)
+        # random numbers: a repeatable (seeded) request keeps fixed drafting (the same text every time),
+        # any other is gated like a greedy one, with its own acceptance history (sampled acceptance is lower)
         gate = None
         if n_draft:
-            gate = self.gate if sp.greedy else (self.gate_sampled if sp.seed is None else None)
+            gate = self.gate if sp.greedy else (None if sp.is_repeatable else self.gate_sampled)
         # DFlash2, sampled: propose from the selector's distribution (the drafter's own proposer only)
         lattice = chooser if (self.lattice is not None and not sp.greedy and type(self.proposer) is DrafterProposer) else None
         produced = 0
