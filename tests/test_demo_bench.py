@@ -142,7 +142,7 @@ def test_sampling_bench_compares_lattice_and_one_hot(tmp_path):
     prompts.write_text("### a\ndef read_lines(path):\n\n### b\nclass Stack:\n    def __init__(self):\n")
     out = tmp_path / "res"
     cmd = [sys.executable, "-m", "dflash_gguf.bench.sampling", "--prompts", str(prompts), "--temperatures", "0,1",
-           "--seeds", "2", "-n", "12", "-t", "2", "--out", str(out)]
+           "--seeds", "2", "-n", "12", "-t", "2", "--api", "1", "--out", str(out)]
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=_env(), cwd=REPO)
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
     rows = json.loads((out / "sampling.json").read_text())["rows"]
@@ -159,6 +159,9 @@ def test_sampling_bench_compares_lattice_and_one_hot(tmp_path):
     greedy = rows[0]          # T = 0: both modes are the same greedy walk
     assert greedy["one-hot"]["accepted"] == greedy["lattice"]["accepted"]
     assert "| 1 | lattice |" in (out / "sampling.md").read_text()
+    api = json.loads((out / "sampling.json").read_text())["api"]
+    assert [row["temperature"] for row in api] == [0.0, 1.0]
+    assert all(row[k] > 0 for row in api for k in ("llama_cpp", "gate", "fixed"))
     r = subprocess.run([sys.executable, "-m", "dflash_gguf.bench.sampling", "--drafter", str(DRAFTER), "--seeds", "1",
                         "-n", "4"], capture_output=True, text=True, timeout=600, env=_env(), cwd=REPO)
     assert r.returncode != 0 and "not a DFlash2 drafter" in r.stdout + r.stderr

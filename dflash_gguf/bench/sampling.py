@@ -13,6 +13,8 @@ proposed with, see ``spec/accept.py``); what changes is how much of each block i
 acceptance length, the share of drafted tokens accepted, acceptance per block position and decode
 tokens/s (prefill excluded), with DFlash's ratio to plain measured in the same run. Greedy (T = 0)
 rows can be added with ``--temperatures 0,...`` (both modes are then the same greedy walk).
+``--api ROUNDS`` also times whole unseeded ``create_completion`` calls the way users make them:
+``llama_cpp.Llama`` against ``dflash_gguf.Llama`` with the gate (its default) and with fixed drafting.
 """
 from __future__ import annotations
 
@@ -85,6 +87,49 @@ def measure(target: str, drafter: str, prompts: list[str], temperatures: list[fl
     return rows
 
 
+def through_api(target: str, drafter: str, prompts: list[str], temperatures: list[float], rounds: int, n_gen: int,
+                threads: int | None) -> list[dict]:
+    """Tokens/s of whole ``create_completion`` calls without a seed, as users make them: llama_cpp.Llama,
+    dflash_gguf.Llama with its defaults (the gate) and with fixed drafting; each kept across the calls."""
+    import llama_cpp
+
+    from dflash_gguf import Llama
+
+    kw = dict(n_ctx=max(1024, n_gen + 512), n_threads=threads, verbose=False, flash_attn=True)
+    llms = {"llama_cpp": llama_cpp.Llama(model_path=target, **kw),
+            "gate": Llama(target, draft_model_path=drafter, **kw),
+            "fixed": Llama(target, draft_model_path=drafter, draft_adaptive=False, **kw)}
+    rows = []
+    try:
+        for temp in temperatures:
+            tokens, secs = dict.fromkeys(llms, 0), dict.fromkeys(llms, 0.0)
+            for _ in range(rounds):
+                for p in prompts:
+                    for name, llm in llms.items():    # interleaved, as in measure()
+                        t0 = time.perf_counter()
+                        out = llm.create_completion(p, max_tokens=n_gen, temperature=temp)
+                        secs[name] += time.perf_counter() - t0
+                        tokens[name] += out["usage"]["completion_tokens"]
+            row = {"temperature": temp, **{name: tokens[name] / max(secs[name], 1e-9) for name in llms}}
+            rows.append(row)
+            log.info("API, T=%.2f: llama_cpp %.1f, gate %.1f, fixed %.1f tok/s", temp, row["llama_cpp"], row["gate"],
+                     row["fixed"])
+    finally:
+        for llm in llms.values():
+            llm.close()
+    return rows
+
+
+def api_table(rows: list[dict]) -> str:
+    out = ["| T | llama_cpp.Llama tok/s | dflash_gguf.Llama (gate) | dflash_gguf.Llama (fixed drafting) |",
+           "|---|---|---|---|"]
+    for r in rows:
+        b = r["llama_cpp"]
+        out.append(f"| {r['temperature']:g} | {b:.1f} | {r['gate']:.1f} ({r['gate'] / b:.2f}x) | "
+                   f"{r['fixed']:.1f} ({r['fixed'] / b:.2f}x) |")
+    return "\n".join(out)
+
+
 def table(rows: list[dict]) -> str:
     out = ["| T | proposals | acceptance length | drafted tokens accepted | accepted at block positions 1..n "
            "| decode tok/s | x plain |", "|---|---|---|---|---|---|---|"]
@@ -116,11 +161,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seeds", type=int, default=3, help="seeds per prompt and temperature (default 3)")
     ap.add_argument("-n", "--tokens", type=int, default=96, help="tokens generated per run (default 96)")
     ap.add_argument("-t", "--threads", type=int, default=None)
+    ap.add_argument("--api", type=int, default=0, metavar="ROUNDS",
+                    help="also time whole unseeded create_completion calls (prompt included) through llama_cpp.Llama "
+                         "and dflash_gguf.Llama, ROUNDS passes over the prompts (default 0: skip)")
     ap.add_argument("--out", type=Path, default=None, help="also write the rows as JSON and the table as Markdown here")
     a = ap.parse_args(argv)
     temps = [float(t) for t in a.temperatures.split(",")]
-    if any(t < 0 for t in temps) or a.seeds < 1 or a.tokens < 1:
-        ap.error("temperatures must be >= 0, --seeds and --tokens >= 1")
+    if any(t < 0 for t in temps) or a.seeds < 1 or a.tokens < 1 or a.api < 0:
+        ap.error("temperatures must be >= 0, --seeds and --tokens >= 1, --api >= 0")
     for f in (a.target, a.drafter):
         if not Path(f).is_file():
             ap.error(f"{f} not found")
@@ -129,11 +177,15 @@ def main(argv: list[str] | None = None) -> int:
     prompts = [p["text"] for p in load_prompts(a.prompts)]
     rows = measure(a.target, a.drafter, prompts, temps, a.seeds, a.tokens, a.threads)
     md = table(rows)
+    api = through_api(a.target, a.drafter, prompts, temps, a.api, a.tokens, a.threads) if a.api > 0 else []
+    if api:
+        md += "\n\nWhole calls through the API (unseeded, prompt processing included):\n\n" + api_table(api)
     print(md)
     if a.out is not None:
         a.out.mkdir(parents=True, exist_ok=True)
         doc = {"command": "python -m dflash_gguf.bench.sampling " + " ".join(argv if argv is not None else sys.argv[1:]),
-               "target": a.target, "drafter": a.drafter, "rows": rows, "machine": machine_info(), "versions": versions()}
+               "target": a.target, "drafter": a.drafter, "rows": rows, "api": api, "machine": machine_info(),
+               "versions": versions()}
         (a.out / "sampling.json").write_text(json.dumps(doc, indent=2) + "\n")
         (a.out / "sampling.md").write_text(md + "\n")
     return 0
