@@ -9,7 +9,7 @@ decoding, DFlash with fixed drafting and one-hot proposals (``SpecOptions(sample
 DFlash with fixed drafting and lattice proposals (these three with the seed), and lattice proposals
 with the speed gate choosing the draft length (``lattice+gate``: an unseeded request, as a ``Llama``
 without ``seed`` makes it; its gate is kept across the runs). Every DFlash mode is lossless (the acceptance rule takes the q they
-proposed with, see ``spec/accept.py``); what changes is how much of each block is kept. It reports the
+proposed with, see ``spec/acceptance.py``); what changes is how much of each block is kept. It reports the
 acceptance length, the share of drafted tokens accepted, acceptance per block position and decode
 tokens/s (prefill excluded), with DFlash's ratio to plain measured in the same run. Greedy (T = 0)
 rows can be added with ``--temperatures 0,...`` (both modes are then the same greedy walk).
