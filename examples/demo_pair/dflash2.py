@@ -81,7 +81,9 @@ def selector_loss(sel, logits, h, prev, labels, top_k: int, soft=None):
     logits [S, nb, B-1, V] and h [S, nb, B-1, H] for block rows 1..B-1; prev [S, nb, B-1] the token
     before each row's (the anchor for row 1, then the sequence's own tokens); labels [S, nb, B-1]
     (the target's greedy tokens); soft = (ids [S, nb, B-1, J], probs [...]) or None.
-    Returns (mean loss over rows with any target mass among the candidates, share of such rows).
+    Returns (mean loss over rows with any target mass among the candidates, share of such rows, the
+    teacher-forced walk's proposal per row: the candidate with the best score after the true previous
+    token).
     """
     import torch
 
@@ -92,13 +94,14 @@ def selector_loss(sel, logits, h, prev, labels, top_k: int, soft=None):
     else:
         ids, probs = soft
         tgt = ((cand[..., :, None] == ids[..., None, :]).float() * probs[..., None, :].float()).sum(-1)
+    pred = cand.gather(-1, sc.detach().argmax(-1, keepdim=True))[..., 0]
     mass = tgt.sum(-1)
     ok = mass > 1e-3
     if not ok.any():
-        return sc.sum() * 0.0, 0.0
+        return sc.sum() * 0.0, 0.0, pred
     tgt = tgt[ok] / mass[ok][:, None]
     loss = -(tgt * torch.log_softmax(sc[ok].float(), -1)).sum(-1).mean()
-    return loss, ok.float().mean().item()
+    return loss, ok.float().mean().item(), pred
 
 
 def greedy_walk(sel, logits, h, anchor: int, top_k: int):

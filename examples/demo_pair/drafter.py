@@ -300,10 +300,7 @@ def train_drafter(work: Path, a, mask_id: int) -> dict:
         if a.kind != "dflash2":
             return loss, logits.argmax(-1), lab, {}
         sel = model.candidate_selector
-        sl, covered = selector_loss(sel, logits, h, prev, lab, a.selector_top_k, soft)
-        with torch.no_grad():   # teacher-forced walk: the true previous token, the argmax of the scores
-            cand = logits.topk(a.selector_top_k, -1).indices
-            pred = cand.gather(-1, sel.scores(logits, h, prev, cand).argmax(-1, keepdim=True))[..., 0]
+        sl, covered, pred = selector_loss(sel, logits, h, prev, lab, a.selector_top_k, soft)
         return loss + a.selector_weight * sl, pred, lab, {"sel": sl.item(), "covered": covered}
 
     def evaluate():
