@@ -8,13 +8,14 @@ CROSS   ?= aarch64-linux-gnu
 # KleidiAI v1.24.0 source archive for offline arm64 builds; without one upstream downloads it
 KLEIDIAI_SRC ?= $(firstword $(wildcard vendor/kleidiai-v1.24.0-src.tar.gz ../shared/vendor/kleidiai-v1.24.0-src.tar.gz))
 
-.PHONY: demo test lint build tools cross cross-kleidiai venv clean-cache help
+.PHONY: demo test lint build tools ggml-variants cross cross-kleidiai venv clean-cache help
 
 help:
 	@echo "make demo    - set up everything, then run the offline DFlash demo on the shipped pair"
 	@echo "make test    - set up everything (incl. upstream reference tools), then run the test suite"
 	@echo "make build   - build/install the patched llama-cpp-python (cached; FORCE=1 rebuilds)"
 	@echo "make tools   - also build upstream's reference binaries (llama-speculative-simple, ...)"
+	@echo "make ggml-variants - x86: ggml's libraries without AVX-512, for testing the kernels' AVX2 path"
 	@echo "make lint    - ruff over the whole tree (configured in pyproject.toml)"
 	@echo "make cross   - cross-build the patched library, reference loop and an installable wheel for $(CROSS)"
 	@echo "make cross-kleidiai - the same with KleidiAI's Arm kernels (KLEIDIAI_SRC=archive or folder, offline)"
@@ -36,6 +37,11 @@ build: venv
 tools: venv
 	$(VPY) -m dflash_gguf.build --with-tools $(if $(FORCE),--force,)
 
+# x86: ggml's libraries again without AVX-512, for the AVX2 path of the x86 kernels (patches/0014)
+ggml-variants: venv
+	@if [ "$$(uname -m)" = x86_64 ]; then $(VPY) -m dflash_gguf.build --ggml-variant avx2 $(if $(FORCE),--force,); \
+	else echo "not x86-64: no ggml build variants"; fi
+
 # test dependencies: torch CPU (from this machine's disk where available), transformers, server + client
 $(VENV)/.test-deps: pyproject.toml | $(STAMP)
 	$(VPY) -m pip install -q torch==2.13.0
@@ -55,7 +61,7 @@ cross-kleidiai: venv
 demo: build
 	$(VPY) -m dflash_gguf.demo
 
-test: tools $(VENV)/.test-deps
+test: tools ggml-variants $(VENV)/.test-deps
 	@if command -v $(CROSS)-g++ >/dev/null && command -v qemu-aarch64-static >/dev/null; then \
 		$(MAKE) cross-kleidiai || echo "note: the KleidiAI cross build failed: the arm64 checks will be skipped"; \
 	else echo "no $(CROSS)-g++ or qemu-aarch64-static: the arm64 checks will be skipped"; fi

@@ -9,7 +9,9 @@ Steps (each cached under ``$DFLASH_GGUF_CACHE``, default ``~/.cache/dflash-gguf`
    install it; the wheel is cached by (sdist hash, patch-series hash, build flags);
 4. install the sdist's vendored ``gguf-py`` (PyPI's ``gguf`` lacks DFlash) and keep the
    sdist's ``convert_hf_to_gguf.py`` + ``conversion/`` for :mod:`dflash_gguf.convert`;
-5. optionally (``--with-tools``) build upstream's reference binaries from the same tree.
+5. optionally (``--with-tools``) build upstream's reference binaries from the same tree;
+6. optionally (``--ggml-variant avx2``) build only ggml's libraries from the same tree with other
+   instruction-set flags (the AVX2 paths of patches/0014's kernels, run on an AVX-512 machine).
 """
 from __future__ import annotations
 
@@ -44,6 +46,13 @@ TOOLS = ("llama-speculative-simple", "llama-completion", "llama-server")
 STAMP_HEADER = "vendor/llama.cpp/src/llama-dflash-stamp.h"
 # llava/mtmd is not needed by DFlash and costs ~2 of the ~10 build minutes on 2 cores
 DEFAULT_CMAKE_ARGS = ("-DLLAVA_BUILD=OFF",)
+# ggml libraries built from the patched tree with fixed x86 flags instead of GGML_NATIVE, for
+# testing code paths this CPU would not take: "avx2" has no AVX-512 and no AVX-VNNI, so the kernels
+# of patches/0014 take their 256-bit VPMADDUBSW path (any AVX2 CPU runs it)
+GGML_VARIANTS = {
+    "avx2": ("-DGGML_NATIVE=OFF", "-DGGML_AVX=ON", "-DGGML_AVX2=ON", "-DGGML_FMA=ON", "-DGGML_F16C=ON",
+             "-DGGML_BMI2=ON", "-DGGML_AVX512=OFF", "-DGGML_AVX_VNNI=OFF"),
+}
 _PROGRESS = re.compile(r"^\[\s*(\d+)(?:/(\d+)|%)\]")  # ninja: [12/141], make: [ 45%]
 
 
@@ -58,6 +67,7 @@ class BuildOptions:
     kleidiai_src: str | None = None
     cross: str | None = None              # e.g. aarch64-linux-gnu (configure + build only)
     with_tools: bool = False
+    ggml_variants: list[str] = field(default_factory=list)
     force: bool = False
     sdist: str | None = None              # a local sdist instead of fetching it
     jobs: int = os.cpu_count() or 2
@@ -309,6 +319,30 @@ def build_tools(tree: Path, key: str, opts: BuildOptions) -> Path:
     return bindir
 
 
+def build_ggml_variant(tree: Path, key: str, name: str, opts: BuildOptions) -> Path:
+    """Build ggml's libraries (not llama, not the wheel) from the patched tree with GGML_VARIANTS[name]."""
+    if name not in GGML_VARIANTS:
+        raise BuildError(f"unknown --ggml-variant {name!r}: choose one of {', '.join(GGML_VARIANTS)}")
+    out = paths.cache_dir() / "ggml-variants" / f"{key}-{name}"
+    bindir = out / "build" / "bin"
+    if (bindir / "libggml-cpu.so").exists() and not opts.force:
+        log.info("ggml variant %s cached in %s", name, bindir)
+        return bindir
+    build = out / "build"
+    shutil.rmtree(out, ignore_errors=True)
+    build.mkdir(parents=True)
+    logfile = paths.cache_dir() / "logs" / f"ggml-{name}-{key}.log"
+    cfg = ["cmake", "-S", str(tree / "vendor" / "llama.cpp"), "-B", str(build), "-DCMAKE_BUILD_TYPE=Release",
+           "-DBUILD_SHARED_LIBS=ON", "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_EXAMPLES=OFF",
+           "-DLLAMA_BUILD_TOOLS=OFF", "-DLLAMA_BUILD_SERVER=OFF", "-DLLAMA_CURL=OFF", *GGML_VARIANTS[name]]
+    env = dict(os.environ)
+    _run_logged(cfg, None, env, logfile.with_suffix(".configure.log"), f"configuring the ggml {name} variant")
+    _run_logged(["cmake", "--build", str(build), "--config", "Release", "-j", str(opts.jobs),
+                 "--target", "ggml", "ggml-cpu"], None, env, logfile,
+                f"building the ggml {name} variant (about 2-3 minutes on 2 cores)")
+    return bindir
+
+
 def build(opts: BuildOptions) -> dict:
     """Run the whole build; returns a summary dict."""
     t0 = time.time()
@@ -325,6 +359,9 @@ def build(opts: BuildOptions) -> dict:
     if opts.with_tools or opts.cross:
         summary["tools"] = str(build_tools(tree, key, opts))
         paths.tools_pointer(opts.cross_variant).write_text(summary["tools"])
+    for name in opts.ggml_variants:
+        summary[f"ggml-{name}"] = str(build_ggml_variant(tree, key, name, opts))
+        paths.ggml_variant_pointer(name).write_text(summary[f"ggml-{name}"])
     if opts.cross:   # an installable wheel of the cross-built library (see build_cross)
         wheel_dir = paths.cache_dir() / "wheels" / key
         wheels = sorted(wheel_dir.glob("llama_cpp_python-*.whl")) if wheel_dir.exists() else []
@@ -348,13 +385,17 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--cmake-arg", action="append", default=[], dest="cmake_args", help="extra CMake -D flag")
     ap.add_argument("--with-tools", action="store_true",
                     help="also build llama-speculative-simple, llama-completion and llama-server")
+    ap.add_argument("--ggml-variant", action="append", default=[], dest="ggml_variants",
+                    choices=sorted(GGML_VARIANTS), help="also build ggml's libraries with fixed x86 flags (avx2: "
+                    "no AVX-512), for testing the kernels' other paths")
     ap.add_argument("--sdist", help="use this local llama-cpp-python 0.3.36 sdist instead of PyPI")
     ap.add_argument("--force", action="store_true", help="rebuild even if a cached build exists")
     ap.add_argument("-j", "--jobs", type=int, default=os.cpu_count() or 2)
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s", datefmt="%H:%M:%S")
     opts = BuildOptions(platform=args.platform, cmake_args=args.cmake_args, kleidiai_src=args.kleidiai_src,
-                        cross=args.cross, with_tools=args.with_tools, force=args.force, sdist=args.sdist,
+                        cross=args.cross, with_tools=args.with_tools, ggml_variants=args.ggml_variants,
+                        force=args.force, sdist=args.sdist,
                         jobs=args.jobs)
     try:
         summary = build(opts)

@@ -11,6 +11,7 @@ exactly what plain greedy decoding gives. Nothing here needs torch or a network.
 """
 from __future__ import annotations
 
+from dflash_gguf import paths
 import argparse
 import codecs
 import logging
@@ -20,7 +21,7 @@ import sys
 import time
 from pathlib import Path
 
-DEMO_DIR = Path(__file__).resolve().parent / "data" / "demo"
+DEMO_DIR = paths.DEMO_DIR
 DEFAULT_PROMPT = "def read_lines(path):\n    \"\"\"Return the lines of a text file.\"\"\"\n"
 
 

@@ -36,18 +36,25 @@ class DraftLength:
     OUTLIER = 2.0                                            # a step costing more than this x its estimate counts as this
     PREFER_FULL = 0.03                                       # the whole block unless another length is this much faster
 
-    def __init__(self, n_max: int):
+    def __init__(self, n_max: int, costs: np.ndarray | None = None):
+        """``costs``: a prior for the seconds of a step drafting n = 0..n_max tokens on this machine
+        (:mod:`dflash_gguf.spec.calibration`). With it the warm-up is one full block (the drafter's
+        acceptance is all there is left to see); without it the warm-up measures costs too."""
         self.n_max = n_max
         self.hits = np.zeros(n_max)                 # position i accepted (decayed count)
         self.tries = np.zeros(n_max)                # position i reached: drafted, all before it accepted
         self.cost = np.full(n_max + 1, np.nan)      # seconds of one step drafting n tokens
+        if costs is not None:
+            if len(costs) != n_max + 1:
+                raise ValueError(f"a cost prior needs {n_max + 1} entries (n = 0..{n_max}), got {len(costs)}")
+            self.cost[:] = costs
         self.steps = 0
         self.last = n_max
         self._plan: int | None = None
         self.probe_every = self.PROBE_EVERY
-        self._next_probe = len(self.WARMUP) + self.PROBE_EVERY
+        self._warmup = len(self.WARMUP) if costs is None else 1
+        self._next_probe = self._warmup + self.PROBE_EVERY
         self._probes = 0
-        self._warmup = len(self.WARMUP)
         self._blocks = 0                            # drafting steps so far
         self._right = 0                             # ... in which at least one token was accepted
 

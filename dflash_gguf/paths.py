@@ -29,6 +29,10 @@ def patch_series_hash() -> str:
     return h.hexdigest()
 
 
+# the shipped demo pair (target.gguf, drafter.gguf, MODEL_CARD.md)
+DEMO_DIR = Path(__file__).resolve().parent / "data" / "demo"
+
+
 def cache_dir() -> Path:
     d = Path(os.environ.get("DFLASH_GGUF_CACHE") or Path.home() / ".cache" / "dflash-gguf")
     d.mkdir(parents=True, exist_ok=True)
@@ -49,6 +53,18 @@ def upstream_pointer() -> Path:
 
 def tools_pointer(cross: str | None = None) -> Path:
     return cache_dir() / ("tools-dir" if not cross else f"tools-dir-{cross}")
+
+
+def ggml_variant_pointer(name: str) -> Path:
+    return cache_dir() / f"ggml-variant-{name}"
+
+
+def ggml_variant_dir(name: str) -> Path | None:
+    """Folder of a ggml build variant's libraries (``python -m dflash_gguf.build --ggml-variant NAME``)."""
+    p = ggml_variant_pointer(name)
+    if p.exists() and Path(p.read_text().strip()).is_dir():
+        return Path(p.read_text().strip())
+    return None
 
 
 def upstream_tree() -> Path:

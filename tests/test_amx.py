@@ -2,8 +2,8 @@
 
 Everything runs in child processes: a fault in the AMX kernels (the tile-config segfault that
 patches/0006 fixes) must fail a test, not kill the test run, and ``GGML_CPU_AMX`` only takes effect
-when ggml is loaded. Skipped, with the reason, where the CPU has no AMX-INT8 or the installed
-library was built without the AMX kernels.
+when ggml is loaded. Skipped, with the reason, where the CPU has no AMX-INT8; on a CPU that has it, a build without
+the AMX buffer type fails (a skip there would hide a broken build).
 """
 from __future__ import annotations
 
@@ -15,13 +15,17 @@ from pathlib import Path
 
 import pytest
 
+from dflash_gguf import paths
+
 from dflash_gguf.amx import AMX_TYPES, cpu_has_amx_int8
 
 pytestmark = pytest.mark.skipif(not cpu_has_amx_int8(),
                                 reason="this CPU has no AMX-INT8 (amx_int8/amx_tile/avx512_vnni in /proc/cpuinfo)")
 
+NO_AMX_BUFT = ("this CPU has AMX-INT8 but the installed ggml registers no AMX buffer type: the native build lost "
+               "its AMX kernels (patches/0004, ggml-cpu/amx) - rebuild with `make build FORCE=1`")
 ROOT = Path(__file__).resolve().parents[1]
-DEMO = ROOT / "dflash_gguf" / "data" / "demo"
+DEMO = paths.DEMO_DIR
 # every row count a DFlash step verifies (1..17: block 16 plus the pending token) and prompt batches
 ROWS = "1-17,32,33,100"
 
@@ -42,7 +46,7 @@ def _died(p: subprocess.CompletedProcess) -> str:
 def _grid(extra: list[str]) -> list[dict]:
     p = _run(["-m", "dflash_gguf.amx", *extra], "1")
     if p.returncode == 3:
-        pytest.skip("the installed ggml registers no AMX buffer type (built without AMX-INT8 kernels)")
+        pytest.fail(NO_AMX_BUFT)
     cases = [json.loads(line) for line in p.stdout.splitlines() if line.startswith("{")]
     if p.returncode not in (0, 1):
         last = cases[-1] if cases else None
@@ -51,7 +55,7 @@ def _grid(extra: list[str]) -> list[dict]:
 
 
 def _bad(cases: list[dict]) -> list[str]:
-    return [f"{c['type']} k={c['k']} n={c['n']} rows={c['rows']} batch={c['batch']}: AMX error {c['err_amx']:.3g}, "
+    return [f"{c['type']} k={c['k']} n={c['n']} rows={c['rows']} batch={c['batch']}: AMX error {c['err']:.3g}, "
             f"CPU error {c['err_cpu']:.3g} (relative to the exact product)" for c in cases if not c["ok"]]
 
 
@@ -102,7 +106,7 @@ def test_dflash_amx_on_equals_off_and_plain(demo_pairs, kind):
     target, drafter = demo_pairs[kind]
     on = _generate(target, drafter, "1")
     if not on["amx"]:
-        pytest.skip("the installed ggml registers no AMX buffer type (built without AMX-INT8 kernels)")
+        pytest.fail(NO_AMX_BUFT)
     off = _generate(target, drafter, "0")
     assert not off["amx"]
     assert on["dflash"] == on["plain"], "AMX on: DFlash differs from plain decoding"
@@ -127,13 +131,13 @@ def test_amx_is_the_default_for_quantized_weights(demo_pairs):
     target, drafter = demo_pairs["q4_0"]
     default, on = _generate(target, drafter, None, 24), _generate(target, drafter, "1", 24)
     if not on["amx"]:
-        pytest.skip("the installed ggml registers no AMX buffer type (built without AMX-INT8 kernels)")
+        pytest.fail(NO_AMX_BUFT)
     assert default["amx"] and default["dflash"] == on["dflash"] == default["plain"]
 
 
 def _child(target: str, drafter: str, n: int) -> None:
     """Greedy plain and DFlash tokens of one pair in this process, as JSON on stdout."""
-    from dflash_gguf.amx import Ggml, default_lib_dir
+    from dflash_gguf.mulmat import Ggml, default_lib_dir
     from dflash_gguf.engine import Context, ContextOptions, Model
     from dflash_gguf.spec import DFlashDecoder, GenerationStats
 

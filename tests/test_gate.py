@@ -191,3 +191,49 @@ def test_a_gate_kept_between_calls_matches_the_best_fixed_length():
             rng, g = np.random.default_rng(s), DraftLength(15)
             kept += [simulate(g, cond, cost, rng, 128) for _ in range(6)][1:]   # the first call pays the warm-up
         assert np.mean(kept) >= 0.97 * best, (np.mean(kept), best)
+
+
+# ---------------------------------------------------------------- a measured cost prior (spec.calibration)
+def test_a_cost_prior_turns_a_never_right_drafter_off_after_one_block():
+    """With this machine's costs known, the warm-up is one full block: a drafter that gets nothing
+    right costs one block, not the five warm-up steps (two of them full blocks) of a gate without them."""
+    cost = lambda n: 1.0 + 0.3 * n  # noqa: E731
+    prior = np.array([cost(n) for n in range(8)])
+    g = DraftLength(7, prior)
+    chosen = feed(g, 30, accept=lambda n: 0, cost=cost)
+    assert chosen[0] == 7 and chosen[1:24] == [0] * 23, chosen
+    cold = feed(DraftLength(7), 30, accept=lambda n: 0, cost=cost)
+    assert sum(n > 0 for n in cold[:24]) >= 2           # the warm-up without a prior drafts more
+
+
+def test_a_cost_prior_keeps_a_good_drafter_on_full_blocks_from_the_start():
+    cost = lambda n: 1.0 + 0.05 * n  # noqa: E731
+    g = DraftLength(7, np.array([cost(n) for n in range(8)]))
+    chosen = feed(g, 20, accept=lambda n: n, cost=cost)
+    assert chosen[:20] == [7] * 20, chosen
+
+
+def test_a_cost_prior_settles_on_the_analytic_best_length():
+    """Rows cost 0.25 each on top of a 1.0 step, position i right with probability 0.7 once all before
+    it were: tokens per second (1 + sum_{i<=n} 0.7^i) / (1 + 0.25 n) peaks at n = 2 (1.46; n = 3:
+    1.45, full block 1.14, plain 1.0). The gate's usual length must be within its 3% tie band of that."""
+    p, row = 0.7, 0.25
+    rate = [(1 + sum(p ** i for i in range(1, n + 1))) / (1 + row * n) for n in range(8)]
+    assert int(np.argmax(rate)) == 2
+    rng = np.random.default_rng(0)
+
+    def accept(n):
+        a = 0
+        while a < n and rng.random() < p:
+            a += 1
+        return a
+
+    chosen = feed(DraftLength(7, np.array([1 + row * n for n in range(8)])), 400, accept, lambda n: 1 + row * n)
+    usual = max(set(chosen[100:]), key=chosen[100:].count)
+    assert rate[usual] >= (1 - DraftLength.PREFER_FULL) * max(rate), (usual, rate)
+    assert usual not in (0, 7)
+
+
+def test_a_cost_prior_of_the_wrong_length_is_refused():
+    with pytest.raises(ValueError, match="8 entries"):
+        DraftLength(7, np.ones(5))

@@ -20,13 +20,15 @@ from pathlib import Path
 
 import pytest
 
+from dflash_gguf import paths
+
 from dflash_gguf import Llama, state_file
 from dflash_gguf.errors import BusyError, StateFileError
 from dflash_gguf.spec import DrafterProposer, OverrideProposer
 
 pytestmark = pytest.mark.reliability
 
-DEMO = Path(__file__).resolve().parent.parent / "dflash_gguf" / "data" / "demo"
+DEMO = paths.DEMO_DIR
 # fixed drafting: faults are injected through the proposer, which must run every step
 KW = dict(n_ctx=512, n_batch=64, n_threads=1, n_threads_batch=1, verbose=False, seed=0, draft_adaptive=False)
 PROMPTS = ["def parse(self, text):\n", "import os\n\n\ndef main(", "class Cache:\n    def __init__(self",

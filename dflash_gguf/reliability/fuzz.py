@@ -39,6 +39,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
+from dflash_gguf import paths
 from dflash_gguf.gguf_check import parse_gguf
 from dflash_gguf.reliability import mutate as M
 
@@ -46,7 +47,7 @@ log = logging.getLogger("dflash_gguf.reliability.fuzz")
 
 STAGES = ("model", "llama", "from_pair", "server")
 CI_CASES = 60
-DEMO_DIR = Path(__file__).resolve().parent.parent / "data" / "demo"
+DEMO_DIR = paths.DEMO_DIR
 PROMPT = b"def f(x):"
 
 

@@ -20,6 +20,7 @@ of the post-warm-up value, the same number of open file descriptors, and at most
 """
 from __future__ import annotations
 
+from dflash_gguf import paths
 import argparse
 import ctypes
 import gc
@@ -33,7 +34,7 @@ from pathlib import Path
 
 log = logging.getLogger("dflash_gguf.reliability.leaks")
 
-DEMO_DIR = Path(__file__).resolve().parent.parent / "data" / "demo"
+DEMO_DIR = paths.DEMO_DIR
 
 
 def rss_bytes(field: str = "RssAnon") -> int:

@@ -35,11 +35,12 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from dflash_gguf import paths
 from dflash_gguf.reliability.soak import gen_text
 
 log = logging.getLogger("dflash_gguf.reliability.server_soak")
 
-DEMO_DIR = Path(__file__).resolve().parent.parent / "data" / "demo"
+DEMO_DIR = paths.DEMO_DIR
 HOST = "127.0.0.1"
 N_CTX = 512
 

@@ -44,9 +44,11 @@ from pathlib import Path
 
 import numpy as np
 
+from dflash_gguf import paths
+
 log = logging.getLogger("dflash_gguf.reliability.soak")
 
-DEMO_DIR = Path(__file__).resolve().parent.parent / "data" / "demo"
+DEMO_DIR = paths.DEMO_DIR
 ARCHS = ("llama", "qwen3", "qwen35", "qwen3next")
 KINDS = ("dflash", "dflash2")
 BLOCKS = (4, 8, 16)
@@ -315,7 +317,6 @@ def tests_dir() -> Path:
 
 def tiny_root() -> Path:
     """The tests' tiny-model cache folder (same key as tests/conftest.py)."""
-    from dflash_gguf import paths
 
     tiny = tests_dir() / "tiny.py"
     key = hashlib.sha256(tiny.read_bytes() + paths.patch_series_hash().encode()).hexdigest()[:16]

@@ -2,6 +2,7 @@
 
 :mod:`.decoder` sequences one step: :mod:`.proposer` drafts, the target verifies, :mod:`.acceptance`
 decides what is kept, :mod:`.rollback` trims the target's memory, :mod:`.stats` records it.
+:mod:`.calibration` measures this machine's step costs once per pair, the speed gate's starting point.
 :mod:`.acceptance` and :mod:`.stats` need no native library; the names below load on first use.
 """
 from __future__ import annotations

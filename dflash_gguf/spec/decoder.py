@@ -28,6 +28,7 @@ from dflash_gguf import _bindings as B
 from dflash_gguf.engine import Context, DrafterInfo, clamp_n_draft
 from dflash_gguf.errors import ContextOverflowError, DFlashError, InvalidArgumentError
 from dflash_gguf.gate import DraftLength
+from dflash_gguf.spec import calibration
 from dflash_gguf.sampling import SamplingParams, TokenChooser
 from dflash_gguf.spec.acceptance import cut_at_stop, greedy_accept, sampled_accept
 from dflash_gguf.spec.features import FeatureFeed
@@ -57,6 +58,7 @@ class SpecOptions:
     n_draft: int | None = None   # tokens drafted per block; default and maximum: block_size - 1
     rollback: str = "auto"       # auto | seq_rm | snapshot | checkpoint
     adaptive: bool = False       # speed gate: draft per step as many tokens as pays (gate.DraftLength)
+    calibrate: bool = True       # ... starting from this machine's measured step costs (spec.calibration)
     sample_lattice: bool = True  # DFlash2 at temperature > 0: draft from the selector's top-k distribution
 
 
@@ -113,6 +115,10 @@ class DFlashDecoder:
         self._argmax = np.zeros(bs, dtype=np.int32)
         self.eog = frozenset(int(t) for t in target.model.eog_tokens)   # default stop tokens
         self.reset()   # the decoder owns both caches from here on
+        if gated and self.opts.calibrate:
+            costs = calibration.step_costs(self)      # cached per pair, machine and settings
+            self.gate = DraftLength(self.n_draft, costs)
+            self.gate_sampled = DraftLength(self.n_draft, costs)
         log.debug("decoder ready: drafter=%s n_draft=%d rollback=%s", self.info, self.n_draft, self.rollback)
 
     @property

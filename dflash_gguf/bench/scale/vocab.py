@@ -14,6 +14,7 @@ equalled plain decoding. Each prompt runs from an empty cache; acceptance is the
 """
 from __future__ import annotations
 
+from dflash_gguf import paths
 import argparse
 import logging
 import sys
@@ -24,7 +25,7 @@ import numpy as np
 
 log = logging.getLogger("dflash_gguf.bench.scale")
 
-DEMO_DIR = Path(__file__).resolve().parent.parent / "data" / "demo"
+DEMO_DIR = paths.DEMO_DIR
 def _run(target: Path, drafter: Path, prompts: list[str], n_tok: int, threads: int) -> tuple[float, int, list]:
     from dflash_gguf.engine import Context, ContextOptions, Model
     from dflash_gguf.spec import DFlashDecoder, GenerationStats

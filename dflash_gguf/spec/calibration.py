@@ -1,0 +1,164 @@
+"""This machine's cost of a DFlash step, measured once per pair and kept: the speed gate's prior.
+
+The speed gate (:class:`dflash_gguf.gate.DraftLength`) picks the draft length with the most expected
+tokens per second, which needs what a step of each length costs here. Without a prior it learns the
+costs in its first steps (full block, plain, full, half, full): every new decoder - every demo run,
+every benchmark prompt, the first call of a ``Llama`` - pays that warm-up, and a drafter that is
+never right costs two full blocks before the gate gives up. With a prior the gate only has to see the
+drafter's acceptance: one full block, then the plan (a never-right drafter: plain decoding from the
+second step).
+
+:func:`step_costs` measures the prior through the decoder's own loop, so it is charged exactly what
+the gate is charged (draft, verify, acceptance, keeping the rows, rollback): a fixed schedule of
+lengths (plain, 1, 2, 4, 8, half and the whole block), three rounds after a warm-up round, the median
+of each; lengths in between are interpolated. At the 1.7B Qwen3 shape (Q4_0, 2 threads) that is about
+30 steps, 2-3 s. The result is cached under ``$DFLASH_GGUF_CACHE/calibration`` by everything it
+depends on: both model files (path, size, mtime), block length, threads, batch sizes, the CPU (model
+name and flags), the kernel switches ggml reads (``GGML_CPU_X86MM``, ``GGML_CPU_AMX``), the patch
+series and this package's version. The gate keeps refining each cost from real steps (the context
+grows, the machine gets busy), so the prior only has to be right enough to start.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import time
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from dflash_gguf import paths
+from dflash_gguf.mulmat import cpu_flags
+from dflash_gguf.spec.proposer import DrafterProposer
+
+if TYPE_CHECKING:
+    from dflash_gguf.spec.decoder import DFlashDecoder
+
+log = logging.getLogger("dflash_gguf.spec")
+
+ROUNDS = 3                         # measured rounds of the schedule (after one warm-up round)
+FORMAT = 1                         # cache file format
+# a neutral prompt: the costs do not depend on what is drafted, only on how many rows
+PROMPT = b"The quick brown fox jumps over the lazy dog. " * 4
+# ggml's run-time switches for the kernels that decide these costs
+KERNEL_ENV = ("GGML_CPU_X86MM", "GGML_CPU_AMX", "GGML_CPU_TILED_MM", "GGML_KLEIDIAI_SME")
+
+
+def schedule_lengths(n_max: int) -> list[int]:
+    """The draft lengths the calibration measures (the others are interpolated)."""
+    return sorted({0, n_max, max(1, n_max // 2), *(n for n in (1, 2, 4, 8) if n <= n_max)})
+
+
+class _Schedule:
+    """Stands in for the gate during calibration: a fixed sequence of lengths, every cost recorded."""
+
+    def __init__(self, lengths: list[int], rounds: int):
+        self.plan = [n for _ in range(rounds + 1) for n in lengths]   # round 0 warms caches up
+        self.warm = len(lengths)
+        self.i = 0
+        self.seen: dict[int, list[float]] = {}
+
+    @property
+    def done(self) -> bool:
+        return self.i >= len(self.plan)
+
+    def choose(self) -> int:
+        return self.plan[self.i] if self.i < len(self.plan) else 0
+
+    def record(self, n: int, accepted: int, seconds: float) -> None:
+        if self.i < len(self.plan):
+            if self.i >= self.warm and n == self.plan[self.i]:   # n is cut short only at the context's end
+                self.seen.setdefault(n, []).append(seconds)
+            self.i += 1
+
+
+def measure(decoder: "DFlashDecoder", rounds: int = ROUNDS) -> np.ndarray:
+    """Seconds of one step drafting n = 0..n_draft tokens on this decoder's contexts (clears their caches)."""
+    n_max = decoder.n_draft
+    lengths = schedule_lengths(n_max)
+    sched = _Schedule(lengths, rounds)
+    prompt = decoder.target.model.tokenize(PROMPT)
+    saved = decoder.gate, decoder.proposer
+    # the drafter's own proposals: a caller's proposer (an oracle, a replay) may not know this prompt
+    decoder.gate, decoder.proposer = sched, DrafterProposer()
+    try:
+        budget = sum(n + 1 for n in sched.plan) + 1
+        for _ in decoder.generate(prompt, budget, stop_tokens=[]):
+            if sched.done:
+                break
+    finally:
+        decoder.gate, decoder.proposer = saved
+        decoder.reset()
+    known = {n: float(np.median(v)) for n, v in sched.seen.items() if v}
+    if 0 not in known or n_max not in known:
+        raise RuntimeError(f"calibration measured only the lengths {sorted(known)} (context too small?)")
+    xs = sorted(n for n in known if n >= 1)
+    costs = np.empty(n_max + 1)
+    costs[0] = known[0]
+    costs[1:] = np.interp(np.arange(1, n_max + 1), xs, [known[n] for n in xs])
+    return costs
+
+
+def _file_id(path: Path) -> list:
+    st = Path(path).stat()
+    return [str(Path(path).resolve()), st.st_size, st.st_mtime_ns]
+
+
+def _cpu_id() -> str:
+    model = ""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                model = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    return model + ";" + hashlib.sha256(" ".join(sorted(cpu_flags())).encode()).hexdigest()[:12]
+
+
+def cache_key(decoder: "DFlashDecoder") -> str:
+    from dflash_gguf import __version__
+
+    t, d = decoder.target, decoder.drafter
+    ident = {
+        "format": FORMAT, "version": __version__, "series": paths.patch_series_hash(),
+        "target": _file_id(t.model.path), "drafter": _file_id(d.model.path), "n_draft": decoder.n_draft,
+        "threads": t.opts.n_threads or os.cpu_count(), "n_ubatch": [t.n_ubatch, d.n_ubatch],
+        "flash_attn": t.opts.flash_attn, "cpu": _cpu_id(), "env": {k: os.environ.get(k) for k in KERNEL_ENV},
+    }
+    return hashlib.sha256(json.dumps(ident, sort_keys=True).encode()).hexdigest()[:24]
+
+
+def cache_file(key: str) -> Path:
+    return paths.cache_dir() / "calibration" / f"{key}.json"
+
+
+def step_costs(decoder: "DFlashDecoder") -> np.ndarray:
+    """The cached cost prior of this decoder's pair on this machine, measured now if there is none."""
+    key = cache_key(decoder)
+    f = cache_file(key)
+    if f.exists():
+        try:
+            data = json.loads(f.read_text())
+            costs = np.asarray(data["costs"], dtype=float)
+            if len(costs) == decoder.n_draft + 1 and np.isfinite(costs).all() and (costs > 0).all():
+                return costs
+        except (OSError, ValueError, KeyError):
+            pass
+        log.warning("ignoring an unreadable calibration file %s", f)
+    log.info("measuring DFlash step costs of %s + %s on this machine (once; cached)",
+             decoder.target.model.path.name, decoder.drafter.model.path.name)
+    t0 = time.perf_counter()
+    costs = measure(decoder)
+    seconds = time.perf_counter() - t0
+    f.parent.mkdir(parents=True, exist_ok=True)
+    tmp = f.with_suffix(f".tmp{os.getpid()}")
+    tmp.write_text(json.dumps({"costs": costs.tolist(), "seconds": round(seconds, 3),
+                               "target": decoder.target.model.path.name, "drafter": decoder.drafter.model.path.name}))
+    os.replace(tmp, f)   # no partial file: readers see the old one or the whole new one
+    log.info("step costs measured in %.1f s: plain %.2f ms, full block (%d) %.2f ms", seconds,
+             costs[0] * 1e3, decoder.n_draft, costs[-1] * 1e3)
+    return costs

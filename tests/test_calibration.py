@@ -1,0 +1,83 @@
+"""The speed gate's cost prior (spec.calibration): measured through the decoder's own loop, cached by
+what it depends on, and never a change to what the decoder outputs."""
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from dflash_gguf.engine import ContextOptions
+from dflash_gguf.paths import DEMO_DIR as DEMO
+from dflash_gguf.pair import OpenPair
+from dflash_gguf.spec import SpecOptions, calibration
+
+PROMPT = b"def read_lines(path):\n    \"\"\"Return the lines of a text file.\"\"\"\n"
+
+
+@pytest.fixture
+def cache(tmp_path, monkeypatch):
+    """Calibration files in a folder of this test's own."""
+    monkeypatch.setattr(calibration, "cache_file", lambda key: tmp_path / f"{key}.json")
+    return tmp_path
+
+
+@pytest.fixture(scope="module")
+def pair():
+    with OpenPair(DEMO / "target.gguf", DEMO / "drafter.gguf", ContextOptions(n_ctx=1024, n_threads=2)) as p:
+        yield p
+
+
+def test_the_gate_starts_from_measured_costs_and_stays_lossless(pair, cache):
+    dec = pair.decoder(SpecOptions(adaptive=True))
+    files = list(cache.glob("*.json"))
+    assert len(files) == 1, "the first gated decoder of a pair measures its costs and keeps them"
+    costs = np.asarray(json.loads(files[0].read_text())["costs"])
+    assert len(costs) == dec.n_draft + 1 and np.isfinite(costs).all() and (costs > 0).all()
+    assert costs[-1] > costs[0], costs       # a full block (drafter call + verify) costs more than a plain step
+    np.testing.assert_allclose(dec.gate.cost, costs)
+    assert dec.gate._warmup == 1             # only the drafter's acceptance is left to see
+    prompt = pair.target.tokenize(PROMPT)
+    assert list(dec.generate(prompt, 96, stop_tokens=[])) == list(pair.plain().generate(prompt, 96, stop_tokens=[]))
+
+
+def test_a_second_decoder_reads_the_costs_instead_of_measuring(pair, cache, monkeypatch):
+    first = pair.decoder(SpecOptions(adaptive=True))
+
+    def no_measure(decoder):
+        raise AssertionError("measured again although the costs are cached")
+
+    monkeypatch.setattr(calibration, "measure", no_measure)
+    second = pair.decoder(SpecOptions(adaptive=True))
+    np.testing.assert_array_equal(first.gate.cost, second.gate.cost)
+
+
+def test_the_key_follows_the_kernel_switches_threads_and_block(pair, monkeypatch):
+    dec = pair.decoder(SpecOptions(adaptive=False))
+    key = calibration.cache_key(dec)
+    monkeypatch.setenv("GGML_CPU_X86MM", "0")
+    assert calibration.cache_key(dec) != key, "ggml's kernel switches change the costs"
+    monkeypatch.delenv("GGML_CPU_X86MM")
+    assert calibration.cache_key(dec) == key
+    shorter = pair.decoder(SpecOptions(adaptive=False, n_draft=dec.n_draft - 2))
+    assert calibration.cache_key(shorter) != key
+
+
+def test_an_unreadable_cache_file_is_measured_again(pair, cache, caplog):
+    dec = pair.decoder(SpecOptions(adaptive=False))
+    f = calibration.cache_file(calibration.cache_key(dec))
+    f.write_text("{not json")
+    costs = calibration.step_costs(dec)
+    assert len(costs) == dec.n_draft + 1 and "unreadable calibration file" in caplog.text
+    assert json.loads(f.read_text())["costs"] == costs.tolist()   # replaced whole
+
+
+def test_without_calibration_the_gate_warms_up_as_before(pair, cache):
+    dec = pair.decoder(SpecOptions(adaptive=True, calibrate=False))
+    assert not list(cache.glob("*.json")) and np.isnan(dec.gate.cost).all()
+
+
+def test_the_schedule_covers_both_ends_and_the_powers_of_two():
+    assert calibration.schedule_lengths(15) == [0, 1, 2, 4, 7, 8, 15]
+    assert calibration.schedule_lengths(3) == [0, 1, 2, 3]
+    assert calibration.schedule_lengths(1) == [0, 1]

@@ -1,0 +1,203 @@
+"""The x86 small-batch MUL_MAT kernels (patches/0014, buffer type CPU_X86MM) against ggml's own paths.
+
+MUL_MAT through CPU_X86MM is compared with ggml's plain CPU path (its reference kernels for the same
+quantized weights) and with the exact float64 product of the dequantized weights, for every weight
+type the kernels take, every row count a DFlash step verifies (1..17), tile edges (24, 31-33) and
+prompt batches, on one and two threads, with src1 batches; a row computed alone must give the same
+bits as inside any batch. The same grid runs on the AVX2 build variant (no AVX-512: the 256-bit
+VPMADDUBSW path). End to end, greedy DFlash equals plain decoding with the kernels on and off.
+
+Everything runs in child processes: a fault in a kernel must fail a test, not kill the run, and
+``GGML_CPU_X86MM`` only takes effect when ggml is loaded. Skipped, with the reason, on a CPU without
+AVX2/FMA/F16C; on a CPU with them, an installed ggml without the buffer type fails.
+"""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from dflash_gguf import paths
+from dflash_gguf.mulmat import BUFT_TYPES, cpu_flags, default_lib_dir
+
+FLAGS = cpu_flags()
+pytestmark = pytest.mark.skipif(not {"avx2", "fma", "f16c"} <= FLAGS,
+                                reason="this CPU has no AVX2+FMA+F16C (/proc/cpuinfo): the x86 kernels are not built")
+
+ROOT = Path(__file__).resolve().parents[1]
+DEMO = paths.DEMO_DIR
+TYPES = BUFT_TYPES["CPU_X86MM"]
+# 1..17: every verify of a block of 16 plus the pending token; 24, 31-33: tile and group edges; 64, 100: prompts
+ROWS = "1-17,24,31,32,33,64,100"
+N_ROWS = 17 + 6
+AVX512 = {"avx512f", "avx512bw", "avx512vl", "avx512_vnni"} <= FLAGS
+
+
+def _run(args: list[str], x86mm: str | None = None, timeout: int = 600) -> subprocess.CompletedProcess:
+    env = {k: v for k, v in os.environ.items() if k not in ("GGML_CPU_X86MM", "GGML_CPU_AMX")}
+    env["GGML_CPU_AMX"] = "0"           # on an AMX machine AMX would take these weights first
+    if x86mm is not None:
+        env["GGML_CPU_X86MM"] = x86mm
+    return subprocess.run([sys.executable, *args], env=env, capture_output=True, text=True, timeout=timeout)
+
+
+def _died(p: subprocess.CompletedProcess) -> str:
+    sig = -p.returncode if p.returncode < 0 else None
+    return (f"the child process died (signal {sig})" if sig else f"exit {p.returncode}") + f":\n{p.stderr[-3000:]}"
+
+
+def _grid(extra: list[str], lib_dir: Path | None = None) -> list[dict]:
+    args = ["-m", "dflash_gguf.mulmat", "--buft", "CPU_X86MM", *extra]
+    if lib_dir is not None:
+        args += ["--lib-dir", str(lib_dir)]
+    p = _run(args)
+    if p.returncode == 3:
+        pytest.fail("this CPU has AVX2+FMA+F16C but ggml registers no CPU_X86MM buffer type: the build lost "
+                    f"patches/0014 (rebuild with `make build FORCE=1`)\n{p.stderr[-2000:]}")
+    cases = [json.loads(line) for line in p.stdout.splitlines() if line.startswith("{")]
+    if p.returncode not in (0, 1):
+        pytest.fail(f"MUL_MAT through CPU_X86MM: {_died(p)}\nlast case that finished: {cases[-1] if cases else None}")
+    return cases
+
+
+def _bad(cases: list[dict]) -> list[str]:
+    return [f"{c['type']} k={c['k']} n={c['n']} rows={c['rows']} batch={c['batch']}: error {c['err']:.3g} "
+            f"(CPU path {c['err_cpu']:.3g}), |x86mm - CPU| {c['diff']:.3g}, row alone == row in batch: "
+            f"{c['rows_exact']}" for c in cases if not c["ok"]]
+
+
+def test_every_type_and_row_count():
+    cases = _grid(["--rows", ROWS, "--k", "512", "--n", "160", "--threads", "2"])
+    assert len(cases) == len(TYPES) * N_ROWS
+    assert not _bad(cases), "\n".join(_bad(cases))
+    assert all(c["rows_exact"] for c in cases)
+
+
+def test_one_thread_wide_k_and_many_groups():
+    """K = 2048 (the 1.7B shape's hidden size), 1008 output rows (63 groups of 16, 126 of 8), one thread."""
+    cases = _grid(["--rows", "1,2,3,8,16,17", "--k", "2048", "--n", "1008", "--threads", "1"])
+    assert len(cases) == len(TYPES) * 6 and not _bad(cases), "\n".join(_bad(cases))
+
+
+def test_src1_batches_broadcast_over_one_weight():
+    cases = _grid(["--rows", "1,2,9,17", "--batch", "3", "--n", "64"])
+    assert len(cases) == len(TYPES) * 4 and not _bad(cases), "\n".join(_bad(cases))
+
+
+def _isa(lib_dir: Path) -> str:
+    """The instruction set a libggml-cpu.so's kernels were built for, asked in a child process."""
+    code = ("import ctypes,sys; base=ctypes.CDLL(sys.argv[1]+'/libggml-base.so', mode=ctypes.RTLD_GLOBAL); "
+            "cpu=ctypes.CDLL(sys.argv[1]+'/libggml-cpu.so'); f=cpu.ggml_backend_cpu_x86mm_isa; "
+            "f.restype=ctypes.c_char_p; r=f(); print(r.decode() if r else '')")
+    p = subprocess.run([sys.executable, "-c", code, str(lib_dir)], capture_output=True, text=True, timeout=60)
+    assert p.returncode == 0, p.stderr
+    return p.stdout.strip()
+
+
+def test_the_native_build_takes_the_widest_path():
+    isa = _isa(default_lib_dir())
+    assert isa == ("AVX512-VNNI" if AVX512 else isa) and isa in ("AVX512-VNNI", "AVX512VL-VNNI", "AVX-VNNI", "AVX2")
+
+
+@pytest.fixture(scope="module")
+def avx2_lib() -> Path:
+    d = paths.ggml_variant_dir("avx2")
+    if d is None:
+        pytest.skip("no AVX2 build variant in the build cache (`make test` builds it: "
+                    "python -m dflash_gguf.build --ggml-variant avx2)")
+    return d
+
+
+def test_avx2_variant_every_type_and_row_count(avx2_lib):
+    """The 256-bit path (8-row groups, 4-row tiles, VPMADDUBSW). Q8_0 is not claimed there (its
+    u8 = q + 128 would saturate VPMADDUBSW's int16 pairs), so ggml keeps it."""
+    assert _isa(avx2_lib) == "AVX2"
+    cases = _grid(["--types", "q4_0,q4_k,q6_k", "--rows", "1-9,16,17,33", "--k", "512", "--n", "136"], avx2_lib)
+    assert len(cases) == 3 * 12 and not _bad(cases), "\n".join(_bad(cases))
+    assert all(c["rows_exact"] for c in cases)
+
+
+# ---------------------------------------------------------------- end to end
+def _generate(target: Path, drafter: Path, x86mm: str, n: int = 48) -> dict:
+    p = _run([__file__, str(target), str(drafter), str(n)], x86mm)
+    assert p.returncode == 0, f"greedy generation with GGML_CPU_X86MM={x86mm}: {_died(p)}"
+    return json.loads(p.stdout.strip().splitlines()[-1])
+
+
+@pytest.fixture(scope="module")
+def demo_pairs(tmp_path_factory):
+    """The shipped demo pair's target quantized by llama.cpp's quantizer, and a Q8_0 drafter."""
+    from dflash_gguf.convert.quantize import quantize_file
+
+    out = {}
+    d = tmp_path_factory.mktemp("x86mm-demo")
+    for q in ("q8_0", "q4_0", "q4_k_m", "q6_k"):
+        t = d / f"target-{q}.gguf"
+        quantize_file(DEMO / "target.gguf", t, q, threads=1)
+        out[q] = (t, DEMO / "drafter.gguf")
+    dq = d / "drafter-q8_0.gguf"
+    quantize_file(DEMO / "drafter.gguf", dq, "q8_0", threads=1)
+    out["q4_0+q8_0 drafter"] = (out["q4_0"][0], dq)
+    return out
+
+
+@pytest.mark.parametrize("kind", ["q8_0", "q4_0", "q4_k_m", "q6_k", "q4_0+q8_0 drafter"])
+def test_dflash_equals_plain_with_the_kernels_on_and_off(demo_pairs, kind):
+    target, drafter = demo_pairs[kind]
+    on = _generate(target, drafter, "1")
+    off = _generate(target, drafter, "0")
+    assert on["x86mm_weights"] > 0, f"no weight of the {kind} pair went to CPU_X86MM"
+    assert off["x86mm_weights"] == 0
+    assert on["dflash"] == on["plain"], "kernels on: DFlash differs from plain decoding"
+    assert off["dflash"] == off["plain"]
+    assert on["tau"] > 1.5, on      # the demo drafter is right often: several rows per verify
+
+
+def test_tiny_quantized_pair_with_the_kernels(models, tmp_path):
+    from dflash_gguf.convert.quantize import quantize_file
+
+    p = models.pair("qwen3", "dflash", 8)
+    t, d = tmp_path / "t.gguf", tmp_path / "d.gguf"
+    quantize_file(p.target, t, "q4_0", threads=1)
+    quantize_file(p.drafter, d, "q8_0", threads=1)
+    on, off = _generate(t, d, "1", 32), _generate(t, d, "0", 32)
+    assert on["x86mm_weights"] > 0
+    assert on["dflash"] == on["plain"] and off["dflash"] == off["plain"]
+
+
+def _child(target: str, drafter: str, n: int) -> None:
+    """Greedy plain and DFlash tokens of one pair in this process, as JSON on stdout, and how many
+    weights llama.cpp placed in CPU_X86MM (from its load log)."""
+    from dflash_gguf.engine import Context, ContextOptions, Model
+    from dflash_gguf.logs import set_log_handler
+    from dflash_gguf.spec import DFlashDecoder, GenerationStats
+    import logging
+
+    seen: list[str] = []
+
+    class Grab(logging.Handler):
+        def emit(self, record):
+            seen.append(record.getMessage())
+
+    logger = logging.getLogger("x86mm-child")
+    logger.addHandler(Grab())
+    logger.setLevel(logging.DEBUG)
+    logger.propagate = False
+    set_log_handler(logger)
+    with Model(target) as tm, Model(drafter) as dm:
+        prompt = tm.tokenize(b"def read_lines(path):\n    \"\"\"Return the lines of a text file.\"\"\"\n")
+        opts = ContextOptions(n_ctx=512, n_batch=128, n_ubatch=128, n_threads=2)
+        with Context(tm, opts) as tctx, Context(dm, opts, other=tctx) as dctx:
+            plain = list(DFlashDecoder(tctx, None).generate(prompt, n, stop_tokens=[]))
+            stats = GenerationStats()
+            spec = list(DFlashDecoder(tctx, dctx).generate(prompt, n, stop_tokens=[], stats=stats))
+    placed = sum("CPU_X86MM" in m and "buffer size" in m for m in seen)
+    print(json.dumps({"plain": plain, "dflash": spec, "tau": stats.tau, "x86mm_weights": placed}))
+
+
+if __name__ == "__main__":
+    _child(sys.argv[1], sys.argv[2], int(sys.argv[3]))
