@@ -38,8 +38,9 @@ class DraftLength:
 
     def __init__(self, n_max: int, costs: np.ndarray | None = None):
         """``costs``: a prior for the seconds of a step drafting n = 0..n_max tokens on this machine
-        (:mod:`dflash_gguf.spec.calibration`). With it the warm-up is one full block (the drafter's
-        acceptance is all there is left to see); without it the warm-up measures costs too."""
+        (:mod:`dflash_gguf.spec.calibration`). With it the warm-up is one short block (the drafter's
+        acceptance is all there is left to see, and a drafter that is never right then costs one
+        PROBE_SHORT block instead of a full one); without it the warm-up measures costs too."""
         self.n_max = n_max
         self.hits = np.zeros(n_max)                 # position i accepted (decayed count)
         self.tries = np.zeros(n_max)                # position i reached: drafted, all before it accepted
@@ -52,7 +53,8 @@ class DraftLength:
         self.last = n_max
         self._plan: int | None = None
         self.probe_every = self.PROBE_EVERY
-        self._warmup = len(self.WARMUP) if costs is None else 1
+        self._warmup_plan = self.WARMUP if costs is None else (self.PROBE_SHORT,)
+        self._warmup = len(self._warmup_plan)
         self._next_probe = self._warmup + self.PROBE_EVERY
         self._probes = 0
         self._blocks = 0                            # drafting steps so far
@@ -65,7 +67,7 @@ class DraftLength:
             self._warmup = self.steps - 1
             self._next_probe = self.steps + self.PROBE_EVERY
         if self.steps <= self._warmup:
-            w = self.WARMUP[self.steps - 1]
+            w = self._warmup_plan[self.steps - 1]
         elif self.steps >= self._next_probe:
             # probe what the plan does not use: a short block while decoding plainly (is the drafter
             # right again?), a full block while drafting shorter ones, plain decoding while drafting

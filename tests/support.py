@@ -13,6 +13,14 @@ from dflash_gguf.spec import OverrideProposer
 KW = dict(n_ctx=512, n_threads=1, n_threads_batch=1, seed=0, verbose=False, chat_format="chatml")
 
 
+def assert_served(info: dict | None) -> None:
+    """A response's ``dflash`` object says DFlash served it: enabled and at least one step taken (a plain
+    fallback is ``{"enabled": False, "reason": ...}``, which a bare ``is not None`` would accept)."""
+    assert info is not None, "no dflash object in the response"
+    assert info.get("enabled") is True, f"served by plain decoding: {info}"
+    assert info["steps"] > 0 and info["n_generated"] > 0, info
+
+
 def llama_cpp_greedy(path, prompt_tokens, n, n_ctx=512):
     """Plain greedy decoding by llama-cpp-python itself (flash attention on, like our contexts)."""
     llm = llama_cpp.Llama(model_path=str(path), n_ctx=n_ctx, n_batch=64, n_threads=1, n_threads_batch=1,

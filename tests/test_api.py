@@ -11,7 +11,7 @@ from llama_cpp.llama_chat_format import Jinja2ChatFormatter
 
 from dflash_gguf import Llama
 
-from support import KW, Oracle, fast, oracle, pair, plain  # noqa: F401 (fixtures)
+from support import KW, Oracle, assert_served, fast, oracle, pair, plain  # noqa: F401 (fixtures)
 
 PROMPTS = ["def main(", "import os\n", "class Foo:\n    def"]
 
@@ -127,7 +127,7 @@ def test_chat_template_kwargs(pair):
     on = llm.create_chat_completion(msgs, max_tokens=8, temperature=0)
     off = llm.create_chat_completion(msgs, max_tokens=8, temperature=0, chat_template_kwargs={"enable_thinking": False})
     assert off["usage"]["prompt_tokens"] > on["usage"]["prompt_tokens"]
-    assert off["dflash"] is not None
+    assert_served(off["dflash"])
     with pytest.raises(ValueError, match="repeat request parameters"):
         llm.create_chat_completion(msgs, chat_template_kwargs={"temperature": 1})
     llm.close()
@@ -148,13 +148,16 @@ def test_fallback_is_plain_then_dflash_resumes(plain, fast, oracle, how):
     b = fast("def main(", dflash=False, **kw) if how == "per_call_off" else fast("def main(", **kw)
     if how != "mirostat":
         assert b["choices"][0]["text"] == a["choices"][0]["text"]
-    assert b["dflash"]["enabled"] is False and b["dflash"]["reason"]   # a fallback says why
+    reasons = {"grammar": "grammar-constrained sampling", "logits_processor": "logits_processor / logit_bias",
+               "logit_bias": "logits_processor / logit_bias", "per_call_off": "dflash disabled for this call",
+               "mirostat": "mirostat sampling"}
+    assert b["dflash"] == {"enabled": False, "reason": reasons[how]}   # a fallback says exactly why
     assert fast.last_dflash_stats is None
     # the plain path evaluated tokens the drafter never saw: the next DFlash call must still be exact
     prompt = "def main(" + b["choices"][0]["text"][:5]
     a2, b2 = both(plain, fast, oracle, "create_completion", prompt, max_tokens=20, temperature=0)
     assert b2["choices"][0]["text"] == a2["choices"][0]["text"]
-    assert b2["dflash"] is not None
+    assert_served(b2["dflash"])
     assert_consistent(fast)
 
 
@@ -205,7 +208,7 @@ def test_greedy_with_penalties_matches(plain, fast, oracle):
     kw = dict(max_tokens=30, temperature=0, repeat_penalty=1.3, frequency_penalty=0.2, presence_penalty=0.1)
     a, b = both(plain, fast, oracle, "create_completion", "def main(", **kw)
     assert b["choices"][0]["text"] == a["choices"][0]["text"]
-    assert b["dflash"] is not None
+    assert_served(b["dflash"])
 
 
 def test_sampling_is_seeded(fast):
@@ -213,7 +216,7 @@ def test_sampling_is_seeded(fast):
     t1 = fast("def main(", **kw)
     t2 = fast("def main(", **kw)
     assert t1["choices"][0]["text"] == t2["choices"][0]["text"]
-    assert t1["dflash"] is not None
+    assert_served(t1["dflash"])
 
 
 def test_sampled_requests_are_gated_unless_the_user_chose_a_seed():
@@ -280,7 +283,7 @@ def test_context_overflow_is_value_error(fast):
     with pytest.raises(ValueError):
         fast("x " * 600, max_tokens=4)
     b = fast("def main(", max_tokens=4, temperature=0)
-    assert b["dflash"] is not None
+    assert_served(b["dflash"])
 
 
 def test_draft_n_max_is_clamped(pair):
@@ -373,7 +376,7 @@ def test_invalid_grammar_is_value_error_not_a_crash(fast):
     bad = llama_cpp.LlamaGrammar.from_string("root ::= (", verbose=False)
     with pytest.raises(ValueError, match="invalid grammar"):
         fast("def main(", max_tokens=4, grammar=bad)
-    assert fast("def main(", max_tokens=4, temperature=0)["dflash"] is not None
+    assert_served(fast("def main(", max_tokens=4, temperature=0)["dflash"])
 
 
 def test_resumes_when_llama_cpp_reads_past_max_tokens(plain, fast, oracle):

@@ -195,13 +195,14 @@ def test_a_gate_kept_between_calls_matches_the_best_fixed_length():
 
 # ---------------------------------------------------------------- a measured cost prior (spec.calibration)
 def test_a_cost_prior_turns_a_never_right_drafter_off_after_one_block():
-    """With this machine's costs known, the warm-up is one full block: a drafter that gets nothing
-    right costs one block, not the five warm-up steps (two of them full blocks) of a gate without them."""
+    """With this machine's costs known, the warm-up is one short block: a drafter that gets nothing
+    right costs one PROBE_SHORT block, not the five warm-up steps (two of them full blocks) of a gate
+    without them."""
     cost = lambda n: 1.0 + 0.3 * n  # noqa: E731
     prior = np.array([cost(n) for n in range(8)])
     g = DraftLength(7, prior)
     chosen = feed(g, 30, accept=lambda n: 0, cost=cost)
-    assert chosen[0] == 7 and chosen[1:24] == [0] * 23, chosen
+    assert chosen[0] == DraftLength.PROBE_SHORT and chosen[1:24] == [0] * 23, chosen
     cold = feed(DraftLength(7), 30, accept=lambda n: 0, cost=cost)
     assert sum(n > 0 for n in cold[:24]) >= 2           # the warm-up without a prior drafts more
 
@@ -210,7 +211,7 @@ def test_a_cost_prior_keeps_a_good_drafter_on_full_blocks_from_the_start():
     cost = lambda n: 1.0 + 0.05 * n  # noqa: E731
     g = DraftLength(7, np.array([cost(n) for n in range(8)]))
     chosen = feed(g, 20, accept=lambda n: n, cost=cost)
-    assert chosen[:20] == [7] * 20, chosen
+    assert chosen[0] == DraftLength.PROBE_SHORT and chosen[1:20] == [7] * 19, chosen
 
 
 def test_a_cost_prior_settles_on_the_analytic_best_length():

@@ -11,7 +11,7 @@ import openai
 import pytest
 
 from dflash_gguf.server import create_app
-from support import KW, Oracle, fast, oracle, pair, plain, serve  # noqa: F401 (fixtures)
+from support import KW, Oracle, assert_served, fast, oracle, pair, plain, serve  # noqa: F401 (fixtures)
 
 MODEL_ID = "tiny-qwen3"
 
@@ -92,7 +92,7 @@ def test_chat_stream(client, plain, oracle):
     assert "".join(c.choices[0].delta.content or "" for c in chunks) == want
     assert chunks[0].choices[0].delta.role == "assistant"
     assert chunks[-1].choices[0].finish_reason is not None
-    assert chunks[-1].model_extra["dflash"] is not None
+    assert_served(chunks[-1].model_extra["dflash"])
 
 
 def test_sse_wire_format(base_url):

@@ -5,8 +5,8 @@ tokens per second, which needs what a step of each length costs here. Without a 
 costs in its first steps (full block, plain, full, half, full): every new decoder - every demo run,
 every benchmark prompt, the first call of a ``Llama`` - pays that warm-up, and a drafter that is
 never right costs two full blocks before the gate gives up. With a prior the gate only has to see the
-drafter's acceptance: one full block, then the plan (a never-right drafter: plain decoding from the
-second step).
+drafter's acceptance: one short block (4 tokens), then the plan (a never-right drafter: plain decoding
+from the second step; a good one: full blocks).
 
 :func:`step_costs` measures the prior through the decoder's own loop, so it is charged exactly what
 the gate is charged (draft, verify, acceptance, keeping the rows, rollback): a fixed schedule of

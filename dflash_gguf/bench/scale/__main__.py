@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import logging
 import os
@@ -43,6 +44,9 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--out", default="bench/results", help="folder for scale-<tag>.json and .md")
     ap.add_argument("--tag", default=time.strftime("%Y%m%d-%H%M%S"))
     ap.add_argument("--seed", type=int, default=0, help="weights seed of the synthetic pairs")
+    ap.add_argument("--kernels", default="x86mm", help="comma list of kernel sets, each case run once per set in "
+                    "this run: x86mm (patches/0014's CPU_X86MM, the default on x86) and ggml (GGML_CPU_X86MM=0: "
+                    "ggml's own kernels, as before 0014)")
     return ap
 
 
@@ -64,6 +68,24 @@ def reduced_pair(pair: Path, n: int) -> Path:
     if (out / "pair.json").is_file():
         return out
     return draft_vocab.reduce_pair(pair, n, out_dir=out)
+
+
+# kernel sets: the ggml switches each sets for the case's child processes (ours and upstream's)
+KERNELS = {"x86mm": {"GGML_CPU_X86MM": "1"}, "ggml": {"GGML_CPU_X86MM": "0"}}
+
+
+@contextlib.contextmanager
+def kernel_env(name: str):
+    saved = {k: os.environ.get(k) for k in KERNELS[name]}
+    os.environ.update(KERNELS[name])
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
 
 
 def run_one(case: dict) -> dict:
@@ -112,6 +134,14 @@ def markdown(results: list[dict], meta: dict) -> str:
                  f"({_f((g(16) or 0) / (full.get('t1_ms') or 1), 2)}x) | {_f(full.get('draft_ms'))} / "
                  f"{_f(red.get('draft_ms'))} | {_f(full.get('break_even_tau'), 2)} / {_f(red.get('break_even_tau'), 2)} "
                  f"| {_f(r.get('peak_rss_mb'), 0)} MB |")
+    ks = range(1, 17)
+    L += ["", "Verify cost per row count: t_verify(k) / t1 (full-head drafter's case).", "",
+          "| pair | " + " | ".join(f"k={k}" for k in ks) + " |", "|---|" + "---|" * len(ks)]
+    for r in results:
+        full = r["drafters"].get("full", {}).get("costs", {})
+        v, t1 = full.get("verify_ms", {}), full.get("t1_ms") or 0
+        if t1:
+            L.append(f"| {r['name']} | " + " | ".join(_f((v.get(k) or v.get(str(k)) or 0) / t1, 2) for k in ks) + " |")
     L += ["", "Speed (tokens/s median; `x` = vs plain in the same run; tau = measured acceptance length; "
           "ideal = tau * t1 / (t_draft + t_verify(16))). `own` = the random drafter's own proposals "
           "(acceptance ~1), the case upstream's column runs.", ""]
@@ -165,6 +195,10 @@ def main(argv: list[str] | None = None) -> int:
     for t in types:
         if t not in synth.TYPES:
             raise SystemExit(f"error: unknown type {t!r} (one of {', '.join(synth.TYPES)})")
+    kernels = [k.strip() for k in a.kernels.split(",") if k.strip()]
+    for k in kernels:
+        if k not in KERNELS:
+            raise SystemExit(f"error: unknown kernel set {k!r} (one of {', '.join(KERNELS)})")
     profiles = a.profiles
     from dflash_gguf.bench.scale.replay import parse_profile
 
@@ -191,20 +225,23 @@ def main(argv: list[str] | None = None) -> int:
             drafters = {"full": str(pair / "drafter.gguf")}
             if dv:
                 drafters[f"dv{dv}"] = str(reduced_pair(pair, dv) / "drafter.gguf")
-            case = {"name": name, "target": str(pair / "target.gguf"), "drafters": drafters, "profiles": profiles,
-                    "tokens": a.tokens, "trials": a.trials, "repeats": a.repeats, "threads": threads,
-                    "gate": "only" if a.gate_only else (a.gate or a.gate_warm), "gate_warm": a.gate_warm,
-                    "own": not a.no_own}
-            log.info("case %s", name)
-            r = run_one(case)
-            r["name"] = name
-            if not a.no_upstream:
-                try:
-                    r["upstream"] = run_upstream(pair, a.tokens, threads)
-                except Exception as e:  # noqa: BLE001 - the other columns stand on their own
-                    log.warning("upstream column failed: %s", e)
-                    r["upstream"] = {"skipped": f"failed: {e}"}
-            results.append(r)
+            for kern in kernels:
+                kname = name if kernels == ["x86mm"] else f"{name} ({kern})"
+                case = {"name": kname, "target": str(pair / "target.gguf"), "drafters": drafters,
+                        "profiles": profiles, "tokens": a.tokens, "trials": a.trials, "repeats": a.repeats,
+                        "threads": threads, "gate": "only" if a.gate_only else (a.gate or a.gate_warm),
+                        "gate_warm": a.gate_warm, "own": not a.no_own}
+                log.info("case %s", kname)
+                with kernel_env(kern):
+                    r = run_one(case)
+                    r["name"], r["kernels"] = kname, kern
+                    if not a.no_upstream:
+                        try:
+                            r["upstream"] = run_upstream(pair, a.tokens, threads)
+                        except Exception as e:  # noqa: BLE001 - the other columns stand on their own
+                            log.warning("upstream column failed: %s", e)
+                            r["upstream"] = {"skipped": f"failed: {e}"}
+                results.append(r)
     meta["load_end"] = _load()
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
