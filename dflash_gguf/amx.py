@@ -16,7 +16,8 @@ import logging
 import os
 import sys
 
-from dflash_gguf.mulmat import BUFT_TYPES, cpu_flags
+from dflash_gguf.cpu import cpu_flags
+from dflash_gguf.mulmat import BUFT_TYPES
 
 log = logging.getLogger(__name__)
 

@@ -46,18 +46,6 @@ BUFT_TYPES = {
 ROW_EXACT_BUFTS = {"CPU_X86MM"}
 
 
-def cpu_flags() -> set[str]:
-    """The CPU feature flags of this Linux machine (empty elsewhere)."""
-    try:
-        text = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return set()
-    for line in text.splitlines():
-        if line.startswith("flags"):
-            return set(line.split(":", 1)[1].split())
-    return set()
-
-
 def default_lib_dir() -> Path:
     import importlib.util
     spec = importlib.util.find_spec("llama_cpp")

@@ -15,6 +15,8 @@ from pathlib import Path
 
 import pytest
 
+import kernel_child
+
 from dflash_gguf import paths
 
 from dflash_gguf.amx import AMX_TYPES, cpu_has_amx_int8
@@ -79,26 +81,15 @@ def test_mul_mat_broadcast_over_batches():
 
 # ---------------------------------------------------------------- end to end
 def _generate(target: Path, drafter: Path, amx: str | None, n: int = 48) -> dict:
-    p = _run([__file__, str(target), str(drafter), str(n)], amx)
-    assert p.returncode == 0, f"greedy generation with GGML_CPU_AMX={amx}: {_died(p)}"
-    return json.loads(p.stdout.strip().splitlines()[-1])
+    """Greedy tokens with GGML_CPU_AMX=amx (None: unset, i.e. the default of patches/0004)."""
+    got = kernel_child.run(target, drafter, n, 1, {"GGML_CPU_AMX": amx})
+    got["amx"] = "AMX" in got["bufts"]
+    return got
 
 
 @pytest.fixture(scope="module")
 def demo_pairs(tmp_path_factory):
-    """The shipped demo pair (F16) and its target quantized by llama.cpp's quantizer."""
-    from dflash_gguf.convert.quantize import quantize_file
-
-    out = {"f16": (DEMO / "target.gguf", DEMO / "drafter.gguf")}
-    d = tmp_path_factory.mktemp("amx-demo")
-    for q in ("q8_0", "q4_0", "q4_k_m"):
-        t = d / f"target-{q}.gguf"
-        quantize_file(DEMO / "target.gguf", t, q, threads=1)
-        out[q] = (t, DEMO / "drafter.gguf")
-    dq = d / "drafter-q8_0.gguf"
-    quantize_file(DEMO / "drafter.gguf", dq, "q8_0", threads=1)
-    out["q8_0+q8_0 drafter"] = (out["q8_0"][0], dq)
-    return out
+    return kernel_child.quantized_demo_pairs(tmp_path_factory.mktemp("amx-demo"), DEMO)
 
 
 @pytest.mark.parametrize("kind", ["f16", "q8_0", "q4_0", "q4_k_m", "q8_0+q8_0 drafter"])
@@ -116,12 +107,7 @@ def test_dflash_amx_on_equals_off_and_plain(demo_pairs, kind):
 
 
 def test_tiny_quantized_pair_amx_on_equals_off(models, tmp_path):
-    from dflash_gguf.convert.quantize import quantize_file
-
-    p = models.pair("qwen3", "dflash", 8)
-    t, d = tmp_path / "t.gguf", tmp_path / "d.gguf"
-    quantize_file(p.target, t, "q4_0", threads=1)
-    quantize_file(p.drafter, d, "q8_0", threads=1)
+    t, d = kernel_child.quantized_tiny_pair(models, tmp_path)
     on, off = _generate(t, d, "1", 32), _generate(t, d, "0", 32)
     assert on["dflash"] == on["plain"] == off["plain"] == off["dflash"]
 
@@ -133,24 +119,3 @@ def test_amx_is_the_default_for_quantized_weights(demo_pairs):
     if not on["amx"]:
         pytest.fail(NO_AMX_BUFT)
     assert default["amx"] and default["dflash"] == on["dflash"] == default["plain"]
-
-
-def _child(target: str, drafter: str, n: int) -> None:
-    """Greedy plain and DFlash tokens of one pair in this process, as JSON on stdout."""
-    from dflash_gguf.mulmat import Ggml, default_lib_dir
-    from dflash_gguf.engine import Context, ContextOptions, Model
-    from dflash_gguf.spec import DFlashDecoder, GenerationStats
-
-    with Model(target) as tm, Model(drafter) as dm:
-        prompt = tm.tokenize(b"def read_lines(path):\n    \"\"\"Return the lines of a text file.\"\"\"\n")
-        opts = ContextOptions(n_ctx=512, n_batch=128, n_ubatch=128, n_threads=1)
-        with Context(tm, opts) as tctx, Context(dm, opts, other=tctx) as dctx:
-            plain = list(DFlashDecoder(tctx, None).generate(prompt, n, stop_tokens=[]))
-            stats = GenerationStats()
-            spec = list(DFlashDecoder(tctx, dctx).generate(prompt, n, stop_tokens=[], stats=stats))
-    amx = "AMX" in Ggml(default_lib_dir()).extra_bufts()
-    print(json.dumps({"plain": plain, "dflash": spec, "tau": stats.tau, "amx": amx}))
-
-
-if __name__ == "__main__":
-    _child(sys.argv[1], sys.argv[2], int(sys.argv[3]))

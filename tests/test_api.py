@@ -127,7 +127,7 @@ def test_chat_template_kwargs(pair):
     on = llm.create_chat_completion(msgs, max_tokens=8, temperature=0)
     off = llm.create_chat_completion(msgs, max_tokens=8, temperature=0, chat_template_kwargs={"enable_thinking": False})
     assert off["usage"]["prompt_tokens"] > on["usage"]["prompt_tokens"]
-    assert_served(off["dflash"])
+    assert_served(off["dflash"], drafted=False)   # the random pair's drafter is never right: the gate may go plain
     with pytest.raises(ValueError, match="repeat request parameters"):
         llm.create_chat_completion(msgs, chat_template_kwargs={"temperature": 1})
     llm.close()

@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 
 from dflash_gguf import paths
+from dflash_gguf.bench.upstream import upstream_generated
 from dflash_gguf.engine import Context, ContextOptions, Model
 from dflash_gguf.spec import DFlashDecoder, GenerationStats
 
@@ -56,8 +57,9 @@ def run_ours(target: Path, drafter: Path, n_max: int, n_tokens: int):
     prompt = tm.tokenize(PROMPT.encode())
     out = list(dec.generate(prompt, n_tokens, stats=st))
     text = tm.detokenize(out)
+    echo = tm.detokenize(prompt, special=True)     # how upstream prints the prompt before its generation
     dc.close(), tc.close(), dm.close(), tm.close()
-    return out, text, st
+    return out, text, echo, st
 
 
 def repeating_pair(models, tmp_path: Path):
@@ -98,9 +100,11 @@ def test_same_tokens_and_acceptance_as_upstream(models, tmp_path, case):
     else:
         target, drafter = repeating_pair(models, tmp_path)
     up = run_upstream(target, drafter, 7, 48)
-    out, text, st = run_ours(target, drafter, 7, up["n_predict"])
-    assert len(out) == up["n_predict"] or st.finish == "stop"
-    assert text and text in up["stdout"], f"ours {text!r} not in upstream output {up['stdout']!r}"
+    out, text, echo, st = run_ours(target, drafter, 7, up["n_predict"])
+    assert len(out) == up["n_predict"]
+    # upstream prints the prompt, the generation, then blank lines: the generation must be ours exactly
+    gen = upstream_generated(up["stdout"], echo)
+    assert text and gen.startswith(text) and not gen[len(text):].strip(b"\n"), (text, up["stdout"])
     assert st.accepted == up["n_accept"]
     if case == "repeating":
         assert 0 < st.accepted < st.drafted       # partial acceptance really happened

@@ -21,8 +21,11 @@ from pathlib import Path
 
 import pytest
 
+import kernel_child
+
 from dflash_gguf import paths
-from dflash_gguf.mulmat import BUFT_TYPES, cpu_flags, default_lib_dir
+from dflash_gguf.cpu import cpu_flags
+from dflash_gguf.mulmat import BUFT_TYPES, default_lib_dir
 
 FLAGS = cpu_flags()
 pytestmark = pytest.mark.skipif(not {"avx2", "fma", "f16c"} <= FLAGS,
@@ -123,26 +126,14 @@ def test_avx2_variant_every_type_and_row_count(avx2_lib):
 
 # ---------------------------------------------------------------- end to end
 def _generate(target: Path, drafter: Path, x86mm: str, n: int = 48) -> dict:
-    p = _run([__file__, str(target), str(drafter), str(n)], x86mm)
-    assert p.returncode == 0, f"greedy generation with GGML_CPU_X86MM={x86mm}: {_died(p)}"
-    return json.loads(p.stdout.strip().splitlines()[-1])
+    got = kernel_child.run(target, drafter, n, 2, {"GGML_CPU_X86MM": x86mm, "GGML_CPU_AMX": "0"})
+    got["x86mm_weights"] = got["placed"].get("CPU_X86MM", 0)
+    return got
 
 
 @pytest.fixture(scope="module")
 def demo_pairs(tmp_path_factory):
-    """The shipped demo pair's target quantized by llama.cpp's quantizer, and a Q8_0 drafter."""
-    from dflash_gguf.convert.quantize import quantize_file
-
-    out = {}
-    d = tmp_path_factory.mktemp("x86mm-demo")
-    for q in ("q8_0", "q4_0", "q4_k_m"):      # q4_k_m: Q4_K, and Q6_K for attn_v, half of ffn_down, the head
-        t = d / f"target-{q}.gguf"
-        quantize_file(DEMO / "target.gguf", t, q, threads=1)
-        out[q] = (t, DEMO / "drafter.gguf")
-    dq = d / "drafter-q8_0.gguf"
-    quantize_file(DEMO / "drafter.gguf", dq, "q8_0", threads=1)
-    out["q4_0+q8_0 drafter"] = (out["q4_0"][0], dq)
-    return out
+    return kernel_child.quantized_demo_pairs(tmp_path_factory.mktemp("x86mm-demo"), DEMO)
 
 
 @pytest.mark.parametrize("kind", ["q8_0", "q4_0", "q4_k_m", "q4_0+q8_0 drafter"])
@@ -158,46 +149,7 @@ def test_dflash_equals_plain_with_the_kernels_on_and_off(demo_pairs, kind):
 
 
 def test_tiny_quantized_pair_with_the_kernels(models, tmp_path):
-    from dflash_gguf.convert.quantize import quantize_file
-
-    p = models.pair("qwen3", "dflash", 8)
-    t, d = tmp_path / "t.gguf", tmp_path / "d.gguf"
-    quantize_file(p.target, t, "q4_0", threads=1)
-    quantize_file(p.drafter, d, "q8_0", threads=1)
+    t, d = kernel_child.quantized_tiny_pair(models, tmp_path)
     on, off = _generate(t, d, "1", 32), _generate(t, d, "0", 32)
     assert on["x86mm_weights"] > 0
     assert on["dflash"] == on["plain"] and off["dflash"] == off["plain"]
-
-
-def _child(target: str, drafter: str, n: int) -> None:
-    """Greedy plain and DFlash tokens of one pair in this process, as JSON on stdout, and how many
-    weights llama.cpp placed in CPU_X86MM (from its load log)."""
-    from dflash_gguf.engine import Context, ContextOptions, Model
-    from dflash_gguf.logs import set_log_handler
-    from dflash_gguf.spec import DFlashDecoder, GenerationStats
-    import logging
-
-    seen: list[str] = []
-
-    class Grab(logging.Handler):
-        def emit(self, record):
-            seen.append(record.getMessage())
-
-    logger = logging.getLogger("x86mm-child")
-    logger.addHandler(Grab())
-    logger.setLevel(logging.DEBUG)
-    logger.propagate = False
-    set_log_handler(logger)
-    with Model(target) as tm, Model(drafter) as dm:
-        prompt = tm.tokenize(b"def read_lines(path):\n    \"\"\"Return the lines of a text file.\"\"\"\n")
-        opts = ContextOptions(n_ctx=512, n_batch=128, n_ubatch=128, n_threads=2)
-        with Context(tm, opts) as tctx, Context(dm, opts, other=tctx) as dctx:
-            plain = list(DFlashDecoder(tctx, None).generate(prompt, n, stop_tokens=[]))
-            stats = GenerationStats()
-            spec = list(DFlashDecoder(tctx, dctx).generate(prompt, n, stop_tokens=[], stats=stats))
-    placed = sum("CPU_X86MM" in m and "buffer size" in m for m in seen)
-    print(json.dumps({"plain": plain, "dflash": spec, "tau": stats.tau, "x86mm_weights": placed}))
-
-
-if __name__ == "__main__":
-    _child(sys.argv[1], sys.argv[2], int(sys.argv[3]))

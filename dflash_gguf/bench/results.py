@@ -3,13 +3,13 @@ from __future__ import annotations
 
 import os
 import platform
-import re
 import resource
 import statistics
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from dflash_gguf.cpu import cpu_flags, cpu_model
 from dflash_gguf.spec.stats import GenerationStats
 
 
@@ -28,21 +28,8 @@ def _peak_rss_mb(who=resource.RUSAGE_SELF) -> float:
 
 
 def machine_info() -> dict:
-    cpu = platform.processor() or platform.machine()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    flags = []
-    try:
-        txt = Path("/proc/cpuinfo").read_text()
-        flags = sorted({f for f in ("avx2", "avx512f", "amx_int8", "amx_bf16", "fma", "f16c")
-                        if re.search(rf"\b{f}\b", txt)})
-    except OSError:
-        pass
+    cpu = cpu_model() or platform.processor() or platform.machine()
+    flags = sorted(cpu_flags() & {"avx2", "avx512f", "avx512_vnni", "avx_vnni", "amx_int8", "amx_bf16", "fma", "f16c"})
     mem = None
     try:
         mem = int(Path("/proc/meminfo").read_text().split()[1]) / 2**20

@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from dflash_gguf import paths
-from dflash_gguf.mulmat import cpu_flags
+from dflash_gguf.cpu import cpu_flags, cpu_model
 from dflash_gguf.spec.proposer import DrafterProposer
 
 if TYPE_CHECKING:
@@ -108,15 +108,7 @@ def _file_id(path: Path) -> list:
 
 
 def _cpu_id() -> str:
-    model = ""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                model = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    return model + ";" + hashlib.sha256(" ".join(sorted(cpu_flags())).encode()).hexdigest()[:12]
+    return (cpu_model() or "") + ";" + hashlib.sha256(" ".join(sorted(cpu_flags())).encode()).hexdigest()[:12]
 
 
 def cache_key(decoder: "DFlashDecoder") -> str:
