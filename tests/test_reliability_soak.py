@@ -21,6 +21,17 @@ def _check(rep):
         assert {"fresh", "warm"} <= set(c["turn_kinds"]), c["turn_kinds"]
 
 
+def test_a_near_tie_is_bounded_both_ways():
+    """Only a gap within the margin (either sign) is rounding: a batch recompute that prefers DFlash's
+    token by a wide margin, or plain's pick winning by one, is a real divergence."""
+    d = {"scale": 10.0, "gap": 0.0, "gap_incremental": 1.0}
+    assert soak.is_near_tie({**d, "gap": 0.005}, 0.01, 1e-4)
+    assert soak.is_near_tie({**d, "gap": -0.005}, 0.01, 1e-4)
+    assert not soak.is_near_tie({**d, "gap": -5.0}, 0.01, 1e-4)
+    assert not soak.is_near_tie({**d, "gap": 5.0}, 0.01, 1e-4)
+    assert soak.is_near_tie({**d, "gap": 5.0, "gap_incremental": 0.004}, 0.01, 1e-4)
+
+
 def test_soak_demo_pair():
     rep = soak.run([soak.demo_config()], 800, seed=11)
     _check(rep)

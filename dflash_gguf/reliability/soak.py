@@ -124,9 +124,10 @@ class ConfigResult:
 def is_near_tie(d: dict, tie: float, rel_tie: float) -> bool:
     """A divergence explained by rounding: plain decoding's own pick won by at most the tie margin
     (as the reference ran, or recomputed in one batch), or plain decoding itself, with the prefix
-    recomputed in one batch, prefers DFlash's token (two plain computations disagree there)."""
+    recomputed in one batch, prefers DFlash's token by at most that margin (two plain computations
+    disagree there). A larger gap either way is not rounding."""
     lim = max(tie, rel_tie * d["scale"])
-    return d["gap"] <= 0 or abs(d["gap"]) <= lim or 0 <= d["gap_incremental"] <= lim
+    return abs(d["gap"]) <= lim or 0 <= d["gap_incremental"] <= lim
 
 
 class Oracle:
