@@ -14,7 +14,8 @@ to plain decoding. Near a tie (within ``PREFER_FULL``) it drafts the whole block
 measured rather than read off the fitted line. A step's cost is its whole work as the decoder
 measures it (drafting, verifying, acceptance and sampling, keeping the rows), so per-step overheads
 that do not scale with the model count on small pairs. It only changes speed: the decoder's output
-is the target's whatever length is drafted.
+is the target's whatever length is drafted. Given this machine's measured step costs as a prior
+(:mod:`dflash_gguf.spec.calibration`) it skips the warm-up that measures them.
 """
 from __future__ import annotations
 

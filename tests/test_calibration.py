@@ -44,7 +44,7 @@ def test_the_gate_starts_from_measured_costs_and_stays_lossless(pair, cache):
 def test_a_second_decoder_reads_the_costs_instead_of_measuring(pair, cache, monkeypatch):
     first = pair.decoder(SpecOptions(adaptive=True))
 
-    def no_measure(decoder):
+    def no_measure(decoder, rounds):
         raise AssertionError("measured again although the costs are cached")
 
     monkeypatch.setattr(calibration, "measure", no_measure)
@@ -75,6 +75,17 @@ def test_an_unreadable_cache_file_is_measured_again(pair, cache, caplog):
 def test_without_calibration_the_gate_warms_up_as_before(pair, cache):
     dec = pair.decoder(SpecOptions(adaptive=True, calibrate=False))
     assert not list(cache.glob("*.json")) and np.isnan(dec.gate.cost).all()
+
+
+def test_a_context_too_small_for_the_schedule_gives_no_prior(cache, monkeypatch):
+    """The gate then warms up as without calibration; nothing is cached, nothing raises. (llama.cpp
+    rounds a context up to 256 cells: 40 rounds of the schedule do not fit in it.)"""
+    monkeypatch.setattr(calibration, "ROUNDS", 40)
+    with OpenPair(DEMO / "target.gguf", DEMO / "drafter.gguf", ContextOptions(n_ctx=256, n_threads=2)) as small:
+        dec = small.decoder(SpecOptions(adaptive=True))
+        assert np.isnan(dec.gate.cost).all() and not list(cache.glob("*.json"))
+        prompt = small.target.tokenize(PROMPT)
+        assert list(dec.generate(prompt, 20, stop_tokens=[])) == list(small.plain().generate(prompt, 20, stop_tokens=[]))
 
 
 def test_the_schedule_covers_both_ends_and_the_powers_of_two():

@@ -75,8 +75,9 @@ class _Schedule:
             self.i += 1
 
 
-def measure(decoder: "DFlashDecoder", rounds: int = ROUNDS) -> np.ndarray:
-    """Seconds of one step drafting n = 0..n_draft tokens on this decoder's contexts (clears their caches)."""
+def measure(decoder: "DFlashDecoder", rounds: int) -> np.ndarray | None:
+    """Seconds of one step drafting n = 0..n_draft tokens on this decoder's contexts (clears their
+    caches); None when the target's context is too small for the schedule."""
     n_max = decoder.n_draft
     lengths = schedule_lengths(n_max)
     sched = _Schedule(lengths, rounds)
@@ -93,8 +94,8 @@ def measure(decoder: "DFlashDecoder", rounds: int = ROUNDS) -> np.ndarray:
         decoder.gate, decoder.proposer = saved
         decoder.reset()
     known = {n: float(np.median(v)) for n, v in sched.seen.items() if v}
-    if 0 not in known or n_max not in known:
-        raise RuntimeError(f"calibration measured only the lengths {sorted(known)} (context too small?)")
+    if not sched.done or 0 not in known or n_max not in known:
+        return None
     xs = sorted(n for n in known if n >= 1)
     costs = np.empty(n_max + 1)
     costs[0] = known[0]
@@ -128,8 +129,9 @@ def cache_file(key: str) -> Path:
     return paths.cache_dir() / "calibration" / f"{key}.json"
 
 
-def step_costs(decoder: "DFlashDecoder") -> np.ndarray:
-    """The cached cost prior of this decoder's pair on this machine, measured now if there is none."""
+def step_costs(decoder: "DFlashDecoder") -> np.ndarray | None:
+    """The cached cost prior of this decoder's pair on this machine, measured now if there is none
+    (None, and nothing cached, where the target's context cannot hold the schedule's steps)."""
     key = cache_key(decoder)
     f = cache_file(key)
     if f.exists():
@@ -144,8 +146,12 @@ def step_costs(decoder: "DFlashDecoder") -> np.ndarray:
     log.info("measuring DFlash step costs of %s + %s on this machine (once; cached)",
              decoder.target.model.path.name, decoder.drafter.model.path.name)
     t0 = time.perf_counter()
-    costs = measure(decoder)
+    costs = measure(decoder, ROUNDS)
     seconds = time.perf_counter() - t0
+    if costs is None:
+        log.info("no step-cost prior: the target's context (%d) is too small for the calibration's steps; "
+                 "the speed gate measures costs as it decodes", decoder.target.n_ctx)
+        return None
     f.parent.mkdir(parents=True, exist_ok=True)
     tmp = f.with_suffix(f".tmp{os.getpid()}")
     tmp.write_text(json.dumps({"costs": costs.tolist(), "seconds": round(seconds, 3),

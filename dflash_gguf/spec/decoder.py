@@ -115,8 +115,8 @@ class DFlashDecoder:
         self._argmax = np.zeros(bs, dtype=np.int32)
         self.eog = frozenset(int(t) for t in target.model.eog_tokens)   # default stop tokens
         self.reset()   # the decoder owns both caches from here on
-        if gated and self.opts.calibrate:
-            costs = calibration.step_costs(self)      # cached per pair, machine and settings
+        costs = calibration.step_costs(self) if gated and self.opts.calibrate else None   # cached per pair and machine
+        if costs is not None:
             self.gate = DraftLength(self.n_draft, costs)
             self.gate_sampled = DraftLength(self.n_draft, costs)
         log.debug("decoder ready: drafter=%s n_draft=%d rollback=%s", self.info, self.n_draft, self.rollback)
