@@ -116,7 +116,10 @@ def test_bench_writes_json(tmp_path):
         assert tps["min"] <= tps["median"] <= tps["max"] and tps["median"] > 0
         assert m[mode]["peak_rss_mb"] > 0
     d = m["dflash"]
-    assert d["acceptance_length"] >= 1.0 and len(d["per_position_acceptance"]) == res["meta"]["n_draft"]
+    # one rate per drafted position: the speed gate (on by default) may not reach the whole block in 12 tokens
+    ppa = d["per_position_acceptance"]
+    assert d["acceptance_length"] >= 1.0 and 1 <= len(ppa) <= res["meta"]["n_draft"]
+    assert all(x is None or 0.0 <= x <= 1.0 for x in ppa), ppa
     assert set(d["time_s"]) >= {"prefill", "draft", "verify", "inject", "rollback", "python"}
     assert res["outputs_equal"]["dflash_vs_plain"] is True
     assert res["speedup"]["dflash_over_plain"] > 0
