@@ -591,6 +591,7 @@ Llama.create_chat_completion.__signature__ = _signature(llama_cpp.Llama.create_c
                                                         chat_template_kwargs=None)
 Llama.__init__.__signature__ = _signature(llama_cpp.Llama.__init__, draft_model_path=None, draft_n_max=None,
                                           draft_adaptive=True, dflash=True, draft_n_gpu_layers=None,
-                                          draft_use_mmap=False)
+                                          draft_use_mmap=False, draft_window=None, low_memory=False,
+                                          rollback_memory_mb=None)
 
 __all__ = ["Llama", "check_grammar", "pair_files"]

@@ -460,3 +460,18 @@ def test_low_memory_on_the_demo_pair_quantizes_the_kv_and_keeps_the_text():
             assert out["dflash"]["acceptance_length"] > 1.5      # the trained drafter still drafts well
     finally:
         llm.close()
+
+
+def test_the_advertised_init_signature_lists_every_keyword_init_takes():
+    """``inspect.signature(Llama)`` (IDEs, help()) shows llama_cpp's parameters plus ours: every keyword-only
+    parameter of ``Llama.__init__`` must be there with its real default."""
+    import inspect
+
+    code = Llama.__init__.__code__
+    ours = code.co_varnames[code.co_argcount:code.co_argcount + code.co_kwonlyargcount]
+    shown = inspect.signature(Llama.__init__).parameters
+    defaults = Llama.__init__.__kwdefaults__
+    missing = [k for k in ours if k not in shown]
+    assert not missing, f"Llama.__init__.__signature__ omits {missing}"
+    assert {k: shown[k].default for k in ours} == {k: defaults[k] for k in ours}
+
