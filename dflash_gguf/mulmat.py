@@ -16,6 +16,7 @@ A crash in a kernel kills the process, so callers (tests) run this in a child pr
 from __future__ import annotations
 
 import argparse
+import contextlib
 import ctypes
 import json
 import logging
@@ -274,6 +275,17 @@ def parse_rows(spec: str) -> list[int]:
     return rows
 
 
+@contextlib.contextmanager
+def cpu_backend(ggml: Ggml, threads: int):
+    """ggml's CPU backend with ``threads`` threads, freed on exit."""
+    backend = ggml.ggml_backend_cpu_init()
+    ggml.ggml_backend_cpu_set_n_threads(backend, threads)
+    try:
+        yield backend
+    finally:
+        ggml.ggml_backend_free(backend)
+
+
 def run_grid(ggml: Ggml, buft_name: str, types: list[str], rows: list[int], k: int, n: int,
              batch: int, threads: int, seed: int = 0):
     """One CaseResult per (type, row count); raises if the buffer type is not registered."""
@@ -282,10 +294,8 @@ def run_grid(ggml: Ggml, buft_name: str, types: list[str], rows: list[int], k: i
         raise RuntimeError(f"no {buft_name} buffer type in this ggml (extra buffer types: {sorted(bufts)})")
     buft = bufts[buft_name]
     cpu = ggml.ggml_backend_cpu_buffer_type()
-    backend = ggml.ggml_backend_cpu_init()
-    ggml.ggml_backend_cpu_set_n_threads(backend, threads)
     rng = np.random.default_rng(seed)
-    try:
+    with cpu_backend(ggml, threads) as backend:
         for name in types:
             t = GGML_TYPES[name]
             w = rng.standard_normal((n, k)).astype(np.float32)
@@ -312,17 +322,13 @@ def run_grid(ggml: Ggml, buft_name: str, types: list[str], rows: list[int], k: i
                 ok = (bool(np.isfinite(y).all()) and err <= tolerance(buft_name, name, err_cpu) and diff_ok
                       and (rows_exact or buft_name not in ROW_EXACT_BUFTS))
                 yield CaseResult(buft_name, name, k, n, m, batch, err, err_cpu, diff, diff_ok, rows_exact, ok)
-    finally:
-        ggml.ggml_backend_free(backend)
 
 
 def time_bufts(ggml: Ggml, bufts: dict[str, int], types: list[str], k: int, n: int, rows: list[int],
                repeats: int, threads: int, seed: int = 0):
     """Yield one timing record per (type, buffer type that claims it): fastest MUL_MAT per row count, ms."""
-    backend = ggml.ggml_backend_cpu_init()
-    ggml.ggml_backend_cpu_set_n_threads(backend, threads)
     rng = np.random.default_rng(seed)
-    try:
+    with cpu_backend(ggml, threads) as backend:
         for name in types:
             t = GGML_TYPES[name]
             wq = ggml.quantize(t, rng.standard_normal((n, k)).astype(np.float32))
@@ -332,8 +338,6 @@ def time_bufts(ggml: Ggml, bufts: dict[str, int], types: list[str], k: int, n: i
                 ts = time_mul_mat(ggml, backend, buft, t, wq, n, k, rows, repeats)
                 yield {"type": name, "k": k, "n": n, "threads": threads, "buft": bname,
                        "ms": {m: round(v * 1e3, 4) for m, v in ts.items()}}
-    finally:
-        ggml.ggml_backend_free(backend)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -19,16 +19,24 @@ from pathlib import Path
 PROMPT = b"def read_lines(path):\n    \"\"\"Return the lines of a text file.\"\"\"\n"
 
 
-def run(target: Path, drafter: Path, n: int, threads: int, env: dict[str, str | None], timeout: int = 600) -> dict:
-    """Run this script in a child with ``env`` (None: unset) on top of this process's environment."""
+def python(args: list[str], env: dict[str, str | None], timeout: int = 600) -> subprocess.CompletedProcess:
+    """``python ARGS`` in a child with ``env`` (None: unset) on top of this process's environment."""
     child_env = {k: v for k, v in os.environ.items() if k not in env}
     child_env.update({k: v for k, v in env.items() if v is not None})
-    p = subprocess.run([sys.executable, __file__, str(target), str(drafter), str(n), str(threads)],
-                       env=child_env, capture_output=True, text=True, timeout=timeout)
+    return subprocess.run([sys.executable, *args], env=child_env, capture_output=True, text=True, timeout=timeout)
+
+
+def died(p: subprocess.CompletedProcess) -> str:
+    """How a child ended (a signal, or its exit status), with the end of its stderr."""
+    sig = -p.returncode if p.returncode < 0 else None
+    return (f"the child process died (signal {sig})" if sig else f"exit {p.returncode}") + f":\n{p.stderr[-3000:]}"
+
+
+def run(target: Path, drafter: Path, n: int, threads: int, env: dict[str, str | None], timeout: int = 600) -> dict:
+    """Run this script in a child with ``env``; its JSON line."""
+    p = python([__file__, str(target), str(drafter), str(n), str(threads)], env, timeout)
     if p.returncode != 0:
-        sig = -p.returncode if p.returncode < 0 else None
-        why = f"the child process died (signal {sig})" if sig else f"exit {p.returncode}"
-        raise AssertionError(f"greedy generation with {env}: {why}:\n{p.stderr[-3000:]}")
+        raise AssertionError(f"greedy generation with {env}: {died(p)}")
     return json.loads(p.stdout.strip().splitlines()[-1])
 
 

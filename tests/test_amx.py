@@ -8,9 +8,6 @@ the AMX buffer type fails (a skip there would hide a broken build).
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -32,27 +29,14 @@ DEMO = paths.DEMO_DIR
 ROWS = "1-17,32,33,100"
 
 
-def _run(args: list[str], amx: str | None, timeout: int = 300) -> subprocess.CompletedProcess:
-    """Run a child with GGML_CPU_AMX=amx (None: unset, i.e. the default of patches/0004)."""
-    env = {k: v for k, v in os.environ.items() if k != "GGML_CPU_AMX"}
-    if amx is not None:
-        env["GGML_CPU_AMX"] = amx
-    return subprocess.run([sys.executable, *args], env=env, capture_output=True, text=True, timeout=timeout)
-
-
-def _died(p: subprocess.CompletedProcess) -> str:
-    sig = -p.returncode if p.returncode < 0 else None
-    return (f"the child process died (signal {sig})" if sig else f"exit {p.returncode}") + f":\n{p.stderr[-3000:]}"
-
-
 def _grid(extra: list[str]) -> list[dict]:
-    p = _run(["-m", "dflash_gguf.amx", *extra], "1")
+    p = kernel_child.python(["-m", "dflash_gguf.amx", *extra], {"GGML_CPU_AMX": "1"}, timeout=300)
     if p.returncode == 3:
         pytest.fail(NO_AMX_BUFT)
     cases = [json.loads(line) for line in p.stdout.splitlines() if line.startswith("{")]
     if p.returncode not in (0, 1):
         last = cases[-1] if cases else None
-        pytest.fail(f"MUL_MAT through the AMX buffer type: {_died(p)}\nlast case that finished: {last}")
+        pytest.fail(f"MUL_MAT through the AMX buffer type: {kernel_child.died(p)}\nlast case that finished: {last}")
     return cases
 
 

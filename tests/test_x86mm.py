@@ -14,9 +14,6 @@ AVX2/FMA/F16C; on a CPU with them, an installed ggml without the buffer type fai
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -40,30 +37,21 @@ N_ROWS = 17 + 6
 AVX512 = {"avx512f", "avx512bw", "avx512vl", "avx512_vnni"} <= FLAGS
 
 
-def _run(args: list[str], x86mm: str | None = None, timeout: int = 600) -> subprocess.CompletedProcess:
-    env = {k: v for k, v in os.environ.items() if k not in ("GGML_CPU_X86MM", "GGML_CPU_AMX")}
-    env["GGML_CPU_AMX"] = "0"           # on an AMX machine AMX would take these weights first
-    if x86mm is not None:
-        env["GGML_CPU_X86MM"] = x86mm
-    return subprocess.run([sys.executable, *args], env=env, capture_output=True, text=True, timeout=timeout)
-
-
-def _died(p: subprocess.CompletedProcess) -> str:
-    sig = -p.returncode if p.returncode < 0 else None
-    return (f"the child process died (signal {sig})" if sig else f"exit {p.returncode}") + f":\n{p.stderr[-3000:]}"
+# on an AMX machine AMX would take these weights first
+GRID_ENV = {"GGML_CPU_AMX": "0", "GGML_CPU_X86MM": None}
 
 
 def _grid(extra: list[str], lib_dir: Path | None = None) -> list[dict]:
     args = ["-m", "dflash_gguf.mulmat", "--buft", "CPU_X86MM", *extra]
     if lib_dir is not None:
         args += ["--lib-dir", str(lib_dir)]
-    p = _run(args)
+    p = kernel_child.python(args, GRID_ENV)
     if p.returncode == 3:
         pytest.fail("this CPU has AVX2+FMA+F16C but ggml registers no CPU_X86MM buffer type: the build lost "
                     f"patches/0014 (rebuild with `make build FORCE=1`)\n{p.stderr[-2000:]}")
     cases = [json.loads(line) for line in p.stdout.splitlines() if line.startswith("{")]
     if p.returncode not in (0, 1):
-        pytest.fail(f"MUL_MAT through CPU_X86MM: {_died(p)}\nlast case that finished: {cases[-1] if cases else None}")
+        pytest.fail(f"MUL_MAT through CPU_X86MM: {kernel_child.died(p)}\nlast case that finished: {cases[-1] if cases else None}")
     return cases
 
 
@@ -96,7 +84,7 @@ def _isa(lib_dir: Path) -> str:
     code = ("import ctypes,sys; base=ctypes.CDLL(sys.argv[1]+'/libggml-base.so', mode=ctypes.RTLD_GLOBAL); "
             "cpu=ctypes.CDLL(sys.argv[1]+'/libggml-cpu.so'); f=cpu.ggml_backend_cpu_x86mm_isa; "
             "f.restype=ctypes.c_char_p; r=f(); print(r.decode() if r else '')")
-    p = subprocess.run([sys.executable, "-c", code, str(lib_dir)], capture_output=True, text=True, timeout=60)
+    p = kernel_child.python(["-c", code, str(lib_dir)], {}, timeout=60)
     assert p.returncode == 0, p.stderr
     return p.stdout.strip()
 

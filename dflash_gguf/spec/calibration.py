@@ -30,6 +30,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from dflash_gguf import _bindings as B
 from dflash_gguf import paths
 from dflash_gguf.cpu import cpu_flags, cpu_model
 from dflash_gguf.spec.proposer import DrafterProposer
@@ -117,7 +118,7 @@ def cache_key(decoder: "DFlashDecoder") -> str:
 
     t, d = decoder.target, decoder.drafter
     ident = {
-        "format": FORMAT, "version": __version__, "series": paths.patch_series_hash(),
+        "format": FORMAT, "version": __version__, "build": B.BUILD_STAMP,   # the loaded library's patch series
         "target": _file_id(t.model.path), "drafter": _file_id(d.model.path), "n_draft": decoder.n_draft,
         "threads": t.opts.n_threads or os.cpu_count(), "n_ubatch": [t.n_ubatch, d.n_ubatch],
         "flash_attn": t.opts.flash_attn, "cpu": _cpu_id(), "env": {k: os.environ.get(k) for k in KERNEL_ENV},
