@@ -40,7 +40,7 @@ from dflash_gguf.engine import Context, ContextOptions, DrafterInfo, Model, clam
 from dflash_gguf.pair import pair_files
 from dflash_gguf.errors import BusyError, ModelFileError, ModelNotFoundError
 from dflash_gguf.gguf_check import check_gguf
-from dflash_gguf.memory import LOW_MEMORY_DRAFT_WINDOW, low_memory_settings, release_free_heap
+from dflash_gguf.memory import LOW_MEMORY_DRAFT_CACHE, low_memory_settings, release_free_heap
 from dflash_gguf.sampling import SamplingParams
 from dflash_gguf.spec.decoder import DFlashDecoder, SpecOptions, common_prefix_len
 from dflash_gguf.spec.rollback import choose_for_memory, recurrent_state_bytes
@@ -131,9 +131,7 @@ class Llama(PairConstructors, llama_cpp.Llama):
         if low_memory:
             for key, value in low_memory_settings(headers["target"]).items():
                 kwargs.setdefault(key, value)
-            if draft_window is None:
-                draft_window = LOW_MEMORY_DRAFT_WINDOW
-        self.draft_window = draft_window
+        self.draft_window = draft_window   # None with low_memory: 512 - block (the drafter's, see _open_drafter)
         try:
             super().__init__(model_path, **kwargs)
         except ValueError as e:
@@ -161,8 +159,11 @@ class Llama(PairConstructors, llama_cpp.Llama):
             self._stack.callback(self._close_dflash)   # again: the drafter must go before the new context
         target = borrowed()
         flash = self.context_params.flash_attn_type == llama_cpp.LLAMA_FLASH_ATTN_TYPE_ENABLED
+        window = self.draft_window
+        if window is None and self.low_memory:
+            window = max(LOW_MEMORY_DRAFT_CACHE - DrafterInfo.read(self._draft_model).block_size, 1)
         opts = ContextOptions(n_ctx=self._n_ctx, n_batch=self.n_batch, n_ubatch=self.context_params.n_ubatch,
-                              n_threads=self.n_threads, flash_attn=flash, draft_window=self.draft_window)
+                              n_threads=self.n_threads, flash_attn=flash, draft_window=window)
         self._draft_ctx = Context(self._draft_model, opts, other=target)
         release_free_heap()   # what loading the drafter freed goes back to the system
         self._decoder = DFlashDecoder(target, self._draft_ctx,

@@ -69,13 +69,19 @@ class CrossError(RuntimeError):
     """A cross-build or emulation step failed; the message says which and what to do."""
 
 
+class ToolMissing(CrossError):
+    """This machine lacks a tool or package the step needs (a cross compiler, qemu-user, binutils,
+    Debian's arm64 package lists): not a fault of the project's code, so tests skip on it, and only
+    on it."""
+
+
 # --------------------------------------------------------------------------- toolchain
 
 def compilers(triple: str) -> tuple[str, str]:
     cc, cxx = f"{triple}-gcc", f"{triple}-g++"
     if not shutil.which(cc) or not shutil.which(cxx):
         pkg = triple.replace("_", "-")
-        raise CrossError(f"cross compiler {cc}/{cxx} not found: install gcc-{pkg} and g++-{pkg} "
+        raise ToolMissing(f"cross compiler {cc}/{cxx} not found: install gcc-{pkg} and g++-{pkg} "
                          f"(Debian: apt-get install g++-{pkg})")
     return cc, cxx
 
@@ -174,7 +180,7 @@ def _readelf() -> str:
     for name in ("aarch64-linux-gnu-readelf", "readelf"):
         if shutil.which(name):
             return shutil.which(name)
-    raise CrossError("readelf not found (binutils): needed to read the libraries' sonames")
+    raise ToolMissing("readelf not found (binutils): needed to read the libraries' sonames")
 
 
 def _dynamic(lib: Path) -> tuple[str | None, list[str]]:
@@ -251,7 +257,7 @@ def make_wheel(tree: Path, bindir: Path, out_dir: Path, version: str, plat: str 
 def _apt(*args: str) -> str:
     r = subprocess.run(list(args), capture_output=True, text=True)
     if r.returncode != 0:
-        raise CrossError(f"{' '.join(args)} failed: {r.stderr.strip()[-600:]}\nThe emulated Python needs "
+        raise ToolMissing(f"{' '.join(args)} failed: {r.stderr.strip()[-600:]}\nThe emulated Python needs "
                          "Debian's arm64 packages: dpkg --add-architecture arm64 && apt-get update")
     return r.stdout
 
@@ -259,7 +265,7 @@ def _apt(*args: str) -> str:
 def guest_python_version(arch: str = "arm64") -> str:
     """The X.Y of the distribution's python3 for ``arch`` (from apt's package lists)."""
     if not shutil.which("apt-cache"):
-        raise CrossError("apt-cache not found: the emulated aarch64 Python is built from Debian/Ubuntu arm64 packages")
+        raise ToolMissing("apt-cache not found: the emulated aarch64 Python is built from Debian/Ubuntu arm64 packages")
     out = _apt("apt-cache", "show", "--no-all-versions", f"python3-minimal:{arch}")
     m = re.search(r"^(?:Pre-)?Depends:.*?python(3\.\d+)-minimal", out, re.M)
     if not m:
@@ -289,7 +295,7 @@ def sysroot(arch: str = "arm64") -> Path:
     with tempfile.TemporaryDirectory(dir=paths.cache_dir()) as tmp:
         r = subprocess.run(["apt-get", "download", *pkgs], cwd=tmp, capture_output=True, text=True)
         if r.returncode != 0:
-            raise CrossError(f"apt-get download of the {arch} packages failed: {r.stderr.strip()[-800:]}")
+            raise ToolMissing(f"apt-get download of the {arch} packages failed: {r.stderr.strip()[-800:]}")
         for deb in sorted(Path(tmp).glob("*.deb")):
             subprocess.run(["dpkg-deb", "-x", str(deb), str(root)], check=True)
     py = root / "usr" / "bin" / f"python{pyver}"
@@ -324,7 +330,7 @@ def guest_python(wheel: Path, cpu: str = "max") -> tuple[list[str], dict]:
     """(command prefix, environment) that run the emulated aarch64 CPython with the wheel installed."""
     qemu = find_qemu()
     if qemu is None:
-        raise CrossError("qemu-aarch64-static not found (Debian: apt-get install qemu-user-static)")
+        raise ToolMissing("qemu-aarch64-static not found (Debian: apt-get install qemu-user-static)")
     root = sysroot()
     pyver = json.loads((root / ".complete").read_text())["python"]
     site = guest_site(wheel, pyver)

@@ -155,7 +155,8 @@ def main(argv=None) -> int:
     print()
     print(f"Results (median of {len(spec_runs)} runs, {len(plain_tokens)} tokens each, prompt {len(ids)} tokens):")
     print(f"  plain decoding   : {tps_plain:8.1f} tokens/s   (one target pass per token)")
-    print(f"  DFlash decoding  : {tps_spec:8.1f} tokens/s   ({best.steps} target passes for {best.n_generated} tokens)")
+    print(f"  DFlash decoding  : {tps_spec:8.1f} tokens/s   ({best.passes} target passes for {best.n_generated} tokens, "
+          f"{best.steps} of them verifying drafted blocks)")
     print(f"  speed-up         : {speedup:8.2f} x")
     print(f"  acceptance length: {best.tau:8.2f} tokens per target pass "
           f"({best.accepted} of {best.drafted} drafted tokens accepted)")

@@ -25,7 +25,11 @@ import numpy as np
 class DraftLength:
     WARMUP = (None, 0, None, "half", None)                  # None = n_max; costs of n_max, half and 0
     WARMUP_GIVE_UP = 2                                       # drafted blocks with not one token right: warm-up ends
-    PROBE_SHORT = 4                                          # tokens drafted by a probe while decoding plainly
+    PROBE_SHORT = 4                                          # tokens drafted by a probe while decoding plainly (at most)
+    PROBE_FREE = 0.1                                         # ... with a cost prior: the longest probe costing at most
+                                                             #     this x a plain step more than drafting one token
+    PROBE_BUDGET = 0.025                                     # probes of a never-right drafter: at most this share of
+                                                             #     plain decoding's time (sets the gap between them)
     PROBE_EVERY = 24                                         # re-measure n_max and plain now and then ...
     PROBE_SOON = 4                                           # ... sooner after leaving a drafter that
     DIP = 1.5                                                #     still gets this many tokens per step
@@ -39,24 +43,29 @@ class DraftLength:
 
     def __init__(self, n_max: int, costs: np.ndarray | None = None):
         """``costs``: a prior for the seconds of a step drafting n = 0..n_max tokens on this machine
-        (:mod:`dflash_gguf.spec.calibration`). With it the warm-up is one short block (the drafter's
+        (:mod:`dflash_gguf.spec.calibration`). With it the warm-up is one probe (the drafter's
         acceptance is all there is left to see, and a drafter that is never right then costs one
-        PROBE_SHORT block instead of a full one); without it the warm-up measures costs too."""
+        short block, as long as rows stay nearly free, instead of a full one), and probes while
+        decoding plainly are spaced to cost at most PROBE_BUDGET; without it the warm-up measures
+        costs too."""
         self.n_max = n_max
         self.hits = np.zeros(n_max)                 # position i accepted (decayed count)
         self.tries = np.zeros(n_max)                # position i reached: drafted, all before it accepted
         self.cost = np.full(n_max + 1, np.nan)      # seconds of one step drafting n tokens
+        self._prior = np.zeros(n_max + 1, bool)     # cost[n] is still the prior's, no step of n seen yet
         if costs is not None:
             if len(costs) != n_max + 1:
                 raise ValueError(f"a cost prior needs {n_max + 1} entries (n = 0..{n_max}), got {len(costs)}")
             self.cost[:] = costs
+            self._prior[:] = True
         self.steps = 0
         self.last = n_max
         self._plan: int | None = None
-        self.probe_every = self.PROBE_EVERY
-        self._warmup_plan = self.WARMUP if costs is None else (self.PROBE_SHORT,)
+        self.probe_len = self._probe_length()
+        self.probe_every = self._probe_gap()
+        self._warmup_plan = self.WARMUP if costs is None else (self.probe_len,)
         self._warmup = len(self._warmup_plan)
-        self._next_probe = self._warmup + self.PROBE_EVERY
+        self._next_probe = self._warmup + self.probe_every
         self._probes = 0
         self._blocks = 0                            # drafting steps so far
         self._right = 0                             # ... in which at least one token was accepted
@@ -66,7 +75,7 @@ class DraftLength:
             # a drafter that has not got one token right in its first blocks: the rest of the warm-up
             # (costs of other lengths) cannot change the choice, plain decoding; probes will look again
             self._warmup = self.steps - 1
-            self._next_probe = self.steps + self.PROBE_EVERY
+            self._next_probe = self.steps + self._probe_gap()
         if self.steps <= self._warmup:
             w = self._warmup_plan[self.steps - 1]
         elif self.steps >= self._next_probe:
@@ -76,7 +85,7 @@ class DraftLength:
             self._probes += 1
             self._next_probe = self.steps + self.probe_every
             if not self._plan:
-                return min(self.PROBE_SHORT, self.n_max)
+                return self.probe_len
             # (a middle length re-measures both ends in turn: its own cost is measured every step)
             w = 0 if self._plan == self.n_max or (self._plan > 0 and self._probes % 2 == 0) else None
         else:
@@ -84,6 +93,26 @@ class DraftLength:
         if w is None:
             return self.n_max
         return max(1, self.n_max // 2) if w == "half" else min(int(w), self.n_max)
+
+    def _probe_length(self) -> int:
+        """Tokens a probe drafts: PROBE_SHORT, or with known costs the longest probe up to it whose
+        extra rows are nearly free (a probe of a drafter that is never right costs its whole step
+        beyond a plain one; the rows past the first only add draws of deeper positions)."""
+        short = min(self.PROBE_SHORT, self.n_max)
+        c = self.cost
+        if np.isnan(c[: short + 1]).any():
+            return short
+        return max(n for n in range(1, short + 1) if c[n] <= c[1] + self.PROBE_FREE * c[0])
+
+    def _probe_gap(self) -> int:
+        """Steps between probes while decoding plainly: PROBE_EVERY, or more where a probe costs so
+        much more than a plain step (a drafter call that costs more than the target's decode) that
+        probing every PROBE_EVERY steps would cost a never-right drafter over PROBE_BUDGET."""
+        c0, cp = self.cost[0], self.cost[self.probe_len]
+        if np.isnan(c0) or np.isnan(cp) or c0 <= 0:
+            return self.PROBE_EVERY
+        need = int(np.ceil(max(cp - c0, 0.0) / (self.PROBE_BUDGET * c0)))
+        return int(min(max(need, self.PROBE_EVERY), 4 * self.PROBE_MAX))
 
     def expected_tokens(self) -> np.ndarray:
         """Expected tokens per step for n = 0..n_max drafted tokens."""
@@ -130,6 +159,9 @@ class DraftLength:
                 # is re-probed soon
                 steady = plan == self._plan
                 self.probe_every = min(self.probe_every * 2, self.PROBE_MAX) if steady else self.PROBE_EVERY
+                if plan == 0 and expected[-1] <= self.DIP:
+                    # a drafter that looks never right: probed no faster than its probes' cost allows
+                    self.probe_every = max(self.probe_every, self._probe_gap())
                 if plan == 0 and not steady and expected[-1] > self.DIP:
                     self.probe_every = self.PROBE_SOON
                     self._next_probe = min(self._next_probe, self.steps + self.PROBE_SOON)
@@ -155,8 +187,14 @@ class DraftLength:
             self.tries[:min(accepted + 1, n)] += 1
             self.hits[:accepted] += 1
         c = self.cost[n]
-        if not np.isnan(c):
-            # one slow step (the OS, a page fault, a collector pause) moves the estimate a little; a
-            # lasting change still shows within a few steps
-            seconds = min(seconds, self.OUTLIER * c)
-        self.cost[n] = seconds if np.isnan(c) else (1 - self.COST_EMA) * c + self.COST_EMA * seconds
+        if np.isnan(c):
+            self.cost[n] = seconds
+            return
+        # one slow step (the OS, a page fault, a collector pause) moves the estimate a little; a
+        # lasting change still shows within a few steps
+        seconds = min(seconds, self.OUTLIER * c)
+        # the prior (measured once, perhaps on a busier machine or a shorter context) stands in until
+        # the first real step of that length, as the warm-up's first step does without a prior
+        w = 1.0 if self._prior[n] else self.COST_EMA
+        self._prior[n] = False
+        self.cost[n] = (1 - w) * c + w * seconds

@@ -18,7 +18,7 @@ LOW_MEMORY = {
     "type_k": 8,           # GGML_TYPE_Q8_0: the KV cache at about half its f16 size (needs flash_attn)
     "type_v": 8,
 }
-LOW_MEMORY_DRAFT_WINDOW = 496    # with a block-16 drafter: a cache of exactly 512 cells
+LOW_MEMORY_DRAFT_CACHE = 512     # drafter cache cells: window = 512 - block (496 at block 16)
 
 
 def low_memory_settings(header) -> dict:

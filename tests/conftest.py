@@ -53,3 +53,15 @@ class TinyModels:
 @pytest.fixture(scope="session")
 def models() -> TinyModels:
     return TinyModels(_models_root())
+
+
+@pytest.fixture(scope="session", autouse=True)
+def fresh_calibration(tmp_path_factory):
+    """The gate's cost priors (spec.calibration) measured in this run, not read from the user's cache:
+    a prior cached on a busier machine (or by another build) cannot steer what the tests see."""
+    from dflash_gguf.spec import calibration
+
+    root = tmp_path_factory.mktemp("calibration")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(calibration, "cache_file", lambda key: root / f"{key}.json")
+        yield root

@@ -93,7 +93,7 @@ def _guest(variant: str):
         pytest.skip("no qemu-user (apt-get install qemu-user-static)")
     try:
         return wheel, *build_cross.guest_python(wheel)
-    except build_cross.CrossError as e:
+    except build_cross.ToolMissing as e:    # any other CrossError is the project's own and fails the test
         pytest.skip(f"no emulated aarch64 Python: {e}")
 
 

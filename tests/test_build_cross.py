@@ -60,8 +60,18 @@ def test_wrong_sources_are_refused_with_the_reason(tmp_path, what):
         arg.write_bytes(b"no")
     else:
         arg, match = tmp_path / "absent.tar.gz", "does not exist"
-    with pytest.raises(build_cross.CrossError, match=match):
+    with pytest.raises(build_cross.CrossError, match=match) as e:
         build_cross.kleidiai_source(str(arg))
+    assert not isinstance(e.value, build_cross.ToolMissing)   # the caller's fault: a test must not skip on it
+
+
+def test_only_an_absent_tool_is_tool_missing(monkeypatch):
+    """tests/test_arm64.py skips on ToolMissing and fails on any other CrossError."""
+    with pytest.raises(build_cross.ToolMissing, match="apt-get install g[+][+]-no-such-triple"):
+        build_cross.compilers("no-such-triple")
+    monkeypatch.setattr(build_cross, "find_qemu", lambda: None)
+    with pytest.raises(build_cross.ToolMissing, match="qemu-user-static"):
+        build_cross.guest_python(Path("unused.whl"))
 
 
 @pytest.mark.skipif(shutil.which("aarch64-linux-gnu-gcc") is None, reason="no aarch64 cross compiler "

@@ -17,8 +17,10 @@ PROMPT = b"def read_lines(path):\n    \"\"\"Return the lines of a text file.\"\"
 
 @pytest.fixture
 def cache(tmp_path, monkeypatch):
-    """Calibration files in a folder of this test's own."""
+    """Calibration files in a folder of this test's own; every measurement taken as steady (whether a
+    busy machine's is kept: test_unsteady_costs_are_measured_again_and_never_kept)."""
     monkeypatch.setattr(calibration, "cache_file", lambda key: tmp_path / f"{key}.json")
+    monkeypatch.setattr(calibration, "steady", lambda seen: True)
     return tmp_path
 
 
@@ -92,3 +94,30 @@ def test_the_schedule_covers_both_ends_and_the_powers_of_two():
     assert calibration.schedule_lengths(15) == [0, 1, 2, 4, 7, 8, 15]
     assert calibration.schedule_lengths(3) == [0, 1, 2, 3]
     assert calibration.schedule_lengths(1) == [0, 1]
+
+
+def test_steady_rounds_are_those_that_agree():
+    assert calibration.steady({0: [1.0, 1.1, 1.2], 1: [2.0, 2.1, 2.0], 4: [3.0, 3.2, 3.1]})
+    # one length of three disturbed (a page fault, a collector pause): still steady
+    assert calibration.steady({0: [1.0, 1.1, 1.2], 1: [2.0, 4.0, 2.0], 4: [3.0, 3.2, 3.1]})
+    # two of three far apart: a busy machine
+    assert not calibration.steady({0: [1.0, 1.1, 1.2], 1: [2.0, 4.0, 2.0], 4: [3.0, 9.0, 3.1]})
+
+
+@pytest.mark.parametrize("second_steady", [True, False])
+def test_unsteady_costs_are_measured_again_and_never_kept(pair, cache, monkeypatch, second_steady):
+    """A calibration on a busy machine (rounds far apart) is measured again; if it is still unsteady
+    the costs start this decoder's gate but are not cached, so a later decoder measures anew."""
+    real = calibration.measure
+    calls = []
+
+    def measure(decoder, rounds):
+        costs, _ = real(decoder, rounds)
+        calls.append(costs)
+        return costs, (second_steady and len(calls) == 2)
+
+    monkeypatch.setattr(calibration, "measure", measure)
+    dec = pair.decoder(SpecOptions(adaptive=True))
+    assert len(calls) == 2
+    np.testing.assert_allclose(dec.gate.cost, calls[-1])
+    assert len(list(cache.glob("*.json"))) == (1 if second_steady else 0)

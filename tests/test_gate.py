@@ -210,7 +210,7 @@ def test_a_cost_prior_turns_a_never_right_drafter_off_after_one_block():
     prior = np.array([cost(n) for n in range(8)])
     g = DraftLength(7, prior)
     chosen = feed(g, 30, accept=lambda n: 0, cost=cost)
-    assert chosen[0] == DraftLength.PROBE_SHORT and chosen[1:24] == [0] * 23, chosen
+    assert chosen[0] == g.probe_len == 1 and chosen[1:24] == [0] * 23, chosen   # rows cost 0.3 a step: 1
     cold = feed(DraftLength(7), 30, accept=lambda n: 0, cost=cost)
     assert sum(n > 0 for n in cold[:24]) >= 2           # the warm-up without a prior drafts more
 
@@ -219,7 +219,7 @@ def test_a_cost_prior_keeps_a_good_drafter_on_full_blocks_from_the_start():
     cost = lambda n: 1.0 + 0.05 * n  # noqa: E731
     g = DraftLength(7, np.array([cost(n) for n in range(8)]))
     chosen = feed(g, 20, accept=lambda n: n, cost=cost)
-    assert chosen[0] == DraftLength.PROBE_SHORT and chosen[1:20] == [7] * 19, chosen
+    assert chosen[0] == g.probe_len == 3 and chosen[1:20] == [7] * 19, chosen      # 3 rows: 0.1 a step
 
 
 def test_a_cost_prior_settles_on_the_analytic_best_length():
@@ -246,3 +246,75 @@ def test_a_cost_prior_settles_on_the_analytic_best_length():
 def test_a_cost_prior_of_the_wrong_length_is_refused():
     with pytest.raises(ValueError, match="8 entries"):
         DraftLength(7, np.ones(5))
+
+
+@pytest.mark.parametrize("row, expect", [(0.0, 4), (0.02, 4), (0.034, 3), (0.049, 3), (0.051, 2), (0.099, 2),
+                                         (0.11, 1), (0.5, 1)])
+def test_a_probe_drafts_the_tokens_that_come_nearly_free(row, expect):
+    """With a prior, a probe drafts the most tokens (up to PROBE_SHORT) whose rows together cost at
+    most PROBE_FREE (0.1) of a plain step beyond drafting one: (n - 1) * row <= 0.1."""
+    prior = np.array([1.0] + [1.5 + row * (n - 1) for n in range(1, 8)])
+    g = DraftLength(7, prior)
+    assert g.probe_len == expect
+    assert feed(g, 1, accept=lambda n: 0, cost=lambda n: prior[n]) == [expect]
+    assert DraftLength(7).probe_len == DraftLength.PROBE_SHORT      # no prior: the fixed length
+
+
+@pytest.mark.parametrize("draft_cost", [0.2, 1.5, 2.4])
+def test_probes_of_a_never_right_drafter_cost_at_most_the_budget(draft_cost):
+    """A step that drafts costs the plain step (1.0) plus the drafter call (``draft_cost``) plus 0.05
+    a row. While the drafter is never right, probes after the first may cost at most PROBE_BUDGET of
+    the time plain decoding takes (with the PROBE_EVERY floor: cheap probes are not spaced wider),
+    and they still happen (a drafter that starts being right is found)."""
+    cost = lambda n: 1.0 if n == 0 else 1.0 + draft_cost + 0.05 * n  # noqa: E731
+    g = DraftLength(7, np.array([cost(n) for n in range(8)]))
+    steps = 600
+    chosen = feed(g, steps, accept=lambda n: 0, cost=cost)
+    probes = [i for i, n in enumerate(chosen) if n > 0]
+    assert probes[0] == 0 and len(probes) >= 1 + steps // (2 * DraftLength.PROBE_MAX)
+    extra = sum(cost(chosen[i]) - cost(0) for i in probes[1:])
+    gaps = np.diff(probes)
+    if (cost(g.probe_len) - 1.0) / DraftLength.PROBE_EVERY > DraftLength.PROBE_BUDGET:
+        assert extra <= DraftLength.PROBE_BUDGET * steps * cost(0), (extra, probes)
+        assert gaps.min() > DraftLength.PROBE_EVERY
+    else:
+        assert gaps.min() == DraftLength.PROBE_EVERY
+
+
+def test_target_passes_count_every_pass_that_commits(models):
+    """GenerationStats.passes (the demo's "target passes") counts the gate's plain steps too, not only
+    the drafting steps: every target decode after the prompt's."""
+    pair = models.pair("qwen3", "dflash", 8)
+    tm, dm = Model(pair.target), Model(pair.drafter)
+    opts = ContextOptions(n_ctx=512, n_batch=64, n_ubatch=64, n_threads=1)
+    tc = Context(tm, opts)
+    dc = Context(dm, opts, other=tc)
+    prompt = tm.tokenize(PROMPT)
+    calls = []
+    decode = tc.decode
+    tc.decode = lambda rows, pos, **kw: (calls.append(len(rows)), decode(rows, pos, **kw))[1]
+    # a drafter that is never right: the gate drafts a probe, then decodes plainly
+    wrong = OverrideProposer(lambda ctx, n: [(ctx[-1] + 7) % 512] * n)
+    dec = DFlashDecoder(tc, dc, SpecOptions(adaptive=True, calibrate=False), wrong)
+    st = GenerationStats()
+    out = list(dec.generate(prompt, 60, stats=st, stop_tokens=[]))
+    assert len(out) == st.n_generated == 60
+    # the prompt (one batch, no logits) + one pass per step; each step commits its accepted tokens + 1
+    assert len(calls) - 1 == st.passes == 60 - st.accepted
+    assert st.steps < st.passes                                      # plain steps happened and count
+    for c in (dc, tc):
+        c.close()
+    dm.close()
+    tm.close()
+
+
+def test_a_wrong_prior_gives_way_to_measured_steps():
+    """A prior measured on a busy machine says blocks of 4 or more cost 4x what they do: the first real
+    step of a length weighs as much as the prior, so a few probes of the whole block correct it and
+    a drafter that is always right gets full blocks (with the prior believed, the gate would stay at 3)."""
+    true = lambda n: 1.0 + 0.05 * n  # noqa: E731
+    prior = np.array([true(n) * (4.0 if n >= 4 else 1.0) for n in range(8)])
+    g = DraftLength(7, prior)
+    chosen = feed(g, 80, accept=lambda n: n, cost=true)
+    assert chosen[-20:] == [7] * 20, chosen
+    assert abs(g.cost[7] - true(7)) < 0.1 * true(7)

@@ -5,8 +5,9 @@ tokens per second, which needs what a step of each length costs here. Without a 
 costs in its first steps (full block, plain, full, half, full): every new decoder - every demo run,
 every benchmark prompt, the first call of a ``Llama`` - pays that warm-up, and a drafter that is
 never right costs two full blocks before the gate gives up. With a prior the gate only has to see the
-drafter's acceptance: one short block (4 tokens), then the plan (a never-right drafter: plain decoding
-from the second step; a good one: full blocks).
+drafter's acceptance: one short block (1-4 tokens, as many as cost about what one does), then the
+plan (a never-right drafter: plain decoding from the second step, probes spaced by their measured
+cost; a good one: full blocks).
 
 :func:`step_costs` measures the prior through the decoder's own loop, so it is charged exactly what
 the gate is charged (draft, verify, acceptance, keeping the rows, rollback): a fixed schedule of
@@ -41,6 +42,8 @@ if TYPE_CHECKING:
 log = logging.getLogger("dflash_gguf.spec")
 
 ROUNDS = 3                         # measured rounds of the schedule (after one warm-up round)
+SPREAD = 1.5                       # a length whose rounds differ by more than this (max / min) is unsteady
+UNSTEADY = 1 / 3                   # ... and a measurement with more such lengths than this share is not kept
 FORMAT = 1                         # cache file format
 # a neutral prompt: the costs do not depend on what is drafted, only on how many rows
 PROMPT = b"The quick brown fox jumps over the lazy dog. " * 4
@@ -76,9 +79,10 @@ class _Schedule:
             self.i += 1
 
 
-def measure(decoder: "DFlashDecoder", rounds: int) -> np.ndarray | None:
+def measure(decoder: "DFlashDecoder", rounds: int) -> tuple[np.ndarray, bool] | None:
     """Seconds of one step drafting n = 0..n_draft tokens on this decoder's contexts (clears their
-    caches); None when the target's context is too small for the schedule."""
+    caches), and whether the rounds agreed (a busy machine - another process, a build - shows as
+    rounds of one length far apart); None when the target's context is too small for the schedule."""
     n_max = decoder.n_draft
     lengths = schedule_lengths(n_max)
     sched = _Schedule(lengths, rounds)
@@ -101,7 +105,13 @@ def measure(decoder: "DFlashDecoder", rounds: int) -> np.ndarray | None:
     costs = np.empty(n_max + 1)
     costs[0] = known[0]
     costs[1:] = np.interp(np.arange(1, n_max + 1), xs, [known[n] for n in xs])
-    return costs
+    return costs, steady(sched.seen)
+
+
+def steady(seen: dict[int, list[float]]) -> bool:
+    """Rounds that agree: at most UNSTEADY of the lengths with rounds more than SPREAD apart."""
+    spread = [max(v) / min(v) for v in seen.values() if len(v) > 1 and min(v) > 0]
+    return sum(s > SPREAD for s in spread) <= UNSTEADY * len(spread)
 
 
 def _file_id(path: Path) -> list:
@@ -147,12 +157,21 @@ def step_costs(decoder: "DFlashDecoder") -> np.ndarray | None:
     log.info("measuring DFlash step costs of %s + %s on this machine (once; cached)",
              decoder.target.model.path.name, decoder.drafter.model.path.name)
     t0 = time.perf_counter()
-    costs = measure(decoder, ROUNDS)
+    got = measure(decoder, ROUNDS)
+    if got is not None and not got[1]:
+        log.info("step costs unsteady (the machine is busy?): measuring again")
+        got = measure(decoder, ROUNDS)
     seconds = time.perf_counter() - t0
-    if costs is None:
+    if got is None:
         log.info("no step-cost prior: the target's context (%d) is too small for the calibration's steps; "
                  "the speed gate measures costs as it decodes", decoder.target.n_ctx)
         return None
+    costs, ok = got
+    if not ok:
+        # good enough to start this decoder (its gate refines every cost it uses), not to keep
+        log.warning("step costs still unsteady after a second measurement (%.1f s): used for now, not cached; "
+                    "the next decoder measures again", seconds)
+        return costs
     f.parent.mkdir(parents=True, exist_ok=True)
     tmp = f.with_suffix(f".tmp{os.getpid()}")
     tmp.write_text(json.dumps({"costs": costs.tolist(), "seconds": round(seconds, 3),

@@ -21,7 +21,8 @@ class GenerationStats:
     n_prompt: int = 0
     n_reused: int = 0
     n_generated: int = 0
-    steps: int = 0
+    steps: int = 0             # drafting steps (a verified block of >= 1 drafted token)
+    passes: int = 0            # target passes after the prompt's: every step, drafting or plain
     drafted: int = 0
     accepted: int = 0
     drafted_per_pos: list[int] = field(default_factory=list)
@@ -37,7 +38,8 @@ class GenerationStats:
 
     # ------------------------------------------------------------------ recording
     def observe_step(self, drafted: int, accepted: int) -> None:
-        """One drafting step: ``drafted`` tokens proposed, the first ``accepted`` of them kept."""
+        """One step: ``drafted`` tokens proposed (0: a plain step), the first ``accepted`` of them kept."""
+        self.passes += 1
         if drafted <= 0:
             return
         self.steps += 1
@@ -74,7 +76,7 @@ class GenerationStats:
         """The counts and times of an :meth:`as_dict` record (per-position rates are not counts: left out)."""
         t = d.get("time") or {}
         return cls(n_prompt=int(d.get("n_prompt", 0)), n_reused=int(d.get("n_reused", 0)),
-                   n_generated=int(d.get("n_generated", 0)), steps=int(d.get("steps", 0)),
+                   n_generated=int(d.get("n_generated", 0)), steps=int(d.get("steps", 0)), passes=int(d.get("passes", 0)),
                    drafted=int(d.get("drafted", 0)), accepted=int(d.get("accepted", 0)),
                    **{f"t_{p}": float(t.get(p, 0.0)) for p in PHASES + ("total",)})
 
@@ -111,7 +113,7 @@ class GenerationStats:
     def as_dict(self) -> dict:
         return {
             "acceptance_length": round(self.tau, 4), "drafted": self.drafted, "accepted": self.accepted,
-            "steps": self.steps, "tokens_per_second": round(self.tokens_per_second, 2),
+            "steps": self.steps, "passes": self.passes, "tokens_per_second": round(self.tokens_per_second, 2),
             "per_position_acceptance": [round(x, 4) for x in self.acceptance_rate_per_pos],
             "n_prompt": self.n_prompt, "n_reused": self.n_reused, "n_generated": self.n_generated,
             "time": {k: round(v, 6) for k, v in {**self.phase_times(), "total": self.t_total}.items()},
