@@ -8,7 +8,7 @@ CROSS   ?= aarch64-linux-gnu
 # KleidiAI v1.24.0 source archive for offline arm64 builds; without one upstream downloads it
 KLEIDIAI_SRC ?= $(firstword $(wildcard vendor/kleidiai-v1.24.0-src.tar.gz ../shared/vendor/kleidiai-v1.24.0-src.tar.gz))
 
-.PHONY: demo test lint build tools ggml-variants cross cross-kleidiai venv clean-cache help
+.PHONY: demo test lint build tools ggml-variants cross cross-kleidiai venv clean-cache help mutate mutate-ci
 
 help:
 	@echo "make demo    - set up everything, then run the offline DFlash demo on the shipped pair"
@@ -17,6 +17,7 @@ help:
 	@echo "make tools   - also build upstream's reference binaries (llama-speculative-simple, ...)"
 	@echo "make ggml-variants - x86: ggml's libraries without AVX-512, for testing the kernels' AVX2 path"
 	@echo "make lint    - ruff over the whole tree (configured in pyproject.toml)"
+	@echo "make mutate  - mutation testing of the core's pure logic, full profile (long; make mutate-ci: the CI subset)"
 	@echo "make cross   - cross-build the patched library, reference loop and an installable wheel for $(CROSS)"
 	@echo "make cross-kleidiai - the same with KleidiAI's Arm kernels (KLEIDIAI_SRC=archive or folder, offline)"
 
@@ -45,7 +46,7 @@ ggml-variants: venv
 # test dependencies: torch CPU (from this machine's disk where available), transformers, server + client
 $(VENV)/.test-deps: pyproject.toml | $(STAMP)
 	$(VPY) -m pip install -q torch==2.13.0
-	$(VPY) -m pip install -q "transformers==4.57.6" sentencepiece protobuf safetensors pytest httpx "openai>=1.0" "fastapi>=0.110" "uvicorn>=0.27" matplotlib "huggingface_hub>=0.23"
+	$(VPY) -m pip install -q "transformers==4.57.6" sentencepiece protobuf safetensors pytest httpx "openai>=1.0" "fastapi>=0.110" "uvicorn>=0.27" matplotlib "huggingface_hub>=0.23" "mutmut==3.8.1"
 	touch $@
 
 lint: venv
@@ -69,7 +70,16 @@ test: tools ggml-variants $(VENV)/.test-deps
 	elif [ -z "$(KLEIDIAI_SRC)" ]; then \
 		echo "no KleidiAI v1.24.0 source archive (vendor/ or ../shared/vendor/): the arm64 checks will be skipped"; \
 	else $(MAKE) cross-kleidiai; fi
+	$(VPY) tests/mutation.py ci
 	$(VPY) -m pytest -q
+
+# mutation testing (tests/mutation.py): every surviving mutant is killed by a test or listed as
+# equivalent in tests/mutation-survivors.txt; mutate-ci is the bounded subset make test runs
+mutate-ci: build $(VENV)/.test-deps
+	$(VPY) tests/mutation.py ci
+
+mutate: build $(VENV)/.test-deps
+	$(VPY) tests/mutation.py full
 
 clean-cache:
 	rm -rf $${DFLASH_GGUF_CACHE:-$$HOME/.cache/dflash-gguf}

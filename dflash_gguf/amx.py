@@ -31,12 +31,13 @@ def cpu_has_amx_int8() -> bool:
 
 def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(name)s: %(message)s")
-    if not cpu_has_amx_int8():
+    args = sys.argv[1:] if argv is None else argv
+    if not cpu_has_amx_int8() and not {"-h", "--help"} & set(args):
         log.error("this CPU has no AMX-INT8 (amx_int8, amx_tile, avx512_vnni in /proc/cpuinfo)")
         return 2
     os.environ.setdefault("GGML_CPU_AMX", "1")
     from dflash_gguf import mulmat
-    return mulmat.main(["--buft", "AMX", *(sys.argv[1:] if argv is None else argv)])
+    return mulmat.main(["--buft", "AMX", *args])
 
 
 if __name__ == "__main__":

@@ -39,6 +39,7 @@ from dflash_gguf.constructors import PairConstructors
 from dflash_gguf.engine import Context, ContextOptions, DrafterInfo, Model, clamp_n_draft
 from dflash_gguf.pair import pair_files
 from dflash_gguf.errors import BusyError, ModelFileError, ModelNotFoundError
+from dflash_gguf.fallback import Call, plain_reason
 from dflash_gguf.gguf_check import check_gguf
 from dflash_gguf.memory import LOW_MEMORY_DRAFT_CACHE, low_memory_settings, release_free_heap
 from dflash_gguf.sampling import SamplingParams
@@ -357,29 +358,14 @@ class Llama(PairConstructors, llama_cpp.Llama):
     def dflash_unsupported(self, *, sampling: SamplingParams, reset: bool = True, mirostat_mode: int = 0,
                            logits_processor=None, stopping_criteria=None, grammar=None,
                            request: Request | None = None) -> str | None:
-        """Why a generation must use the plain path (None when DFlash serves it exactly)."""
+        """Why a generation must use the plain path (None when DFlash serves it exactly):
+        :func:`dflash_gguf.fallback.plain_reason`."""
         want = self.dflash if request is None or request.dflash is None else request.dflash
-        if self._decoder is None:
-            return "no drafter loaded (draft_model_path)"
-        if not want:
-            return "dflash disabled for this call" if self.dflash else "dflash=False"
-        if self.draft_model is not None:
-            return "a llama_cpp draft_model is set"
-        if not reset:
-            return "generate(reset=False) continues llama_cpp's own state"
-        if grammar is not None:
-            return "grammar-constrained sampling"
-        if logits_processor:
-            return "logits_processor / logit_bias"
-        if stopping_criteria and stop_token_ids(stopping_criteria) is None:
-            return "stopping_criteria that read more than token ids (use dflash_gguf.StopOnTokens)"
-        if mirostat_mode:
-            return "mirostat sampling"
-        if self._logits_all:
-            return "logits_all=True (per-token scores are only filled by the plain path)"
-        if request is not None and request.logprobs is not None:
-            return "logprobs requested"
-        return sampling.unsupported()
+        return plain_reason(Call(
+            sampling=sampling, drafter=self._decoder is not None, want=bool(want), default=bool(self.dflash),
+            draft_model=self.draft_model is not None, reset=reset, grammar=grammar,
+            logits_processor=logits_processor, stopping_criteria=stopping_criteria, mirostat_mode=mirostat_mode,
+            logits_all=bool(self._logits_all), logprobs=request.logprobs if request is not None else None))
 
     def _check_free(self) -> None:
         """Raise BusyError when another thread has a generation in flight on this Llama."""

@@ -52,12 +52,12 @@ class DraftLength:
         self.hits = np.zeros(n_max)                 # position i accepted (decayed count)
         self.tries = np.zeros(n_max)                # position i reached: drafted, all before it accepted
         self.cost = np.full(n_max + 1, np.nan)      # seconds of one step drafting n tokens
-        self._prior = np.zeros(n_max + 1, bool)     # cost[n] is still the prior's, no step of n seen yet
+        self._prior: set[int] = set()               # lengths whose cost is still the prior's (no step seen)
         if costs is not None:
             if len(costs) != n_max + 1:
                 raise ValueError(f"a cost prior needs {n_max + 1} entries (n = 0..{n_max}), got {len(costs)}")
             self.cost[:] = costs
-            self._prior[:] = True
+            self._prior = set(range(n_max + 1))
         self.steps = 0
         self.last = n_max
         self._plan: int | None = None
@@ -66,9 +66,9 @@ class DraftLength:
         self._warmup_plan = self.WARMUP if costs is None else (self.probe_len,)
         self._warmup = len(self._warmup_plan)
         self._next_probe = self._warmup + self.probe_every
-        self._probes = 0
+        self._probe_full = False                    # a middle plan's next probe: the whole block (else plain)
         self._blocks = 0                            # drafting steps so far
-        self._right = 0                             # ... in which at least one token was accepted
+        self._right = False                         # ... whether one of them got a token accepted
 
     def _scheduled(self) -> int | None:
         if self.steps <= self._warmup and self._blocks >= self.WARMUP_GIVE_UP and not self._right:
@@ -82,12 +82,14 @@ class DraftLength:
             # probe what the plan does not use: a short block while decoding plainly (is the drafter
             # right again?), a full block while drafting shorter ones, plain decoding while drafting
             # full blocks
-            self._probes += 1
             self._next_probe = self.steps + self.probe_every
             if not self._plan:
                 return self.probe_len
-            # (a middle length re-measures both ends in turn: its own cost is measured every step)
-            w = 0 if self._plan == self.n_max or (self._plan > 0 and self._probes % 2 == 0) else None
+            if self._plan == self.n_max:
+                return 0
+            # a middle length re-measures both ends in turn (its own cost is measured every step)
+            self._probe_full = not self._probe_full
+            return self.n_max if self._probe_full else 0
         else:
             return None
         if w is None:
@@ -100,7 +102,7 @@ class DraftLength:
         beyond a plain one; the rows past the first only add draws of deeper positions)."""
         short = min(self.PROBE_SHORT, self.n_max)
         c = self.cost
-        if np.isnan(c[: short + 1]).any():
+        if np.isnan(c).any():          # no prior: the warm-up measures the costs
             return short
         return max(n for n in range(1, short + 1) if c[n] <= c[1] + self.PROBE_FREE * c[0])
 
@@ -109,7 +111,7 @@ class DraftLength:
         much more than a plain step (a drafter call that costs more than the target's decode) that
         probing every PROBE_EVERY steps would cost a never-right drafter over PROBE_BUDGET."""
         c0, cp = self.cost[0], self.cost[self.probe_len]
-        if np.isnan(c0) or np.isnan(cp) or c0 <= 0:
+        if not (c0 > 0 and np.isfinite(cp)):   # unknown yet (nan)
             return self.PROBE_EVERY
         need = int(np.ceil(max(cp - c0, 0.0) / (self.PROBE_BUDGET * c0)))
         return int(min(max(need, self.PROBE_EVERY), 4 * self.PROBE_MAX))
@@ -134,7 +136,8 @@ class DraftLength:
             fit = known
         if fit.sum() >= 2:   # least-squares line
             x, y = ns[fit], self.cost[fit]
-            slope = max(float(np.cov(x, y, bias=True)[0, 1] / np.var(x)), 0.0)
+            dx = x - x.mean()
+            slope = max(float((dx * (y - y.mean())).sum() / (dx * dx).sum()), 0.0)
             model = np.maximum(y.mean() + slope * (ns - x.mean()), 1e-9)
         else:
             model = np.full(self.n_max + 1, np.nanmax(self.cost) if known.any() else 1.0)
@@ -171,7 +174,7 @@ class DraftLength:
         return n
 
     def record(self, n: int, accepted: int, seconds: float) -> None:
-        if n > 0 and self._plan == 0 and self.steps > self._warmup and 2 * accepted >= n and \
+        if n > 0 and self._plan == 0 and 2 * accepted >= n and \
                 not (1 + accepted) * self.cost[0] <= seconds:
             # a probe while decoding plainly found the drafter right, and its step beat a plain one (or
             # plain's cost is unknown): look again soon, re-plan now. A probe that was right but still
@@ -181,7 +184,7 @@ class DraftLength:
             self._next_probe = self.steps + 2
         if n > 0:
             self._blocks += 1
-            self._right += accepted > 0
+            self._right |= accepted > 0
             self.hits *= self.DECAY
             self.tries *= self.DECAY
             self.tries[:min(accepted + 1, n)] += 1
@@ -195,6 +198,6 @@ class DraftLength:
         seconds = min(seconds, self.OUTLIER * c)
         # the prior (measured once, perhaps on a busier machine or a shorter context) stands in until
         # the first real step of that length, as the warm-up's first step does without a prior
-        w = 1.0 if self._prior[n] else self.COST_EMA
-        self._prior[n] = False
+        w = 1.0 if n in self._prior else self.COST_EMA
+        self._prior.discard(n)
         self.cost[n] = (1 - w) * c + w * seconds

@@ -36,15 +36,12 @@ def sampled_accept(draft: Sequence[int], logits_row: Callable[[int], np.ndarray]
     """
     commit: list[int] = []
     n = len(draft)
-    for i in range(n + 1):
-        logits = logits_row(i)
-        if i < n:
-            ok, tok = chooser.verify(logits, int(draft[i]), commit, None if q is None else q[i])
-        else:
-            ok, tok = False, chooser.pick(logits, commit)
+    for i in range(n):
+        ok, tok = chooser.verify(logits_row(i), int(draft[i]), commit, None if q is None else q[i])
         commit.append(tok)
         if not ok:
-            break
+            return commit
+    commit.append(chooser.pick(logits_row(n), commit))
     return commit
 
 

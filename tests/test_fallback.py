@@ -1,0 +1,71 @@
+"""The rule for which generations DFlash serves (dflash_gguf.fallback): every reason to fall back,
+exactly, in its order; and everything else served by DFlash. (tests/test_api.py checks that Llama
+reports these reasons on real calls.)"""
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+
+from dflash_gguf.fallback import Call, plain_reason
+from dflash_gguf.sampling import SamplingParams
+from dflash_gguf.stopping import StopOnTokens
+
+GREEDY = SamplingParams()
+SAMPLED = SamplingParams(temperature=0.8, top_k=40, top_p=0.9, min_p=0.05, seed=3)
+OK = Call(sampling=GREEDY)
+
+
+def other_criterion(input_ids, logits):        # reads the logits: only the plain path can run it
+    return False
+
+
+CASES = [
+    (dict(drafter=False), "no drafter loaded (draft_model_path)"),
+    (dict(want=False), "dflash disabled for this call"),
+    (dict(want=False, default=False), "dflash=False"),
+    (dict(draft_model=True), "a llama_cpp draft_model is set"),
+    (dict(reset=False), "generate(reset=False) continues llama_cpp's own state"),
+    (dict(grammar=object()), "grammar-constrained sampling"),
+    (dict(logits_processor=[lambda ids, scores: scores]), "logits_processor / logit_bias"),
+    (dict(stopping_criteria=[StopOnTokens([3]), other_criterion]),
+     "stopping_criteria that read more than token ids (use dflash_gguf.StopOnTokens)"),
+    (dict(mirostat_mode=2), "mirostat sampling"),
+    (dict(logits_all=True), "logits_all=True (per-token scores are only filled by the plain path)"),
+    (dict(logprobs=0), "logprobs requested"),
+    (dict(sampling=replace(SAMPLED, typical_p=0.9)), "typical_p < 1 is not implemented in the speculative sampler"),
+]
+
+
+@pytest.mark.parametrize("change, reason", CASES, ids=[r.split()[0] + str(i) for i, (_, r) in enumerate(CASES)])
+def test_each_reason(change, reason):
+    assert plain_reason(replace(OK, **change)) == reason
+
+
+def test_the_first_reason_wins():
+    """Reasons are checked in the order above: with every cause present, each one's removal reveals
+    the next."""
+    every = {}
+    for change, _ in CASES[2:]:
+        every.update(change)
+    every.update(drafter=False)
+    expect = ["no drafter loaded (draft_model_path)", "dflash=False"] + [r for _, r in CASES[3:]]
+    call, seen = replace(OK, **every), []
+    for field in ["drafter", "want", "draft_model", "reset", "grammar", "logits_processor", "stopping_criteria",
+                  "mirostat_mode", "logits_all", "logprobs", "sampling"]:
+        seen.append(plain_reason(call))
+        call = replace(call, **{field: getattr(OK, field)})
+    assert seen == expect and plain_reason(call) is None
+
+
+@pytest.mark.parametrize("served", [
+    dict(), dict(sampling=SAMPLED), dict(stopping_criteria=[StopOnTokens([1, 2])]), dict(stopping_criteria=[]),
+    dict(logits_processor=[]), dict(mirostat_mode=0), dict(sampling=replace(GREEDY, typical_p=0.5)),
+    dict(sampling=replace(SAMPLED, repeat_penalty=1.1, presence_penalty=0.5, frequency_penalty=0.2)),
+    dict(sampling=replace(SAMPLED, temperature=-1.0, typical_p=0.5)), dict(logprobs=None),
+], ids=["greedy", "sampled", "stop-tokens", "no-criteria", "no-processors", "mirostat-0", "greedy-typical",
+        "penalties", "raw-distribution-typical", "no-logprobs"])
+def test_what_dflash_serves(served):
+    """Penalties, seeds, top-k/p, min-p, token-id stops; typical_p only matters when sampling at
+    a positive temperature (greedy and the raw distribution ignore it in llama.cpp's chain)."""
+    assert plain_reason(replace(OK, **served)) is None

@@ -1,0 +1,332 @@
+"""Each rule of the speed gate (dflash_gguf.gate.DraftLength), one at a time, with exact expectations:
+the cost model, the acceptance estimate, the probes (length, spacing, what they probe, what a right
+probe does), the warm-up, the tie band, re-planning and the cost updates. tests/test_gate.py checks
+the gate's choices as a whole (simulated drafters, real decoders); these pin each rule down so that
+changing one shows (``make mutate``)."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from dflash_gguf.gate import DraftLength as G
+
+
+class Fixed(G):
+    """A gate whose acceptance estimate and cost model are given, to test choose() alone."""
+
+    def __init__(self, n_max, expected, cost, prior=None):
+        super().__init__(n_max, prior)
+        self.fixed_expected = np.asarray(expected, float)
+        self.fixed_cost = np.asarray(cost, float)
+
+    def expected_tokens(self):
+        return self.fixed_expected
+
+    def step_cost(self):
+        return self.fixed_cost
+
+
+def past_warmup(g: G) -> G:
+    g.steps = g._warmup
+    g._next_probe = 10**9
+    return g
+
+
+# ----------------------------------------------------------------------------- the cost model
+def test_no_cost_known_is_a_flat_unit_cost():
+    np.testing.assert_array_equal(G(7).step_cost(), np.ones(8))
+
+
+def test_one_cost_known_is_used_for_every_length():
+    g = G(7)
+    g.cost[3] = 2.5
+    np.testing.assert_array_equal(g.step_cost(), np.full(8, 2.5))
+
+
+def test_plain_and_one_drafting_length_give_a_line_through_both():
+    g = G(7)
+    g.cost[0], g.cost[7] = 1.0, 2.4
+    np.testing.assert_allclose(g.step_cost(), 1.0 + 0.2 * np.arange(8))
+
+
+def test_two_drafting_lengths_give_the_line_plain_keeps_its_own_cost():
+    """The drafter call is a step at n = 1, not a slope: plain's cost stays out of the fit."""
+    g = G(7)
+    g.cost[0], g.cost[2], g.cost[6] = 0.5, 2.0, 3.0
+    want = 2.0 + 0.25 * (np.arange(8) - 2)
+    want[0] = 0.5
+    np.testing.assert_allclose(g.step_cost(), want)
+    g.cost[4] = 2.5                             # on the line: the least-squares fit is unchanged
+    np.testing.assert_allclose(g.step_cost(), want)
+
+
+def test_a_falling_line_is_flattened():
+    g = G(7)
+    g.cost[0], g.cost[2], g.cost[6] = 0.5, 3.0, 2.0
+    want = np.full(8, 2.5)
+    want[0], want[2], want[6] = 0.5, 3.0, 2.0   # measured lengths keep their measurements
+    np.testing.assert_allclose(g.step_cost(), want)
+
+
+def test_the_fit_is_least_squares():
+    g = G(7)
+    g.cost[1], g.cost[2], g.cost[3] = 1.0, 3.0, 2.0      # slope 0.5 through the mean (2, 2)
+    np.testing.assert_allclose(g.step_cost()[[0, 4, 7]], [1.0, 3.0, 4.5])
+
+
+# ----------------------------------------------------------------------------- the acceptance estimate
+def test_nothing_seen_expects_one_token_a_step():
+    np.testing.assert_array_equal(G(7).expected_tokens(), np.ones(8))
+
+
+def test_decayed_counts_below_one_still_count():
+    g = G(2)
+    g.hits[:] = [0.5, 0.0]
+    g.tries[:] = [0.5, 0.0]                      # pooled rate 1.0 from half a draw
+    c1 = (0.5 + 2 * 1.0) / (0.5 + 2)
+    np.testing.assert_allclose(g.expected_tokens(), [1, 1 + c1, 1 + c1 + c1 * c1])
+
+
+def test_expected_tokens_from_counts_and_the_prior_of_the_position_before():
+    g = G(3)
+    g.hits[:] = [3, 1, 0]
+    g.tries[:] = [4, 3, 0]
+    pooled = 4 / 7
+    c1 = (3 + 2 * pooled) / (4 + 2)
+    c2 = (1 + 2 * c1) / (3 + 2)
+    c3 = c2                                      # never reached: the estimate of the position before
+    want = 1 + np.array([0, c1, c1 + c1 * c2, c1 + c1 * c2 + c1 * c2 * c3])
+    np.testing.assert_allclose(g.expected_tokens(), want)
+
+
+# ----------------------------------------------------------------------------- probes
+def test_probe_length_is_the_fixed_one_without_a_prior():
+    assert G(7).probe_len == G.PROBE_SHORT and G(2).probe_len == 2
+
+
+@pytest.mark.parametrize("c0", [1.0, 2.0])
+def test_probe_length_takes_rows_up_to_exactly_the_free_share(c0):
+    """A row exactly at the PROBE_FREE bound still counts; the bound is PROBE_FREE x a plain step."""
+    c1 = 1.5 * c0
+    prior = np.array([c0, c1, c1, c1 + G.PROBE_FREE * c0, c1 + 2 * G.PROBE_FREE * c0, 9, 9, 9])
+    assert G(7, prior).probe_len == 3
+
+
+@pytest.mark.parametrize("scale", [0.01, 2.0])
+def test_probe_gap_spends_the_budget(scale):
+    """gap = (probe step - plain step) / (PROBE_BUDGET x plain step), within PROBE_EVERY .. 4 PROBE_MAX."""
+    for extra, gap in [(0.1, G.PROBE_EVERY), (1.5, 60), (2.45, 98), (50.0, 4 * G.PROBE_MAX)]:
+        prior = np.array([1.0] + [1.0 + extra] * 7) * scale
+        assert G(7, prior).probe_every == gap, (extra, gap)
+
+
+def test_probe_gap_is_the_default_while_plain_is_unmeasured():
+    g = G(7)
+    g.cost[g.probe_len] = 3.0
+    assert g._probe_gap() == G.PROBE_EVERY
+    g.cost[0] = 0.0
+    assert g._probe_gap() == G.PROBE_EVERY
+
+
+@pytest.mark.parametrize("plan, probes", [(0, [4, 4, 4]), (7, [0, 0, 0]), (3, [7, 0, 7])])
+def test_what_a_probe_drafts(plan, probes):
+    """Plain plan: a short block; the whole block: a plain step; a middle length: both ends in turn."""
+    g = past_warmup(G(7))
+    g._plan = plan
+    got = []
+    for _ in range(3):
+        g.steps += 1
+        g._next_probe = g.steps
+        got.append(g._scheduled())
+    assert got == probes
+
+
+def test_warmup_without_a_prior():
+    assert [G(7)._warmup_plan[i] for i in range(5)] == [None, 0, None, "half", None]
+    for n_max, half in [(7, 3), (3, 1), (2, 1), (1, 1)]:
+        g = G(n_max)
+        g.steps = 4
+        assert g._scheduled() == half
+
+
+def test_warmup_gives_up_after_two_blocks_with_nothing_right():
+    g = G(7)
+    chosen = []
+    for _ in range(4):
+        n = g.choose()
+        chosen.append(n)
+        g.record(n, 0, 1.0 + 0.1 * n)
+    assert chosen == [7, 0, 7, 0]                # step 4 would have been the half block
+    assert g._next_probe == 4 + g._probe_gap()
+
+
+def test_warmup_goes_on_when_one_block_was_right():
+    g = G(7)
+    chosen = []
+    for acc in [1, 0, 0, 0, 0]:
+        n = g.choose()
+        chosen.append(n)
+        g.record(n, acc if n else 0, 1.0 + 0.1 * n)
+    assert chosen == [7, 0, 7, 3, 7]
+
+
+def right_probe_gate(prior):
+    g = G(7, np.asarray(prior, float))
+    g.record(g.choose(), 0, prior[g.probe_len])        # the warm-up probe: nothing right
+    g.choose()                                         # plain from here
+    g.record(0, 0, prior[0])
+    assert g._plan == 0
+    return g
+
+
+CHEAP = [1.0, 1.2, 1.2, 1.2, 1.2, 2, 2, 2]                  # probe_len 4
+THREE = [1.0, 1.2, 1.2, 1.25, 1.5, 2, 2, 2]                 # probe_len 3
+
+
+@pytest.mark.parametrize("prior, n, accepted, replans", [
+    (CHEAP, 4, 2, True), (CHEAP, 4, 1, False), (THREE, 3, 1, False), (THREE, 3, 2, True),
+    ([1.0, 1.5, 2.5, 3, 4, 5, 6, 7], 1, 1, True),
+])
+def test_a_probe_right_on_half_its_tokens_replans(prior, n, accepted, replans):
+    g = right_probe_gate(prior)
+    assert g.probe_len == n
+    steps = g.steps
+    g.record(n, accepted, 0.9 * (1 + accepted) * g.cost[0])   # faster than plain per token
+    assert (g._plan is None) == replans
+    assert (g._next_probe == steps + 2) == replans
+
+
+@pytest.mark.parametrize("seconds, replans", [(1.6, False), (3 * 0.5, False), (1.45, True)])
+def test_a_right_probe_must_beat_plain_decoding_per_token(seconds, replans):
+    """A probe that commits 3 tokens (2 accepted) beats plain (0.5 s a step) only if it took less
+    than 3 plain steps (its own length's cost, 1.25, is no yardstick)."""
+    g = right_probe_gate([0.5, 1.25, 1.25, 1.25, 1.25, 3, 3, 3])
+    g.record(g.probe_len, 2, seconds)
+    assert (g._plan is None) == replans
+
+
+def test_a_plain_step_is_no_probe():
+    g = right_probe_gate(CHEAP)
+    g.record(0, 0, 0.5)                          # a fast plain step
+    assert g._plan == 0
+
+
+# ----------------------------------------------------------------------------- choose()
+def test_the_whole_block_wins_within_the_tie_band():
+    exp = 1 + np.arange(8.0)                     # always right
+    best = 4.0                                   # n = 3: 4 tokens in 4.0 s
+    cost = np.full(8, 99.0)
+    cost[3] = best
+    cost[7] = 8 / ((1 - G.PREFER_FULL / 2) * 1.0)
+    assert past_warmup(Fixed(7, exp, cost)).choose() == 7
+    cost[7] = 8 / ((1 - 2 * G.PREFER_FULL) * 1.0)
+    assert past_warmup(Fixed(7, exp, cost)).choose() == 3
+
+
+def test_an_exact_tie_with_the_band_edge_takes_the_whole_block():
+    exp = 1 + np.arange(8.0)
+    exp[7] = (1 - G.PREFER_FULL) * 8            # rate 1 - PREFER_FULL, exactly (8 is a power of two)
+    cost = np.full(8, 99.0)
+    cost[3], cost[7] = 4.0, 8.0                 # rate 1.0 at n = 3
+    assert past_warmup(Fixed(7, exp, cost)).choose() == 7
+
+
+def test_replanning_happens_every_replan_steps():
+    g = past_warmup(Fixed(7, 1 + np.arange(8.0), 1 + 0.01 * np.arange(8)))
+    assert g.choose() == 7
+    g.fixed_cost = np.array([1.0] + [50.0] * 7)      # drafting stops paying
+    changed = None
+    for _ in range(2 * G.REPLAN_EVERY):
+        if g.choose() == 0:
+            changed = g.steps
+            break
+    assert changed is not None and changed % G.REPLAN_EVERY == 0
+
+
+def replan(g: Fixed) -> None:
+    g.steps = (g.steps // G.REPLAN_EVERY + 1) * G.REPLAN_EVERY - 1
+    g.choose()
+
+
+def test_probing_backs_off_while_the_plan_holds_and_restarts_on_a_change():
+    g = past_warmup(Fixed(7, 1 + np.arange(8.0), 1 + 0.01 * np.arange(8)))
+    g.choose()
+    seen = []
+    for _ in range(4):
+        replan(g)
+        seen.append(g.probe_every)
+    assert seen == [2 * G.PROBE_EVERY, 4 * G.PROBE_EVERY, G.PROBE_MAX, G.PROBE_MAX]
+    g.fixed_cost = np.array([1.0, 1.1, 1.2, 1.3, 90, 90, 90, 90])   # now 3 is best
+    replan(g)
+    assert g._plan == 3 and g.probe_every == G.PROBE_EVERY
+
+
+@pytest.mark.parametrize("full, soon", [(1.5, False), (1.49, False), (1.51, True), (3.0, True)])
+def test_plain_over_a_drafter_that_is_right_is_probed_soon(full, soon):
+    """Plain chosen (drafting costs too much) while the drafter still makes more than DIP tokens a
+    full block: probe again in PROBE_SOON steps; at or under DIP the drafter counts as never right
+    and the probes' cost sets the gap."""
+    exp = np.linspace(1.0, full, 8)
+    cost = np.array([1.0] + [100.0] * 7)
+    g = past_warmup(Fixed(7, exp, cost, prior=cost))
+    g._next_probe = g.steps + 50
+    assert g.choose() == 0
+    if soon:
+        assert g.probe_every == G.PROBE_SOON and g._next_probe == g.steps + G.PROBE_SOON
+    else:
+        assert g.probe_every == g._probe_gap() == 4 * G.PROBE_MAX and g._next_probe == g.steps - 1 + 50
+
+
+def test_the_never_right_gap_reads_the_full_blocks_expectation():
+    """Only the whole block's expected tokens decide "never right" (a dip at n = 1 does not)."""
+    exp = np.array([1.0, 1.6, 1.6, 1.6, 1.6, 1.6, 1.45, 1.45])
+    cost = np.array([1.0] + [100.0] * 7)
+    g = past_warmup(Fixed(7, exp, cost, prior=cost))
+    assert g.choose() == 0 and g.probe_every == g._probe_gap()
+    exp2 = exp.copy()
+    exp2[-2], exp2[-1] = 1.45, 1.6
+    g = past_warmup(Fixed(7, exp2, cost, prior=cost))
+    assert g.choose() == 0 and g.probe_every == G.PROBE_SOON
+    g._next_probe = 10**9
+    replan(g)                                    # plan 0 holds: the usual back-off, no budget floor
+    assert g._plan == 0 and g.probe_every == 2 * G.PROBE_SOON
+
+
+# ----------------------------------------------------------------------------- record(): costs
+def test_costs_move_by_the_ema_after_the_first_step():
+    g = G(7)
+    g.record(2, 0, 1.0)
+    assert g.cost[2] == 1.0
+    g.record(2, 0, 2.0)
+    assert g.cost[2] == pytest.approx(1.0 + G.COST_EMA * 1.0)
+
+
+def test_a_prior_is_replaced_by_the_first_step_then_averaged():
+    g = G(7, np.full(8, 4.0))
+    g.record(2, 0, 1.0)
+    assert g.cost[2] == 1.0
+    g.record(2, 0, 2.0)
+    assert g.cost[2] == pytest.approx(1.0 + G.COST_EMA * 1.0)
+    assert g.cost[3] == 4.0
+
+
+def test_an_outlier_step_counts_as_outlier_times_the_estimate():
+    g = G(7)
+    g.record(2, 0, 1.0)
+    g.record(2, 0, 100.0)
+    assert g.cost[2] == pytest.approx(1.0 + G.COST_EMA * (G.OUTLIER - 1.0))
+    p = G(7, np.full(8, 1.0))
+    p.record(2, 0, 100.0)                            # a prior is capped the same way
+    assert p.cost[2] == G.OUTLIER
+
+
+def test_acceptance_counts_decay_and_count_the_positions_reached():
+    g = G(4)
+    g.record(4, 2, 1.0)
+    np.testing.assert_array_equal(g.tries, [1, 1, 1, 0])
+    np.testing.assert_array_equal(g.hits, [1, 1, 0, 0])
+    g.record(2, 2, 1.0)                              # all drafted accepted: nothing beyond reached
+    np.testing.assert_allclose(g.tries, [G.DECAY + 1, G.DECAY + 1, G.DECAY, 0])
+    np.testing.assert_allclose(g.hits, [G.DECAY + 1, G.DECAY + 1, 0, 0])
+    g.record(0, 0, 1.0)                              # a plain step draws nothing
+    np.testing.assert_allclose(g.tries, [G.DECAY + 1, G.DECAY + 1, G.DECAY, 0])
