@@ -92,7 +92,7 @@ def survivors(d: Path) -> dict[str, str]:
         if not m:
             continue
         diff = mutmut(d, "show", m.group(1)).stdout
-        plus = [ln[1:].strip() for ln in diff.splitlines() if ln.startswith("+ ") or (ln.startswith("+") and not ln.startswith("+++"))]
+        plus = [ln[1:].strip() for ln in diff.splitlines() if ln.startswith("+") and not ln.startswith("+++")]
         line = plus[0].split("  #")[0].strip() if plus else "?"       # without its comment
         key = f"{readable(m.group(1))}: {line}"
         found[key] = f"{m.group(1)} ({m.group(2)})\n{diff.strip()}"
