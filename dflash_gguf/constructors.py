@@ -3,19 +3,19 @@ files on the Hugging Face Hub, a pair published on the Hub (a mixin: ``cls`` is 
 from __future__ import annotations
 
 import os
-from typing import TYPE_CHECKING
+from typing import TypeVar
 
 from dflash_gguf.pair import pair_files
 
-if TYPE_CHECKING:
-    from dflash_gguf.api import Llama
+L = TypeVar("L", bound="PairConstructors")
 
 
 class PairConstructors:
-    """``from_pair``, ``from_pretrained`` and ``from_pair_pretrained`` for :class:`dflash_gguf.Llama`."""
+    """``from_pair``, ``from_pretrained`` and ``from_pair_pretrained`` for :class:`dflash_gguf.Llama`
+    (each returns an instance of the class it is called on; this module does not import the API)."""
 
     @classmethod
-    def from_pair(cls, path: str | os.PathLike, *, verify: bool = False, **kwargs) -> "Llama":
+    def from_pair(cls: type[L], path: str | os.PathLike, *, verify: bool = False, **kwargs) -> L:
         """Open a converted pair directory (``pair.json`` + ``target*.gguf`` + ``drafter*.gguf``).
 
         ``verify=True`` also checks both files against the sha256 sums in ``pair.json``.
@@ -24,10 +24,10 @@ class PairConstructors:
         return cls(str(target), draft_model_path=str(drafter), **kwargs)
 
     @classmethod
-    def from_pretrained(cls, repo_id: str, filename: str, draft_repo_id: str | None = None,
+    def from_pretrained(cls: type[L], repo_id: str, filename: str, draft_repo_id: str | None = None,
                         draft_filename: str | None = None, *, revision: str | None = None,
                         draft_revision: str | None = None, cache_dir: str | os.PathLike | None = None,
-                        local_files_only: bool = False, **kwargs) -> "Llama":
+                        local_files_only: bool = False, **kwargs) -> L:
         """A target GGUF (and a drafter GGUF) from the Hugging Face Hub, through its cache.
 
         ``filename`` / ``draft_filename``: a file name or a glob matching exactly one file
@@ -47,9 +47,9 @@ class PairConstructors:
         return cls(str(target), draft_model_path=str(drafter) if drafter else None, **kwargs)
 
     @classmethod
-    def from_pair_pretrained(cls, repo_id: str, *, revision: str | None = None,
+    def from_pair_pretrained(cls: type[L], repo_id: str, *, revision: str | None = None,
                              cache_dir: str | os.PathLike | None = None, local_files_only: bool = False,
-                             **kwargs) -> "Llama":
+                             **kwargs) -> L:
         """A converted pair published on the Hub with its ``pair.json`` (made by ``dflash_gguf.convert``):
         the manifest, then the two GGUFs it names (sizes checked as :meth:`from_pair` does)."""
         from dflash_gguf.hub import pair_snapshot

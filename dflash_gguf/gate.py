@@ -168,6 +168,11 @@ class DraftLength:
                 if plan == 0 and not steady and expected[-1] > self.DIP:
                     self.probe_every = self.PROBE_SOON
                     self._next_probe = min(self._next_probe, self.steps + self.PROBE_SOON)
+                if 0 < plan < self.n_max and self.n_max in self._prior:
+                    # a middle length chosen on the prior's word for the whole block: measure that soon
+                    # (a prior taken while the machine was busy must not keep full blocks away for long)
+                    self._probe_full = False
+                    self._next_probe = min(self._next_probe, self.steps + self.PROBE_SOON)
                 self._plan = plan
             n = self._plan
         self.last = n

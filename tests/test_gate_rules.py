@@ -261,6 +261,23 @@ def test_probing_backs_off_while_the_plan_holds_and_restarts_on_a_change():
     assert g._plan == 3 and g.probe_every == G.PROBE_EVERY
 
 
+@pytest.mark.parametrize("best", [1, 3])
+def test_a_middle_plan_on_the_priors_word_probes_the_whole_block_soon(best):
+    exp = 1 + np.arange(8.0)
+    cost = np.array([1.0] + [1.0 + 0.1 * n if n <= best else 90 for n in range(1, 8)])   # best is best
+    g = past_warmup(Fixed(7, exp, cost, prior=cost))
+    g._next_probe = g.steps + 50
+    assert g.choose() == best and g._next_probe == g.steps + G.PROBE_SOON
+    for _ in range(G.PROBE_SOON - 1):
+        assert g.choose() == best
+    assert g.choose() == 7                                          # the probe: the whole block
+    g.record(7, 7, 1.4)                                             # ... which is cheap after all
+    h = past_warmup(Fixed(7, exp, cost, prior=None))                # measured costs: no hurry
+    h.cost[:] = cost
+    h._next_probe = h.steps + 50
+    assert h.choose() == best and h._next_probe == h.steps - 1 + 50
+
+
 @pytest.mark.parametrize("full, soon", [(1.5, False), (1.49, False), (1.51, True), (3.0, True)])
 def test_plain_over_a_drafter_that_is_right_is_probed_soon(full, soon):
     """Plain chosen (drafting costs too much) while the drafter still makes more than DIP tokens a

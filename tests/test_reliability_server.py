@@ -1,5 +1,6 @@
 """Server soak at CI size: concurrent mixed traffic on loopback against a DFlash server (the demo
-pair), then every good request replayed alone on a fresh server. ``--full`` (500 requests, max_tokens
+pair), then every good request replayed alone on a fresh server, and every greedy one on a server
+decoding plainly. ``--full`` (500 requests, max_tokens
 up to 256) in RELIABILITY.md.
 """
 from __future__ import annotations
@@ -21,6 +22,8 @@ def test_server_soak(tmp_path):
     assert not rep["wrong_status"], rep["wrong_status"][:3]
     assert rep["health"]["failures"] == 0 and rep["health"]["polls"] >= 5   # polled all along; the count follows the run's length
     assert not rep["mismatches"], rep["mismatches"][:2]
+    # what DFlash returned under load is plain decoding's text, not only DFlash-alone's
+    assert rep["replayed_plain"] > 15 and not rep["plain_mismatches"], rep["plain_mismatches"][:2]
     assert rep["metrics_ok"], rep["metrics"]
     assert abs(rep["rss_change_pct"]) <= 5.0
     k = rep["kinds"]

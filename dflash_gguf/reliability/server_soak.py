@@ -54,11 +54,11 @@ def free_port() -> int:
 class Server:
     """``python -m dflash_gguf.server`` in a child process on a free loopback port."""
 
-    def __init__(self, pair: Path, log_path: Path):
+    def __init__(self, pair: Path, log_path: Path, *, plain: bool = False):
         self.port = free_port()
         self.log = open(log_path, "ab")
         cmd = [sys.executable, "-m", "dflash_gguf.server", "--pair", str(pair), "--host", HOST, "--port",
-               str(self.port), "-t", "1", "--n-ctx", str(N_CTX)]
+               str(self.port), "-t", "1", "--n-ctx", str(N_CTX)] + (["--no-dflash"] if plain else [])
         self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=self.log, env=dict(os.environ, GGML_NO_BACKTRACE="1"))
         deadline = time.monotonic() + 120
         while time.monotonic() < deadline:
@@ -360,6 +360,18 @@ def run(pair: Path, n_requests: int, clients: int, max_tokens: int, *, seed: int
     mismatches = [{"id": r.req.id, "endpoint": r.req.endpoint, "body": r.req.body, "soak": r.text,
                    "alone": alone[r.req.id].text, "soak_finish": r.finish, "alone_finish": alone[r.req.id].finish}
                   for r in good if (r.text, r.finish) != (alone[r.req.id].text, alone[r.req.id].finish)]
+    # and every greedy one on a server decoding plainly (the same pair, --no-dflash): what DFlash under
+    # load returned is the target's own text (sampled requests are the same distribution, not the same
+    # draws, so they are compared with DFlash alone only)
+    greedy = [r for r in order if r.req.body.get("temperature") == 0]
+    plain_srv = Server(pair, work / "server-soak-plain.log", plain=True)
+    try:
+        plain = {r.req.id: send(plain_srv.port, r.req, random.Random(0)) for r in greedy}
+    finally:
+        plain_srv.stop()
+    plain_mismatches = [{"id": r.req.id, "endpoint": r.req.endpoint, "body": r.req.body, "soak": r.text,
+                         "plain": plain[r.req.id].text, "soak_finish": r.finish, "plain_finish": plain[r.req.id].finish}
+                        for r in greedy if (r.text, r.finish) != (plain[r.req.id].text, plain[r.req.id].finish)]
     # /metrics arithmetic over the soak window
     def count(m, status):
         return sum(x["count"] for x in m["requests"] if x["status"] == status and x["endpoint"] != "/health")
@@ -392,6 +404,7 @@ def run(pair: Path, n_requests: int, clients: int, max_tokens: int, *, seed: int
         "rss_after_warmup_mib": round(rss0 / 2 ** 20, 1), "rss_after_mib": round(rss1 / 2 ** 20, 1),
         "rss_change_pct": round(100.0 * (rss1 - rss0) / rss0, 2) if rss0 else None,
         "replayed": len(good), "mismatches": mismatches,
+        "replayed_plain": len(greedy), "plain_mismatches": plain_mismatches,
         "metrics": {"200": [m_200, seen[200]], "400": [m_400, seen[400], n_half], "completion_tokens": [m_tokens, c_tokens],
                     "client_disconnects": [m_disc, n_drop], "generations": [m_gens, len(completed)],
                     "late_hangups": late, "hangups": len(gone)},
@@ -401,7 +414,8 @@ def run(pair: Path, n_requests: int, clients: int, max_tokens: int, *, seed: int
     rep["metrics_ok"] = (m_200 == seen[200] and seen[400] <= m_400 <= seen[400] + n_half and 0 <= m_disc <= n_drop
                          and 0 <= late <= len(gone) and m_disc + late >= len(gone)
                          and (m_tokens == c_tokens if late == 0 else c_tokens < m_tokens <= c_tokens + late_max))
-    rep["ok"] = (not fives and not wrong_status and not mismatches and mon.failures == 0 and rep["metrics_ok"]
+    rep["ok"] = (not fives and not wrong_status and not mismatches and not plain_mismatches and mon.failures == 0
+                 and rep["metrics_ok"]
                  and rep["rss_change_pct"] is not None and abs(rep["rss_change_pct"]) <= 5.0)
     return rep
 
@@ -417,6 +431,8 @@ def summary(rep: dict) -> str:
         f"  /health: {rep['health']['polls']} polls, {rep['health']['failures']} failures, "
         f"slowest {rep['health']['slowest_s']} s",
         f"  replay alone on a fresh server: {rep['replayed']} requests, {len(rep['mismatches'])} mismatches",
+        f"  greedy ones on a plain (--no-dflash) server: {rep['replayed_plain']} requests, "
+        f"{len(rep['plain_mismatches'])} mismatches",
         f"  RSS {rep['rss_after_warmup_mib']} MiB after warm-up -> {rep['rss_after_mib']} MiB after the run "
         f"({rep['rss_change_pct']:+.2f}%)",
         f"  /metrics vs clients: 200 {m['200'][0]}/{m['200'][1]}, 400 {m['400'][0]}/{m['400'][1]} (+<= {m['400'][2]} "

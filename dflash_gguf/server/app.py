@@ -42,6 +42,7 @@ server faults.
 from __future__ import annotations
 
 import asyncio
+import hmac
 import json
 import logging
 import time
@@ -348,12 +349,23 @@ def _grammar(llm, text: str | None):
     return grammar
 
 
+OPEN_PATHS = frozenset({"/health"})     # answered without an API key (load balancers, probes)
+
+
+def authorized(header: str | None, api_key: str) -> bool:
+    """``Authorization: Bearer <api_key>``, compared in constant time."""
+    scheme, _, token = (header or "").partition(" ")
+    return scheme.lower() == "bearer" and hmac.compare_digest(token.strip().encode(), api_key.encode())
+
+
 def create_app(llm, model_id: str | None = None, *, max_queue: int | None = None,
-               request_timeout: float | None = None) -> FastAPI:
+               request_timeout: float | None = None, api_key: str | None = None) -> FastAPI:
     """A FastAPI app serving ``llm`` (a :class:`dflash_gguf.Llama`, or any ``llama_cpp.Llama``).
 
     ``max_queue``: requests allowed to wait for the model (more get 503; None: no limit).
     ``request_timeout``: seconds a request may take from arrival to its end (408; None: no limit).
+    ``api_key``: every request but ``/health`` must carry ``Authorization: Bearer <api_key>`` (401
+    otherwise, with an OpenAI-style error); None or empty: no key.
     With a plain ``llama_cpp.Llama`` a timed-out or abandoned generation runs to its end unseen.
     """
     from pathlib import Path
@@ -363,6 +375,17 @@ def create_app(llm, model_id: str | None = None, *, max_queue: int | None = None
     app = FastAPI(title="dflash-gguf", version=__version__,
                   description="OpenAI-compatible server with lossless DFlash speculative decoding")
     app.state.server = srv
+
+    if api_key:
+        @app.middleware("http")
+        async def _key(request: Request, call_next):
+            if request.url.path in OPEN_PATHS or authorized(request.headers.get("authorization"), api_key):
+                return await call_next(request)
+            srv.metrics.request(request.url.path, 401)
+            return JSONResponse(error_body("Incorrect or missing API key: send the header "
+                                           "'Authorization: Bearer <key>' (the key the server was started with)",
+                                           "invalid_request_error", None, "invalid_api_key"),
+                                status_code=401, headers={"WWW-Authenticate": "Bearer"})
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(request: Request, exc: RequestValidationError):

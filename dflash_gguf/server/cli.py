@@ -2,9 +2,14 @@
 from __future__ import annotations
 
 import argparse
+import ipaddress
 import logging
+import os
 
 from dflash_gguf.server.app import create_app
+
+API_KEY_ENV = "DFLASH_GGUF_API_KEY"
+log = logging.getLogger("dflash_gguf.server")
 
 
 def parser(prog: str = "python -m dflash_gguf.server") -> argparse.ArgumentParser:
@@ -30,8 +35,21 @@ def parser(prog: str = "python -m dflash_gguf.server") -> argparse.ArgumentParse
     g.add_argument("--request-timeout", type=float, default=None, metavar="S",
                    help="seconds from a request's arrival to its end; then it is stopped and gets 408 "
                         "(default: no limit)")
+    g.add_argument("--api-key", default=None, metavar="KEY",
+                   help=f"require 'Authorization: Bearer KEY' on every request but /health (401 otherwise); "
+                        f"also from the environment variable {API_KEY_ENV}, which keeps it out of process "
+                        f"listings (default: no key)")
     add_model_args(ap)
     return ap
+
+
+def loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
 
 
 def main(argv: list[str] | None = None, prog: str = "python -m dflash_gguf.server") -> int:
@@ -41,8 +59,13 @@ def main(argv: list[str] | None = None, prog: str = "python -m dflash_gguf.serve
 
     args = parser(prog).parse_args(argv)
     setup_logging(args.verbose, logging.INFO)
+    api_key = args.api_key or os.environ.get(API_KEY_ENV) or None
+    if not api_key and not loopback(args.host):
+        log.warning("serving on %s without an API key: anyone who can reach port %d can use the model "
+                    "(--api-key KEY or %s)", args.host, args.port, API_KEY_ENV)
     llm = load_llama(args)
-    app = create_app(llm, args.model_alias, max_queue=args.max_queue, request_timeout=args.request_timeout)
+    app = create_app(llm, args.model_alias, max_queue=args.max_queue, request_timeout=args.request_timeout,
+                     api_key=api_key)
     uvicorn.run(app, host=args.host, port=args.port, log_level="debug" if args.verbose else "info")
     return 0
 
