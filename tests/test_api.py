@@ -408,6 +408,17 @@ def test_pickle_round_trip(pair, plain):
     llm.close()
 
 
+def test_low_memory_drafter_cache_is_512_cells_whatever_the_block(pair):
+    """The preset's drafter cache is 512 cells: window 512 - block (504 for this block-8 drafter)."""
+    kw = dict(KW, n_ctx=2048)
+    llm = Llama(str(pair.target), draft_model_path=str(pair.drafter), low_memory=True, **kw)
+    try:
+        dc = llm.decoder.drafter
+        assert dc.window == 512 - 8 and dc.n_ctx == 512 and llm.n_ctx() == 2048
+    finally:
+        llm.close()
+
+
 @pytest.mark.parametrize("settings", [dict(low_memory=True), dict(draft_window=5), dict(draft_window=0)],
                          ids=["low_memory", "window5", "unbounded"])
 def test_memory_settings_keep_the_text(pair, oracle, settings):
@@ -426,7 +437,9 @@ def test_memory_settings_keep_the_text(pair, oracle, settings):
             # the tiny target's 16-value heads cannot hold a Q8_0 KV cache: it stays f16
             assert llm.context_params.n_ubatch == LOW_MEMORY["n_ubatch"] and llm.context_params.type_k == 1
             assert llm.model_params.load_mode == llama_cpp.LLAMA_LOAD_MODE_NONE
-            assert dc.window == 512 - 8 and dc.n_ctx == 512                # a 512-cell cache, block 8
+            # a 512-cell drafter cache (window 512 - block 8): the target's whole 512-token context
+            # fits it, so no window is needed
+            assert dc.n_ctx == 512 and dc.window == 0 and llm.n_ctx() == 512
         elif settings["draft_window"]:
             assert dc.window == 5 and dc.n_ctx == 256             # 5 + 8 cells, padded by llama.cpp
         else:
