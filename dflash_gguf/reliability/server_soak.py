@@ -325,6 +325,19 @@ def metrics(port: int) -> dict:
     return data
 
 
+def replay(pair: Path, results: list[Result], log_path: Path, label: str, *, plain: bool = False) -> list[dict]:
+    """Send each of ``results``' requests, one at a time in that order, to a fresh server (``plain``:
+    decoding plainly); the ones whose text or finish reason differ from what the soak got."""
+    srv = Server(pair, log_path, plain=plain)
+    try:
+        again = {r.req.id: send(srv.port, r.req, random.Random(0)) for r in results}
+    finally:
+        srv.stop()
+    return [{"id": r.req.id, "endpoint": r.req.endpoint, "body": r.req.body, "soak": r.text, label: again[r.req.id].text,
+             "soak_finish": r.finish, f"{label}_finish": again[r.req.id].finish}
+            for r in results if (r.text, r.finish) != (again[r.req.id].text, again[r.req.id].finish)]
+
+
 def run(pair: Path, n_requests: int, clients: int, max_tokens: int, *, seed: int = 0, warmup: int = 24,
         work: Path | None = None) -> dict:
     work = work or Path(os.environ.get("TMPDIR", "/tmp"))
@@ -352,26 +365,12 @@ def run(pair: Path, n_requests: int, clients: int, max_tokens: int, *, seed: int
     good = [r for r in results if r.req.kind == "good" and r.status == 200]
     order = list(good)
     random.Random(seed + 1).shuffle(order)
-    fresh = Server(pair, work / "server-soak-fresh.log")
-    try:
-        alone = {r.req.id: send(fresh.port, r.req, random.Random(0)) for r in order}
-    finally:
-        fresh.stop()
-    mismatches = [{"id": r.req.id, "endpoint": r.req.endpoint, "body": r.req.body, "soak": r.text,
-                   "alone": alone[r.req.id].text, "soak_finish": r.finish, "alone_finish": alone[r.req.id].finish}
-                  for r in good if (r.text, r.finish) != (alone[r.req.id].text, alone[r.req.id].finish)]
+    mismatches = replay(pair, order, work / "server-soak-fresh.log", "alone")
     # and every greedy one on a server decoding plainly (the same pair, --no-dflash): what DFlash under
     # load returned is the target's own text (sampled requests are the same distribution, not the same
     # draws, so they are compared with DFlash alone only)
     greedy = [r for r in order if r.req.body.get("temperature") == 0]
-    plain_srv = Server(pair, work / "server-soak-plain.log", plain=True)
-    try:
-        plain = {r.req.id: send(plain_srv.port, r.req, random.Random(0)) for r in greedy}
-    finally:
-        plain_srv.stop()
-    plain_mismatches = [{"id": r.req.id, "endpoint": r.req.endpoint, "body": r.req.body, "soak": r.text,
-                         "plain": plain[r.req.id].text, "soak_finish": r.finish, "plain_finish": plain[r.req.id].finish}
-                        for r in greedy if (r.text, r.finish) != (plain[r.req.id].text, plain[r.req.id].finish)]
+    plain_mismatches = replay(pair, greedy, work / "server-soak-plain.log", "plain", plain=True)
     # /metrics arithmetic over the soak window
     def count(m, status):
         return sum(x["count"] for x in m["requests"] if x["status"] == status and x["endpoint"] != "/health")
