@@ -7,11 +7,11 @@ equivalent mutant). This script runs mutmut for a profile, then fails on any sur
 there, printing its diff; listed survivors that now die are reported so the list stays short.
 
 Profiles (one home for the lists): ``ci`` - the gate, the fallback rule, acceptance and stopping,
-against their fast unit tests (about 2 minutes on 2 cores; ``.ci/run`` runs it); ``full`` - also the
-sampler, the statistics and rollback choice, with the model-backed tests that cover them (much
-longer; run by hand, its figures in the README's development section).
+against their unit tests (about 1 minute on 2 cores; ``make test``, so CI, runs it); ``full`` - also
+the statistics (``make mutate``); ``slow`` - the sampler and rollback, whose tests load tiny models
+(``make mutate-slow``: hours on 2 cores; figures in the README's development section).
 
-    python tests/mutation.py [ci|full]
+    python tests/mutation.py [ci|full|slow]
 
 mutmut (chosen over cosmic-ray: one command, no session database or worker set-up to manage, runs
 only the tests that cover each mutant, and is maintained) works in a scratch folder per profile,
@@ -37,8 +37,11 @@ CI_TESTS = ["tests/test_gate_rules.py", "tests/test_gate.py", "tests/test_fallba
             "tests/test_stopping.py"]
 PROFILES = {
     "ci": (CI_MODULES, CI_TESTS),
-    "full": (CI_MODULES + ["dflash_gguf/sampling.py", "dflash_gguf/spec/stats.py", "dflash_gguf/spec/rollback.py"],
-             CI_TESTS + ["tests/test_sampling.py", "tests/test_hybrid.py"]),
+    "full": (CI_MODULES + ["dflash_gguf/spec/stats.py"], CI_TESTS + ["tests/test_stats.py"]),
+    # the sampler and rollback are covered by model-backed tests (tiny models, real contexts): each
+    # mutant runs for seconds, the profile for hours
+    "slow": (["dflash_gguf/sampling.py", "dflash_gguf/spec/rollback.py"],
+             ["tests/test_sampling.py", "tests/test_hybrid.py"]),
 }
 
 
