@@ -8,7 +8,7 @@ CROSS   ?= aarch64-linux-gnu
 # KleidiAI v1.24.0 source archive for offline arm64 builds; without one upstream downloads it
 KLEIDIAI_SRC ?= $(firstword $(wildcard vendor/kleidiai-v1.24.0-src.tar.gz ../shared/vendor/kleidiai-v1.24.0-src.tar.gz))
 
-.PHONY: demo test lint build tools ggml-variants cross cross-kleidiai venv clean-cache help mutate mutate-ci mutate-slow
+.PHONY: demo test lint build tools ggml-variants cross cross-kleidiai venv clean-cache help mutate mutate-ci
 
 help:
 	@echo "make demo    - set up everything, then run the offline DFlash demo on the shipped pair"
@@ -81,8 +81,6 @@ mutate-ci: build $(VENV)/.test-deps
 mutate: build $(VENV)/.test-deps
 	$(VPY) tests/mutation.py full
 
-mutate-slow: build $(VENV)/.test-deps
-	$(VPY) tests/mutation.py slow
 
 clean-cache:
 	rm -rf $${DFLASH_GGUF_CACHE:-$$HOME/.cache/dflash-gguf}
