@@ -149,7 +149,8 @@ class Llama(PairConstructors, llama_cpp.Llama):
         ngl = self.draft_n_gpu_layers if self.draft_n_gpu_layers is not None else self.model_params.n_gpu_layers
         self._draft_model = Model(self.draft_model_path, n_gpu_layers=ngl, use_mmap=self.draft_use_mmap)
         hybrid = self._is_hybrid or self._is_recurrent
-        n_draft = clamp_n_draft(DrafterInfo.read(self._draft_model), self.draft_n_max, n_batch=self.n_batch,
+        info = DrafterInfo.read(self._draft_model)
+        n_draft = clamp_n_draft(info, self.draft_n_max, n_batch=self.n_batch,
                                 n_ubatch=self.context_params.n_ubatch, hybrid=hybrid)
         def borrowed() -> Context:
             return Context.borrow(Model.borrow(self._model.model, self.model_path), self._ctx.ctx,
@@ -162,7 +163,7 @@ class Llama(PairConstructors, llama_cpp.Llama):
         flash = self.context_params.flash_attn_type == llama_cpp.LLAMA_FLASH_ATTN_TYPE_ENABLED
         window = self.draft_window
         if window is None and self.low_memory:
-            window = max(LOW_MEMORY_DRAFT_CACHE - DrafterInfo.read(self._draft_model).block_size, 1)
+            window = max(LOW_MEMORY_DRAFT_CACHE - info.block_size, 1)
         opts = ContextOptions(n_ctx=self._n_ctx, n_batch=self.n_batch, n_ubatch=self.context_params.n_ubatch,
                               n_threads=self.n_threads, flash_attn=flash, draft_window=window)
         self._draft_ctx = Context(self._draft_model, opts, other=target)
