@@ -98,6 +98,9 @@ class Model(_Handle):
     def meta(self, key: str) -> str | None:
         buf = ctypes.create_string_buffer(512)
         n = C.llama_model_meta_val_str(self.ptr, key.encode(), buf, len(buf))
+        if n >= len(buf):   # e.g. a chat template: the full length is returned
+            buf = ctypes.create_string_buffer(n + 1)
+            n = C.llama_model_meta_val_str(self.ptr, key.encode(), buf, len(buf))
         return buf.value.decode("utf-8", "replace") if n >= 0 else None
 
     def tokenize(self, text: bytes, add_bos: bool = True, special: bool = False) -> list[int]:
@@ -193,7 +196,8 @@ DEFAULT_DRAFT_CACHE = 1024
 
 @dataclass
 class ContextOptions:
-    n_ctx: int = 2048
+    n_ctx: int = 2048                 # positions per sequence
+    n_seq: int = 1                    # sequences (slots) served: n_seq x n_ctx cells in one unified KV cache
     n_batch: int = 512
     n_ubatch: int = 512
     n_threads: int | None = None
@@ -223,12 +227,14 @@ def drafter_options(opts: ContextOptions, info: DrafterInfo) -> ContextOptions:
         n_ctx = window + info.block_size
     else:
         window = 0
-    b = info.block_size
+    b = info.block_size * opts.n_seq   # one batch holds a block of every sequence
     return replace(opts, n_ctx=n_ctx, n_batch=b, n_ubatch=b, n_outputs_max=b, n_rs_seq=0, draft_window=window)
 
 
 class Context(_Handle):
-    """A llama.cpp context on a :class:`Model` (one sequence, id 0)."""
+    """A llama.cpp context on a :class:`Model`: ``opts.n_seq`` sequences (ids 0..n_seq-1) of up to
+    ``opts.n_ctx`` positions each. Several sequences share one unified KV cache: llama.cpp then splits
+    a batch into ubatches in order, so rows keep their batch order for the taps and the outputs."""
 
     def __init__(self, model: Model, opts: ContextOptions | None = None, *, other: "Context | None" = None):
         opts = opts or ContextOptions()
@@ -238,11 +244,14 @@ class Context(_Handle):
             self.window = opts.draft_window
         self.model = model
         self.opts = opts
+        if opts.n_seq < 1:
+            raise InvalidArgumentError(f"n_seq must be >= 1, got {opts.n_seq}")
         p = C.llama_context_default_params()
-        p.n_ctx = opts.n_ctx
+        p.n_ctx = opts.n_ctx * opts.n_seq
         p.n_batch = opts.n_batch
         p.n_ubatch = min(opts.n_ubatch, opts.n_batch)
-        p.n_seq_max = 1
+        p.n_seq_max = opts.n_seq
+        p.kv_unified = opts.n_seq > 1
         p.n_outputs_max = opts.n_outputs_max
         threads = opts.n_threads or max(1, os.cpu_count() or 1)
         p.n_threads = threads
@@ -276,7 +285,8 @@ class Context(_Handle):
         self.ptr = ptr
         self.cptr = B.as_ctx(ptr)
         self.mem = B.lib.llama_get_memory(self.cptr)
-        self.n_ctx = B.lib.llama_n_ctx(self.cptr)
+        self.n_seq = max(int(self.opts.n_seq), 1)
+        self.n_ctx = B.lib.llama_n_ctx(self.cptr) // self.n_seq   # positions per sequence
         self.n_batch = B.lib.llama_n_batch(self.cptr)
         self.n_ubatch = B.lib.llama_n_ubatch(self.cptr)
         self.n_rs_seq = B.lib.llama_n_rs_seq(self.cptr)
@@ -291,45 +301,62 @@ class Context(_Handle):
     def clear(self) -> None:
         B.lib.llama_memory_clear(self.mem, True)
 
-    def pos_min(self) -> int:
-        return B.lib.llama_memory_seq_pos_min(self.mem, 0)
+    def clear_seq(self, seq: int) -> None:
+        """Forget everything of sequence ``seq``."""
+        B.lib.llama_memory_seq_rm(self.mem, seq, -1, -1)
 
-    def pos_max(self) -> int:
-        return B.lib.llama_memory_seq_pos_max(self.mem, 0)
+    def pos_min(self, seq: int = 0) -> int:
+        return B.lib.llama_memory_seq_pos_min(self.mem, seq)
 
-    def forget_before(self, pos: int) -> bool:
+    def pos_max(self, seq: int = 0) -> int:
+        return B.lib.llama_memory_seq_pos_max(self.mem, seq)
+
+    def forget_before(self, pos: int, seq: int = 0) -> bool:
         """Drop positions [0, pos) (a drafter's window sliding on)."""
-        return bool(B.lib.llama_memory_seq_rm(self.mem, 0, 0, pos)) if pos > 0 else True
+        return bool(B.lib.llama_memory_seq_rm(self.mem, seq, 0, pos)) if pos > 0 else True
 
-    def truncate(self, n_keep: int) -> bool:
+    def truncate(self, n_keep: int, seq: int = 0) -> bool:
         """Keep positions [0, n_keep); False if the memory refuses a partial removal."""
-        return bool(B.lib.llama_memory_seq_rm(self.mem, 0, n_keep, -1))
+        return bool(B.lib.llama_memory_seq_rm(self.mem, seq, n_keep, -1))
 
-    def save_seq(self) -> bytes:
+    def save_seq(self, seq: int = 0) -> bytes:
         """Host copy of the sequence's recurrent part (attention KV excluded)."""
-        n = B.lib.llama_state_seq_get_size_ext(self.cptr, 0, PARTIAL_ONLY)
+        n = B.lib.llama_state_seq_get_size_ext(self.cptr, seq, PARTIAL_ONLY)
         buf = B.ffi.new("uint8_t[]", n)
-        got = B.lib.llama_state_seq_get_data_ext(self.cptr, buf, n, 0, PARTIAL_ONLY)
+        got = B.lib.llama_state_seq_get_data_ext(self.cptr, buf, n, seq, PARTIAL_ONLY)
         if got != n:
             raise RollbackError(f"saving the recurrent state failed ({got} of {n} bytes)")
         return bytes(B.ffi.buffer(buf, n))
 
-    def restore_seq(self, data: bytes) -> None:
-        got = B.lib.llama_state_seq_set_data_ext(self.cptr, data, len(data), 0, PARTIAL_ONLY)
+    def restore_seq(self, data: bytes, seq: int = 0) -> None:
+        got = B.lib.llama_state_seq_set_data_ext(self.cptr, data, len(data), seq, PARTIAL_ONLY)
         if got != len(data):
             raise RollbackError("restoring the recurrent state failed")
 
     # decoding -------------------------------------------------------------
     def decode(self, tokens: np.ndarray, pos0: int, out_row0: int | None = None,
-               argmax: np.ndarray | None = None) -> None:
+               argmax: np.ndarray | None = None, seq: int = 0) -> None:
         """Decode ``tokens`` at ``pos0``; outputs from ``out_row0`` (default: none unless argmax)."""
         n = len(tokens)
         if out_row0 is None:
             out_row0 = n if argmax is None else n - len(argmax)
         ap = B.ffi.NULL if argmax is None else B.ffi.from_buffer("llama_token[]", argmax)
-        rc = B.lib.llama_dflash_decode(self.cptr, 0, pos0, B.ffi.from_buffer("llama_token[]", tokens),
+        rc = B.lib.llama_dflash_decode(self.cptr, seq, pos0, B.ffi.from_buffer("llama_token[]", tokens),
                                        n, out_row0, ap)
         B.check(rc, f"decode of {n} tokens at position {pos0}")
+
+    def decode_seqs(self, seqs: np.ndarray, pos0: np.ndarray, n_tokens: np.ndarray, tokens: np.ndarray,
+                    argmax: np.ndarray | None = None) -> None:
+        """One decode of several sequences' rows (``tokens``: each sequence's ``n_tokens[i]`` tokens at
+        ``pos0[i]..``, concatenated; int32 arrays); every row is an output, ``argmax`` gets each row's
+        argmax id. Rows keep that order for :meth:`logits_row` and the taps."""
+        i32 = "int32_t[]"
+        out0 = np.zeros(len(seqs), dtype=np.int32)
+        ap = B.ffi.NULL if argmax is None else B.ffi.from_buffer("llama_token[]", argmax)
+        rc = B.lib.llama_dflash_decode_seqs(self.cptr, len(seqs), B.ffi.from_buffer(i32, seqs),
+                                            B.ffi.from_buffer(i32, pos0), B.ffi.from_buffer(i32, n_tokens),
+                                            B.ffi.from_buffer(i32, out0), B.ffi.from_buffer("llama_token[]", tokens), ap)
+        B.check(rc, f"decode of {len(tokens)} rows of {len(seqs)} sequences")
 
     def logits_row(self, i: int) -> np.ndarray:
         """Zero-copy view of batch row ``i``'s logits from the last decode."""

@@ -5,6 +5,7 @@ drafter (one token per step through the same C helpers).
 """
 from __future__ import annotations
 
+import numpy as np
 import pytest
 
 from dflash_gguf.engine import Context, ContextOptions, Model
@@ -221,6 +222,14 @@ def test_context_full_stops_cleanly(models):
         tm.close()
 
 
+def _propose(rig, pos, pending, ctx, n=7):
+    """The drafter's proposal for one sequence (slot 0) at ``pos``."""
+    out = np.zeros((1, n), dtype=np.int32)
+    got = rig.dec.proposer.propose(rig.dc, np.array([0], dtype=np.int32), np.array([pos], dtype=np.int32),
+                                   np.array([pending], dtype=np.int32), n, out, lambda i: ctx[:-1])
+    return out[0, :got].tolist()
+
+
 @pytest.mark.parametrize("kind", ["dflash", "dflash2"])
 def test_plain_steps_keep_features_on_the_host(models, kind):
     """Rows of plain steps go to the host and reach the drafter in one call before the next draft:
@@ -241,13 +250,11 @@ def test_plain_steps_keep_features_on_the_host(models, kind):
         assert rig.dec.features.n == 0 and rig.dc.pos_max() == len(prompt) + 18   # injected at the end
         ctx = prompt + first
         pos, pending = len(ctx) - 1, ctx[-1]
-        got = rig.dec.proposer.propose(rig.dc, pos, pending, 7, rig.dec._draft, lambda: ctx[:-1])
-        a = rig.dec._draft[:got].tolist()
+        a = _propose(rig, pos, pending, ctx)
         # B: the same tokens as a prompt (features injected as the prompt is decoded)
         ref_rig.run(ref_rig.dec, ctx, 1, stop_tokens=[])
         ref_rig.dec.keep_prefix(len(ctx) - 1)
-        got = ref_rig.dec.proposer.propose(ref_rig.dc, pos, pending, 7, ref_rig.dec._draft, lambda: ctx[:-1])
-        assert a == ref_rig.dec._draft[:got].tolist()
+        assert a == _propose(ref_rig, pos, pending, ctx)
         # and drafting resumes losslessly after the plain stretch (continuation of the same cache)
         rest, st = rig.run(rig.dec, ctx, 20, stop_tokens=[])
         assert rest == plain[20:40] and st.steps > 0 and st.n_reused == len(ctx) - 1

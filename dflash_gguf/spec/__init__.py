@@ -1,7 +1,7 @@
 """The DFlash block draft-verify loop, in small parts.
 
-:mod:`.decoder` sequences one step: :mod:`.proposer` drafts, the target verifies, :mod:`.acceptance`
-decides what is kept, :mod:`.rollback` trims the target's memory, :mod:`.stats` records it.
+:mod:`.decoder` sequences one step (of one sequence or a batch of them): :mod:`.proposer` drafts, the
+target verifies, :mod:`.acceptance` decides what is kept, :mod:`.rollback` trims the target's memory, :mod:`.stats` records it.
 :mod:`.calibration` measures this machine's step costs once per pair, the speed gate's starting point.
 :mod:`.acceptance` and :mod:`.stats` need no native library; the names below load on first use.
 """
@@ -10,7 +10,7 @@ from __future__ import annotations
 import importlib
 
 _LAZY = {
-    "DFlashDecoder": "decoder", "SpecOptions": "decoder", "common_prefix_len": "decoder",
+    "DFlashDecoder": "decoder", "SpecOptions": "decoder", "Request": "decoder", "common_prefix_len": "decoder",
     "DrafterProposer": "proposer", "OverrideProposer": "proposer", "Proposer": "proposer",
     "GenerationStats": "stats", "acceptance_length": "stats",
 }

@@ -1,16 +1,25 @@
-"""The DFlash block draft-verify loop, driven from Python over the patched libllama.
+"""The DFlash block draft-verify loop for one or several sequences, driven from Python over the patched libllama.
 
-One step (target KV holds ``P`` tokens, ``pending`` is the last chosen token, not yet decoded):
+One step, for every sequence ``s`` of the step at once (``s``'s target KV holds ``P_s`` tokens, ``pending_s``
+is its last chosen token, not yet decoded):
 
-1. ``draft``   - the drafter decodes ``[pending, mask x n]`` at ``P..P+n`` and proposes ``d1..dn``
-                 (one C call; the noise block never stays in the drafter's cache);
-2. ``verify``  - the target decodes ``[pending, d1..dn]`` in one pass; greedy reads only the
-                 per-row argmax ids, sampling reads the logits rows it needs;
-3. ``accept``  - the longest agreeing prefix ``d1..da`` plus the target's own next token;
-4. ``commit``  - yield the tokens; when the consumer has what it wants (all of them, or it stops
-                 early at EOS, max_tokens or a stop string), inject the features of the committed
-                 rows into the drafter and roll the target back to ``P + k`` - in ``finally``, so a
-                 consumer that stops iterating leaves both caches exactly where plain decoding would.
+1. ``draft``   - one drafter decode of every drafting sequence's block ``[pending_s, mask x n]`` at
+                 ``P_s..P_s+n`` proposes ``d1..dn`` for each (the noise blocks never stay in the drafter's cache);
+2. ``verify``  - one target decode of every sequence's ``[pending_s, d1..dn_s]`` (rows tagged by sequence);
+                 greedy reads only the per-row argmax ids, sampling reads the logits rows it needs;
+3. ``accept``  - per sequence, the longest agreeing prefix ``d1..da`` plus the target's own next token;
+4. ``commit``  - per sequence, hand the tokens over; when its consumer has what it wants (all of them, or it
+                 stops early at EOS, max_tokens or a stop string), inject the features of the committed
+                 rows into the drafter and roll the target back to ``P_s + k`` - for a generator in
+                 ``finally``, so a consumer that stops iterating leaves both caches exactly where plain
+                 decoding would.
+
+A decoder serves ``target.n_seq`` sequences (slots; llama.cpp sequence ids). :meth:`DFlashDecoder.generate`
+runs one request on slot 0 as a generator (the single-sequence case: ``dflash_gguf.Llama``);
+:meth:`DFlashDecoder.run` (or :meth:`~DFlashDecoder.admit` and :meth:`~DFlashDecoder.step`, for a server)
+runs many requests on all slots, a request joining as soon as a slot is free. Both go through the same
+step (:meth:`DFlashDecoder._advance`, :meth:`DFlashDecoder._settle`); ``generate`` must not run while
+requests run on the slots.
 
 The phases live in their own modules: :mod:`.proposer` (draft), :mod:`.acceptance` (accept),
 :mod:`.rollback` (one object per memory kind), :mod:`.stats` (statistics); this module sequences them.
@@ -19,26 +28,28 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass
-from typing import Iterator, Sequence
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Callable, Iterable, Iterator, Sequence
 
 import numpy as np
 
 from dflash_gguf import _bindings as B
 from dflash_gguf.engine import Context, DrafterInfo, clamp_n_draft
-from dflash_gguf.errors import ContextOverflowError, DFlashError, InvalidArgumentError
+from dflash_gguf.errors import ContextOverflowError, DFlashError, InvalidArgumentError, UnsupportedError
 from dflash_gguf.gate import DraftLength
 from dflash_gguf.spec import calibration
 from dflash_gguf.sampling import SamplingParams, TokenChooser
 from dflash_gguf.spec.acceptance import cut_at_stop, greedy_accept, sampled_accept
 from dflash_gguf.spec.features import FeatureFeed
 from dflash_gguf.spec.proposer import DrafterProposer, LatticeProposer, Proposer
-from dflash_gguf.spec.rollback import make_rollback
+from dflash_gguf.spec.rollback import Rollback, make_rollback
 from dflash_gguf.spec.stats import GenerationStats
 
 # target rows whose taps a decode keeps (llama_dflash_set_tap_rows_max): a verify block and the
 # prompt's last rows in chunks of this many; five taps of a 2048-wide target cost 2.6 MiB of its
-# compute buffer at 64 rows instead of 21 MiB for a 512-row ubatch (BENCHMARKS.md section 7)
+# compute buffer at 64 rows instead of 21 MiB for a 512-row ubatch (BENCHMARKS.md section 7).
+# A decoder of several sequences keeps at least a block of each (their verify rows share a decode).
 TAP_ROWS = 64
 
 log = logging.getLogger("dflash_gguf.spec")
@@ -62,13 +73,66 @@ class SpecOptions:
     sample_lattice: bool = True  # DFlash2 at temperature > 0: draft from the selector's top-k distribution
 
 
+@dataclass
+class Request:
+    """One generation for :meth:`DFlashDecoder.run`: ``max_tokens`` tokens after ``prompt`` (token ids)."""
+    prompt: Sequence[int]
+    max_tokens: int
+    sampling: SamplingParams | None = None
+    stop_tokens: Sequence[int] | None = None   # None: the target's end-of-generation tokens
+    use_draft: bool = True                     # False: plain decoding (in the same batch)
+    stats: GenerationStats | None = None       # filled in as it runs (a new one if None)
+    # called with each step's committed tokens: None keeps them all, k keeps the first k and ends the
+    # request (e.g. a stop string complete after them); both caches keep exactly what is kept
+    consumer: Callable[[list[int]], int | None] | None = None
+
+
+@dataclass
+class _Step:
+    """What :meth:`DFlashDecoder._advance` did for one sequence: ``n`` tokens drafted, ``commit`` (cut at
+    a stop token), the verify rows and their first row in the batch, what the rollback saved."""
+    pos: int
+    n: int
+    accepted: int
+    commit: list[int]
+    rows: np.ndarray
+    row0: int
+    saved: bytes | None
+
+
+@dataclass
+class _Seq:
+    """One slot of the decoder: llama.cpp sequence ``slot`` of both contexts, the tokens its caches hold,
+    and while a request runs on it, that request's state."""
+    slot: int
+    rollback: Rollback
+    features: FeatureFeed | None
+    cache: list[int] = field(default_factory=list)   # tokens whose KV is in the target (features in the drafter)
+    # the running request
+    index: int = -1
+    pending: int = 0
+    produced: int = 0
+    max_tokens: int = 0
+    stop: frozenset[int] | set[int] = frozenset()
+    chooser: TokenChooser | None = None
+    greedy: bool = True
+    n_draft: int = 0                  # most tokens this request drafts per step (0: plain)
+    gate: DraftLength | None = None   # its speed gate alone (None: fixed length)
+    lattice: bool = False             # DFlash2, sampled: proposals drawn from the selector's lattice
+    stats: GenerationStats = field(default_factory=GenerationStats)
+    consumer: Callable[[list[int]], int | None] | None = None
+    t_start: float = 0.0
+    done: bool = True
+
+
 class DFlashDecoder:
     """Runs lossless DFlash generation on a target context and a drafter context.
 
     The drafter context must have been created with ``other=target`` (it borrows the target's
-    embeddings and LM head). With ``drafter=None`` the same loop decodes plainly, one token per
-    step: the baseline the benchmarks and tests compare against. ``proposer`` (default: the
-    drafter) may replace the proposals, see :mod:`dflash_gguf.spec.proposer`.
+    embeddings and LM head) and as many sequences as the target's (``ContextOptions.n_seq``). With
+    ``drafter=None`` the same loop decodes plainly, one token per step: the baseline the benchmarks
+    and tests compare against. ``proposer`` (default: the drafter) may replace the proposals, see
+    :mod:`dflash_gguf.spec.proposer`.
     """
 
     def __init__(self, target: Context, drafter: Context | None, opts: SpecOptions | None = None,
@@ -78,274 +142,480 @@ class DFlashDecoder:
         self.opts = opts or SpecOptions()
         self.proposer = proposer or DrafterProposer()
         self.info: DrafterInfo | None = None
-        self.features: FeatureFeed | None = None
         self.n_draft = 0
+        self.n_seq = target.n_seq
+        self.n_ctx = target.n_ctx          # positions per sequence
         self.tap_rows = target.n_ubatch
+        if self.n_seq > 1 and (target.model.is_recurrent or target.model.is_hybrid):
+            raise UnsupportedError(f"{target.model.arch} has recurrent state: batched decoding of several sequences "
+                                   "serves attention-only targets; use one sequence (n_seq=1)")
         if drafter is not None:
+            if drafter.n_seq < self.n_seq:
+                raise InvalidArgumentError(f"the drafter context serves {drafter.n_seq} sequence(s), the target "
+                                           f"{self.n_seq}: create both with the same n_seq")
             cinfo = B.ffi.new("struct llama_dflash_drafter_info *")
             B.check(B.lib.llama_dflash_prepare(target.cptr, drafter.cptr, cinfo),
                     f"pairing drafter {drafter.model.path.name} with target {target.model.path.name}")
+            self.info = DrafterInfo.from_c(cinfo)
             # taps are read from the target's graph, not copied to its output buffer (patch 0010):
             # every decode of this loop is at most one target ubatch (prefill chunks, verify blocks)
             B.check(B.lib.llama_dflash_set_taps_direct(target.cptr, True), "reading taps from the target's graph")
-            # ... and only their last TAP_ROWS rows are kept (patch 0011): rows whose features the
+            # ... and only their last tap_rows rows are kept (patch 0011): rows whose features the
             # drafter needs are decoded in chunks of at most that many, verify blocks included
-            self.tap_rows = min(TAP_ROWS, target.n_ubatch)
+            self.tap_rows = min(max(TAP_ROWS, self.n_seq * self.info.block_size), target.n_ubatch)
             B.check(B.lib.llama_dflash_set_tap_rows_max(target.cptr, self.tap_rows), "capping the target's taps")
-            self.info = DrafterInfo.from_c(cinfo)
             if self.info.kind in ("dflash", "dflash2"):
                 # the drafter's graph gives argmax ids, not a block of logits (patch 0013)
                 B.check(B.lib.llama_dflash_set_draft_ids(drafter.cptr, True), "drafting by ids")
-            self.features = FeatureFeed(target, drafter, self.info)
-            self.n_draft = clamp_n_draft(self.info, self.opts.n_draft, n_batch=self.tap_rows,
-                                         n_ubatch=drafter.n_ubatch)
+            self.n_draft = clamp_n_draft(self.info, self.opts.n_draft, n_batch=self.tap_rows // self.n_seq,
+                                         n_ubatch=drafter.n_ubatch // self.n_seq)
         self.lattice: LatticeProposer | None = None
         if self.info is not None and self.info.kind == "dflash2" and self.opts.sample_lattice and self.info.selector_top_k:
             self.lattice = LatticeProposer(self.info.selector_top_k, self.n_draft)
-        self._rollback = make_rollback(target, self.n_draft, self.opts.rollback)
-        gated = self.opts.adaptive and self.n_draft > 0
-        self.gate = DraftLength(self.n_draft) if gated else None            # greedy requests
-        self.gate_sampled = DraftLength(self.n_draft) if gated else None    # sampled requests without a seed
-        self.cache: list[int] = []     # tokens whose KV is in the target (and features in the drafter)
+        self.seqs = [_Seq(slot, make_rollback(target, self.n_draft, self.opts.rollback, seq=slot),
+                          FeatureFeed(target, drafter, self.info, seq=slot) if drafter is not None else None)
+                     for slot in range(self.n_seq)]
+        self._gated = self.opts.adaptive and self.n_draft > 0
+        self.gate = DraftLength(self.n_draft) if self._gated else None            # greedy requests
+        self.gate_sampled = DraftLength(self.n_draft) if self._gated else None    # sampled requests without a seed
+        self._batch_gates: dict[int, DraftLength] = {}                            # steps of b >= 2 gated sequences
+        self._free: deque[_Seq] = deque(self.seqs)   # slots without a request (run, admit, step)
+        self._active: list[_Seq] = []                # ... with a running one
+        self._ended: list[_Seq] = []                 # ... whose request ended at admission (reported by step)
         self.closed = False            # set when the contexts are freed: a late generator cleanup then does nothing
         self._vocab = target.model.n_vocab
         bs = max(self.n_draft + 1, 1)
-        self._draft = np.zeros(bs, dtype=np.int32)
-        self._verify = np.zeros(bs, dtype=np.int32)
-        self._argmax = np.zeros(bs, dtype=np.int32)
+        self._draft = np.zeros((self.n_seq, bs), dtype=np.int32)
+        self._rows = np.zeros(self.n_seq * bs, dtype=np.int32)
+        self._argmax = np.zeros(self.n_seq * bs, dtype=np.int32)
         self.eog = frozenset(int(t) for t in target.model.eog_tokens)   # default stop tokens
         self.reset()   # the decoder owns both caches from here on
-        costs = calibration.step_costs(self) if gated and self.opts.calibrate else None   # cached per pair and machine
+        costs = calibration.step_costs(self) if self._gated and self.opts.calibrate else None   # cached per pair and machine
         if costs is not None:
             self.gate = DraftLength(self.n_draft, costs)
             self.gate_sampled = DraftLength(self.n_draft, costs)
-        log.debug("decoder ready: drafter=%s n_draft=%d rollback=%s", self.info, self.n_draft, self.rollback)
+        log.debug("decoder ready: drafter=%s n_draft=%d rollback=%s sequences=%d", self.info, self.n_draft,
+                  self.rollback, self.n_seq)
 
+    # ------------------------------------------------------------------ the one-sequence view (slot 0)
     @property
     def rollback(self) -> str:
         """The rollback kind in use: seq_rm, snapshot or checkpoint."""
-        return self._rollback.name
+        return self.seqs[0].rollback.name
+
+    @property
+    def cache(self) -> list[int]:
+        """Tokens in slot 0's caches (the one sequence of ``dflash_gguf.Llama``)."""
+        return self.seqs[0].cache
+
+    @property
+    def features(self) -> FeatureFeed | None:
+        return self.seqs[0].features
 
     def reset(self) -> None:
+        """Empty every slot's caches."""
         self.target.clear()
         if self.drafter is not None:
             self.drafter.clear()
-            self.features.clear()
-        self.cache = []
+        for s in self.seqs:
+            if s.features is not None:
+                s.features.clear()
+            s.cache = []
+
+    def _reset_seq(self, s: _Seq) -> None:
+        self.target.clear_seq(s.slot)
+        if self.drafter is not None:
+            self.drafter.clear_seq(s.slot)
+            s.features.clear()
+        s.cache = []
 
     # ------------------------------------------------------------------ caches
-    def keep_prefix(self, n: int) -> int:
-        """Cut both caches back to the first ``n`` cached tokens; returns how many are kept.
+    def keep_prefix(self, n: int, slot: int = 0) -> int:
+        """Cut a slot's caches back to its first ``n`` cached tokens; returns how many are kept.
 
         Recurrent state: llama.cpp accepts any rollback within n_rs_seq, but its snapshots only cover
         the rows of the last decode (a 1-token step leaves the older slots stale), so a partial
         removal could silently restore the wrong state: both caches are cleared instead (0 kept)
         and the caller re-evaluates.
         """
-        n = min(n, len(self.cache))
-        if n == len(self.cache) and self.target.pos_max() < n:
+        s = self.seqs[slot]
+        n = min(n, len(s.cache))
+        if n == len(s.cache) and self.target.pos_max(s.slot) < n:
             return n                      # nothing beyond the prefix to remove
-        ok = self._rollback.partial_prefix and self.target.truncate(n)
+        ok = s.rollback.partial_prefix and self.target.truncate(n, s.slot)
         if ok and self.drafter is not None:
-            ok = self.drafter.truncate(n)
-            self.features.truncate(n)
+            ok = self.drafter.truncate(n, s.slot)
+            s.features.truncate(n)
         if not ok:
             log.debug("partial cache removal refused at %d; re-evaluating", n)
-            self.reset()
+            self._reset_seq(s)
             return 0
-        self.cache = self.cache[:n]
+        s.cache = s.cache[:n]
         return n
 
-    def feed(self, tokens: Sequence[int]) -> None:
-        """Decode ``tokens`` after the cached ones into both caches (no sampling)."""
-        if len(self.cache) + len(tokens) > self.target.n_ctx:
-            raise ContextOverflowError(f"{len(tokens)} more tokens do not fit the context ({self.target.n_ctx})")
-        self._prefill(np.asarray(tokens, dtype=np.int32), len(self.cache), GenerationStats())
-        self.cache.extend(int(t) for t in tokens)
-
-    def _sync_prefix(self, prompt: Sequence[int]) -> int:
-        """Keep the longest cached prefix usable for ``prompt`` (at least one token stays to decode)."""
-        return self.keep_prefix(common_prefix_len(self.cache, prompt[:len(prompt) - 1]))
-
-    def _inject(self, pos: int, n: int, what: str, end: int | None = None) -> None:
-        """Features of the target's last-decoded rows ``0..n`` (at ``pos``) into the drafter's cache."""
-        if self.features is not None:
-            self.features.inject(pos, n, what, end)
+    def feed(self, tokens: Sequence[int], slot: int = 0) -> None:
+        """Decode ``tokens`` after a slot's cached ones into both caches (no sampling)."""
+        s = self.seqs[slot]
+        if len(s.cache) + len(tokens) > self.n_ctx:
+            raise ContextOverflowError(f"{len(tokens)} more tokens do not fit the context ({self.n_ctx})")
+        self._prefill(s, np.asarray(tokens, dtype=np.int32), len(s.cache), GenerationStats())
+        s.cache.extend(int(t) for t in tokens)
 
     # ------------------------------------------------------------------ phases
-    def _prefill(self, tokens: np.ndarray, pos0: int, stats: GenerationStats) -> None:
+    def _prefill(self, s: _Seq, tokens: np.ndarray, pos0: int, stats: GenerationStats) -> None:
         t0 = time.perf_counter()
         end = pos0 + len(tokens)
-        # rows the drafter will attend to (its window's worth at the end) are decoded TAP_ROWS at a
+        feed = s.features
+        # rows the drafter will attend to (its window's worth at the end) are decoded tap_rows at a
         # time and injected; the rest in whole ubatches (one per decode: direct taps), nothing kept
         split = 0
-        if self.features is not None and self.features.window:
-            split = min(max(end - self.features.window - pos0, 0), len(tokens))
-        elif self.features is None:
+        if feed is not None and feed.window:
+            split = min(max(end - feed.window - pos0, 0), len(tokens))
+        elif feed is None:
             split = len(tokens)
         step = self.target.n_ubatch   # llama.cpp keeps n_ubatch <= n_batch
         for off in range(0, split, step):
             chunk = tokens[off:min(off + step, split)]
-            self.target.decode(chunk, pos0 + off, out_row0=len(chunk))
-        step = self.tap_rows
+            self.target.decode(chunk, pos0 + off, out_row0=len(chunk), seq=s.slot)
+        step = min(self.tap_rows, TAP_ROWS)
         for off in range(split, len(tokens), step):
             chunk = tokens[off:off + step]
-            self.target.decode(chunk, pos0 + off, out_row0=len(chunk))
-            self._inject(pos0 + off, len(chunk), "injecting prompt features into the drafter", end)
+            self.target.decode(chunk, pos0 + off, out_row0=len(chunk), seq=s.slot)
+            feed.inject(pos0 + off, len(chunk), "injecting prompt features into the drafter", end)
         stats.t_prefill += time.perf_counter() - t0
 
-    def _draft_block(self, pos: int, pending: int, n: int, stats: GenerationStats,
-                     sample: TokenChooser | None = None) -> tuple[int, list | None]:
-        """Draft up to ``n`` tokens into ``self._draft``; with ``sample`` (a sampled request on a DFlash2
-        drafter) they are drawn from the selector's lattice and their distributions come back too."""
-        if n <= 0:
-            return 0, None
+    def _lengths(self, seqs: list[_Seq]) -> tuple[list[int], DraftLength | None, int]:
+        """Tokens each sequence drafts this step, the gate that chose them (if any) and its choice."""
+        gated = [s for s in seqs if s.gate is not None]
+        gate = None
+        if len(gated) == 1 and len(seqs) == 1:
+            gate = gated[0].gate
+        elif gated:
+            # a step of several sequences: one gate per batch size, measured on such steps (the rows of a
+            # step, hence its cost and what drafting buys, grow with the sequences in it)
+            gate = self._batch_gates.get(len(seqs))
+            if gate is None:
+                gate = self._batch_gates[len(seqs)] = DraftLength(self.n_draft)
+        choice = gate.choose() if gate is not None else 0
+        ns = []
+        for s in seqs:
+            want = choice if s.gate is not None else s.n_draft
+            ns.append(max(0, min(want, s.max_tokens - s.produced - 1, self.n_ctx - len(s.cache) - 1)))
+        return ns, gate, choice
+
+    def _propose_all(self, seqs: list[_Seq], ns: list[int]) -> tuple[int, list]:
+        """Draft into ``self._draft[i]`` for every sequence with ns[i] > 0: one drafter decode for those
+        the drafter proposes to, one per sequence drawing from a DFlash2 lattice. Returns the block
+        length of the batched draft and, per sequence, the lattice distributions (or None)."""
+        qs: list = [None] * len(seqs)
+        batch = [i for i, s in enumerate(seqs) if ns[i] > 0 and not s.lattice]
+        for i, s in enumerate(seqs):
+            if ns[i] > 0:
+                t0 = time.perf_counter()
+                s.features.flush()          # rows kept on the host during plain steps
+                s.stats.t_inject += time.perf_counter() - t0
         t0 = time.perf_counter()
-        self.features.flush()          # rows kept on the host during plain steps
-        t1 = time.perf_counter()
-        stats.t_inject += t1 - t0
-        q = None
-        if sample is not None:
-            n, q = self.lattice.propose(self.drafter, pos, pending, n, self._draft, sample.rng, sample.sp.temperature)
+        n_block = 0
+        if batch:
+            n_block = max(ns[i] for i in batch)
+            slots = np.array([seqs[i].slot for i in batch], dtype=np.int32)
+            pos = np.array([len(seqs[i].cache) for i in batch], dtype=np.int32)
+            pending = np.array([seqs[i].pending for i in batch], dtype=np.int32)
+            out = np.zeros((len(batch), n_block), dtype=np.int32)
+            got = self.proposer.propose(self.drafter, slots, pos, pending, n_block, out,
+                                        lambda j: seqs[batch[j]].cache)
+            for j, i in enumerate(batch):
+                ns[i] = min(ns[i], got)
+                self._draft[seqs[i].slot, :ns[i]] = out[j, :ns[i]]
+        for i, s in enumerate(seqs):
+            if ns[i] > 0 and s.lattice:
+                ns[i], qs[i] = self.lattice.propose(self.drafter, s.slot, len(s.cache), s.pending, ns[i],
+                                                    self._draft[s.slot], s.chooser.rng, s.chooser.sp.temperature)
+        dt = (time.perf_counter() - t0) / max(sum(1 for n in ns if n > 0), 1)
+        for i, s in enumerate(seqs):
+            if ns[i] > 0:
+                s.stats.t_draft += dt
+        return n_block, qs
+
+    def _advance(self, seqs: list[_Seq]) -> tuple[list[_Step], DraftLength | None, int]:
+        """One draft-verify step of every sequence in ``seqs``: what each committed (nothing kept yet)."""
+        ns, gate, choice = self._lengths(seqs)
+        _, qs = self._propose_all(seqs, ns) if any(ns) else (0, [None] * len(seqs))
+        saved = [s.rollback.save(n) for s, n in zip(seqs, ns)]
+        # verify: every sequence's [pending, d1..dn] in one target decode
+        lens = np.array([n + 1 for n in ns], dtype=np.int32)
+        row0 = np.concatenate(([0], np.cumsum(lens)[:-1])).astype(np.int32)
+        total = int(lens.sum())
+        rows = self._rows[:total]
+        for i, s in enumerate(seqs):
+            r = row0[i]
+            rows[r] = s.pending
+            rows[r + 1:r + 1 + ns[i]] = self._draft[s.slot, :ns[i]]
+        greedy = any(s.greedy for s in seqs)
+        argmax = self._argmax[:total] if greedy else None
+        t0 = time.perf_counter()
+        if len(seqs) == 1:
+            self.target.decode(rows, len(seqs[0].cache), out_row0=0, argmax=argmax, seq=seqs[0].slot)
         else:
-            n = self.proposer.propose(self.drafter, pos, pending, n, self._draft, lambda: self.cache)
-        stats.t_draft += time.perf_counter() - t1
-        return n, q
+            self.target.decode_seqs(np.array([s.slot for s in seqs], dtype=np.int32),
+                                    np.array([len(s.cache) for s in seqs], dtype=np.int32), lens, rows, argmax)
+        dt = (time.perf_counter() - t0) / len(seqs)
+        steps = []
+        for i, s in enumerate(seqs):
+            s.stats.t_verify += dt
+            n, r = ns[i], int(row0[i])
+            draft = self._draft[s.slot, :n]
+            if s.greedy:
+                commit = greedy_accept(draft, self._argmax[r:r + n + 1])
+            else:
+                commit = sampled_accept(draft, lambda j, r=r: self.target.logits_row(r + j), s.chooser, qs[i])
+            a = len(commit) - 1
+            s.stats.observe_step(n, a)
+            steps.append(_Step(len(s.cache), n, a, cut_at_stop(commit, s.stop), rows[r:r + n + 1].copy(), r, saved[i]))
+        return steps, gate, choice
 
-    def _verify_block(self, pos: int, pending: int, n: int, greedy: bool, stats: GenerationStats) -> np.ndarray:
-        """Decode ``[pending, d1..dn]`` at ``pos``; greedy reads the per-row argmax ids only."""
-        rows = self._verify[:n + 1]
-        rows[0] = pending
-        rows[1:] = self._draft[:n]
-        t0 = time.perf_counter()
-        self.target.decode(rows, pos, out_row0=0, argmax=self._argmax[:n + 1] if greedy else None)
-        stats.t_verify += time.perf_counter() - t0
-        return rows
-
-    def _finish_block(self, pos: int, k: int, rows: np.ndarray, saved: bytes | None, stats: GenerationStats) -> None:
-        """Keep the first ``k`` rows of the verify batch in both caches (a plain step's row: on the host)."""
+    def _settle(self, s: _Seq, st: _Step, consumed: int) -> None:
+        """Keep the first ``consumed`` tokens of a step of ``s`` in both caches, roll the rest back."""
         if self.closed:
             return
         t0 = time.perf_counter()
-        if self.features is not None and len(rows) == 1:
-            self.features.keep(pos, k)
-        else:
-            self._inject(pos, k, "injecting verified features into the drafter")
+        if s.features is not None:
+            if len(st.rows) == 1:
+                s.features.keep(st.pos, consumed, st.row0)   # a plain step's row: on the host
+            else:
+                s.features.inject(st.pos, consumed, "injecting verified features into the drafter", row0=st.row0)
         t1 = time.perf_counter()
-        stats.t_inject += t1 - t0
-        if k < len(rows):
-            self._rollback.keep(pos, k, rows, saved)
-        stats.t_rollback += time.perf_counter() - t1
+        s.stats.t_inject += t1 - t0
+        if consumed < len(st.rows):
+            s.rollback.keep(st.pos, consumed, st.rows, st.saved)
+        s.stats.t_rollback += time.perf_counter() - t1
+        if consumed:
+            s.chooser.accept(st.commit[:consumed])
+            s.cache.append(s.pending)
+            s.cache.extend(st.commit[:consumed - 1])
+            s.pending = st.commit[consumed - 1]
 
-    # ------------------------------------------------------------------ loop
+    @staticmethod
+    def _record(steps: list[tuple[_Seq, _Step]], gate: DraftLength | None, choice: int, seconds: float) -> None:
+        """Charge the gate a step's whole work (draft with any deferred feature injection, verify,
+        acceptance, sampling, keeping the rows and rolling back): what a step of that length costs."""
+        if gate is None:
+            return
+        gated = [st for s, st in steps if s.gate is not None]
+        for st in gated:
+            gate.record(choice if len(steps) > 1 else st.n, st.accepted, seconds / len(gated))
+
+    # ------------------------------------------------------------------ requests
+    def _check(self, prompt: Sequence[int]) -> list[int]:
+        if len(prompt) == 0:
+            raise InvalidArgumentError("the prompt is empty: pass at least one token (e.g. BOS)")
+        if len(prompt) > self.n_ctx:
+            raise ContextOverflowError(f"prompt of {len(prompt)} tokens exceeds the context ({self.n_ctx})")
+        bad = [t for t in prompt if not 0 <= int(t) < self._vocab]
+        if bad:
+            raise InvalidArgumentError(f"token id {bad[0]} outside the vocabulary (0..{self._vocab - 1})")
+        return list(map(int, prompt))
+
+    def _begin(self, s: _Seq, prompt: list[int], max_tokens: int, sp: SamplingParams, stats: GenerationStats,
+               stop: set[int] | frozenset[int], use_draft: bool, index: int = -1) -> None:
+        """Start a request on slot ``s``: both caches to ``prompt[:-1]`` (reusing what they share)."""
+        s.t_start = time.perf_counter()
+        s.index, s.produced, s.max_tokens, s.stop, s.stats = index, 0, max_tokens, stop, stats
+        s.chooser = TokenChooser(sp)
+        s.greedy = sp.greedy and not sp.has_penalties
+        s.n_draft = self.n_draft if (use_draft and self.drafter is not None) else 0
+        # the gate's choices follow measured timings, which changes how a sampled request consumes its
+        # random numbers: a repeatable (seeded) request keeps fixed drafting (the same text every time),
+        # any other is gated like a greedy one, with its own acceptance history (sampled acceptance is lower)
+        s.gate = None
+        if s.n_draft:
+            s.gate = self.gate if sp.greedy else (None if sp.is_repeatable else self.gate_sampled)
+        # DFlash2, sampled: propose from the selector's distribution (the drafter's own proposer only)
+        s.lattice = self.lattice is not None and not sp.greedy and type(self.proposer) is DrafterProposer
+        s.done = False
+        stats.n_prompt = len(prompt)
+        n_keep = self.keep_prefix(common_prefix_len(s.cache, prompt[:len(prompt) - 1]), s.slot)
+        stats.n_reused = n_keep
+        todo = np.asarray(prompt[n_keep:-1], dtype=np.int32)
+        if len(todo):
+            try:
+                self._prefill(s, todo, n_keep, stats)
+            except BaseException:
+                self._reset_seq(s)   # a half-filled cache is worse than an empty one
+                s.done = True
+                raise
+        s.cache = prompt[:-1]
+        s.pending = prompt[-1]
+
+    def _finished(self, s: _Seq, st: _Step | None) -> bool:
+        """Whether the request on ``s`` ends after step ``st`` (sets ``stats.finish``)."""
+        if st is not None and st.commit and st.commit[-1] in s.stop:
+            s.stats.finish = "stop"
+        elif s.produced >= s.max_tokens:
+            s.stats.finish = "length"
+        elif len(s.cache) >= self.n_ctx:
+            s.stats.finish = "context"
+        else:
+            return False
+        return True
+
+    def _end(self, s: _Seq) -> None:
+        """A request leaves slot ``s``: at the end of a generation the drafter's cache holds every committed
+        row again (rows of plain steps are batched on the host only within a generation)."""
+        if s.done:
+            return
+        s.done = True
+        if s.features is not None and not self.closed and s.features.n:
+            t0 = time.perf_counter()
+            try:
+                s.features.flush()
+            except DFlashError as e:     # e.g. the drafter's context is full: drafting loses context, not exactness
+                log.debug("drafter features not injected: %s", e)
+                s.features.clear()
+            s.stats.t_inject += time.perf_counter() - t0
+        s.stats.t_total += time.perf_counter() - s.t_start
+
     def generate(self, prompt: Sequence[int], max_tokens: int, sampling: SamplingParams | None = None,
                  stats: GenerationStats | None = None, stop_tokens: Sequence[int] | None = None,
                  use_draft: bool = True) -> Iterator[int]:
-        """Yield the target's tokens for ``prompt`` (exactly those plain decoding would give).
+        """Yield the target's tokens for ``prompt`` (exactly those plain decoding would give), on slot 0.
 
         Stops after an end-of-generation / stop token (which is yielded), after ``max_tokens``, or
         when the context is full. ``stats`` (optional) is filled in as it goes.
         """
         sp = sampling or SamplingParams()
         stats = stats if stats is not None else GenerationStats()
-        if len(prompt) == 0:
-            raise InvalidArgumentError("the prompt is empty: pass at least one token (e.g. BOS)")
-        if len(prompt) > self.target.n_ctx:
-            raise ContextOverflowError(f"prompt of {len(prompt)} tokens exceeds the context ({self.target.n_ctx})")
-        bad = [t for t in prompt if not 0 <= int(t) < self._vocab]
-        if bad:
-            raise InvalidArgumentError(f"token id {bad[0]} outside the vocabulary (0..{self._vocab - 1})")
-        return self._run(list(map(int, prompt)), max_tokens, sp, stats,
-                         self.eog if stop_tokens is None else set(map(int, stop_tokens)), use_draft)
+        prompt = self._check(prompt)
+        return self._run_one(prompt, max_tokens, sp, stats,
+                             self.eog if stop_tokens is None else set(map(int, stop_tokens)), use_draft)
 
-    def _start(self, prompt: list[int], stats: GenerationStats) -> int:
-        """Bring both caches to ``prompt[:-1]`` (reusing what they share); returns the pending token."""
-        stats.n_prompt = len(prompt)
-        n_keep = self._sync_prefix(prompt)
-        stats.n_reused = n_keep
-        todo = np.asarray(prompt[n_keep:-1], dtype=np.int32)
-        if len(todo):
-            try:
-                self._prefill(todo, n_keep, stats)
-            except BaseException:
-                self.reset()   # a half-filled cache is worse than an empty one
-                raise
-        self.cache = prompt[:-1]
-        return prompt[-1]
-
-    def _run(self, prompt: list[int], max_tokens: int, sp: SamplingParams, stats: GenerationStats,
-             stop: set[int], use_draft: bool) -> Iterator[int]:
-        t_start = time.perf_counter()
-        pending = self._start(prompt, stats)
-        chooser = TokenChooser(sp)
-        greedy = sp.greedy and not sp.has_penalties
-        n_draft = self.n_draft if (use_draft and self.drafter is not None) else 0
-        # the gate's choices follow measured timings, which changes how a sampled request consumes its
-        # random numbers: a repeatable (seeded) request keeps fixed drafting (the same text every time),
-        # any other is gated like a greedy one, with its own acceptance history (sampled acceptance is lower)
-        gate = None
-        if n_draft:
-            gate = self.gate if sp.greedy else (None if sp.is_repeatable else self.gate_sampled)
-        # DFlash2, sampled: propose from the selector's distribution (the drafter's own proposer only)
-        lattice = chooser if (self.lattice is not None and not sp.greedy and type(self.proposer) is DrafterProposer) else None
-        produced = 0
+    def _run_one(self, prompt: list[int], max_tokens: int, sp: SamplingParams, stats: GenerationStats,
+                 stop: set[int] | frozenset[int], use_draft: bool) -> Iterator[int]:
+        s = self.seqs[0]
+        self._begin(s, prompt, max_tokens, sp, stats, stop, use_draft)
         try:
-            while produced < max_tokens:
-                pos = len(self.cache)
-                if pos >= self.target.n_ctx:
-                    stats.finish = "context"
-                    return
-                t_step = time.perf_counter()   # the gate is charged the step's whole work, not the caller's time
-                want = gate.choose() if gate is not None else n_draft
-                n = min(want, max_tokens - produced - 1, self.target.n_ctx - pos - 1)
-                n, q = self._draft_block(pos, pending, n, stats, lattice)
-                saved = self._rollback.save(n)
-                rows = self._verify_block(pos, pending, n, greedy, stats)
-                if greedy:
-                    commit = greedy_accept(self._draft[:n], self._argmax[:n + 1])
-                else:
-                    commit = sampled_accept(self._draft[:n], self.target.logits_row, chooser, q)
-                a = len(commit) - 1
-                stats.observe_step(n, a)
-                commit = cut_at_stop(commit, stop)
+            st = None
+            while not self._finished(s, st):
+                t_step = time.perf_counter()   # the gate is charged the step's work, not the consumer's time
+                (st,), gate, choice = self._advance([s])
                 t_work = time.perf_counter() - t_step
                 consumed = 0
                 try:
-                    for tok in commit:
+                    for tok in st.commit:
                         consumed += 1
-                        produced += 1
+                        s.produced += 1
                         stats.n_generated += 1
                         yield tok
                 finally:
                     t_fin = time.perf_counter()
-                    self._finish_block(pos, consumed, rows, saved, stats)
-                    if consumed:
-                        chooser.accept(commit[:consumed])
-                        self.cache.append(pending)
-                        self.cache.extend(commit[:consumed - 1])
-                        pending = commit[consumed - 1]
+                    self._settle(s, st, consumed)
                     t_work += time.perf_counter() - t_fin
-                if gate is not None:
-                    # draft (with any deferred feature injection), verify, acceptance, sampling, keeping
-                    # the rows and rolling back: everything a step of this length costs on this machine
-                    gate.record(n, a, t_work)
-                if commit[-1] in stop:
-                    stats.finish = "stop"
-                    return
-            stats.finish = "length"
+                self._record([(s, st)], gate, choice, t_work)
         finally:
-            self._settle_features(stats)
-            stats.t_total += time.perf_counter() - t_start
+            self._end(s)
 
-    def _settle_features(self, stats: GenerationStats) -> None:
-        """At the end of a generation the drafter's cache holds every committed row again (rows of plain
-        steps are batched on the host only within a generation)."""
-        if self.features is None or self.closed or not self.features.n:
-            return
-        t0 = time.perf_counter()
+    # ------------------------------------------------------------------ several requests at once
+    @property
+    def free_slots(self) -> int:
+        """Slots a new request can take now (:meth:`admit`)."""
+        return len(self._free)
+
+    @property
+    def running(self) -> int:
+        """Requests admitted and not yet ended."""
+        return len(self._active) + len(self._ended)
+
+    def admit(self, r: Request, index: int = -1) -> bool:
+        """Start request ``r`` on a free slot - the one whose caches share the longest prefix with its
+        prompt - and prefill its prompt; False when every slot is taken. Its tokens come from
+        :meth:`step`, tagged with ``index``. Raises (and takes no slot) on a bad prompt."""
+        if not self._free:
+            return False
+        prompt = self._check(r.prompt)
+        s = max(self._free, key=lambda q: common_prefix_len(q.cache, prompt))
+        sp = r.sampling or SamplingParams()
+        stats = r.stats if r.stats is not None else GenerationStats()
+        self._free.remove(s)
         try:
-            self.features.flush()
-        except DFlashError as e:     # e.g. the drafter's context is full: drafting loses context, not exactness
-            log.debug("drafter features not injected: %s", e)
-            self.features.clear()
-        stats.t_inject += time.perf_counter() - t0
+            self._begin(s, prompt, r.max_tokens, sp, stats,
+                        self.eog if r.stop_tokens is None else set(map(int, r.stop_tokens)), r.use_draft, index)
+        except BaseException:
+            self._free.append(s)
+            raise
+        s.consumer = r.consumer
+        if self._finished(s, None):
+            self._end(s)
+            self._ended.append(s)
+        else:
+            self._active.append(s)
+        return True
+
+    def step(self) -> list[tuple[int, list[int], bool]]:
+        """One draft-verify step of every running request, in one drafter and one target decode:
+        ``(index, tokens, ended)`` for each (tokens: those kept this step; ended: its slot is free again)."""
+        out = [(s.index, [], True) for s in self._ended]
+        self._free.extend(self._ended)
+        self._ended = []
+        if not self._active:
+            return out
+        active, t_step = self._active, time.perf_counter()
+        steps, gate, choice = self._advance(active)
+        kept = []
+        for s, st in zip(active, steps):
+            want = s.consumer(st.commit) if s.consumer is not None else None
+            k = len(st.commit) if want is None else max(0, min(int(want), len(st.commit)))
+            self._settle(s, st, k)
+            s.produced += k
+            s.stats.n_generated += k
+            kept.append((k, want is not None))   # a number from the consumer ends the request
+        self._record(list(zip(active, steps)), gate, choice, time.perf_counter() - t_step)
+        self._active = []
+        for s, st, (k, ended) in zip(active, steps, kept):
+            if ended:
+                s.stats.finish = "stop"
+            ended = ended or self._finished(s, st)
+            if ended:
+                self._end(s)
+                self._free.append(s)
+            else:
+                self._active.append(s)
+            out.append((s.index, st.commit[:k], ended))
+        return out
+
+    def abandon(self) -> None:
+        """End every running request where it is (both caches keep what was kept)."""
+        for s in self._active + self._ended:
+            self._end(s)
+            self._free.append(s)
+        self._active, self._ended = [], []
+
+    def run(self, requests: Iterable[Request]) -> Iterator[tuple[int, list[int]]]:
+        """Run ``requests`` on every slot at once: yields ``(index, tokens)`` as each request's tokens are
+        kept (index: its position in ``requests``; a request's last item may have no tokens).
+
+        Each step drafts every running request's block in one drafter decode and verifies them all in
+        one target decode; the next request (read from ``requests`` only then) takes a slot as soon as
+        one is free, between steps, in order. Every request's tokens are the ones it would get alone
+        (greedy: token for token; sampled: the same distribution).
+        """
+        todo = iter(enumerate(requests))
+        try:
+            while True:
+                while self._free:
+                    nxt = next(todo, None)
+                    if nxt is None:
+                        break
+                    self.admit(nxt[1], nxt[0])
+                if not self.running:
+                    return
+                for i, toks, _ in self.step():
+                    yield i, toks
+        finally:
+            self.abandon()
+
+    def generate_batch(self, requests: Sequence[Request]) -> list[list[int]]:
+        """Every request's tokens (see :meth:`run`), in request order."""
+        out: list[list[int]] = [[] for _ in requests]
+        for i, toks in self.run(requests):
+            out[i].extend(toks)
+        return out

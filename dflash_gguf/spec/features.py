@@ -10,7 +10,8 @@ Buffered rows always cover the contiguous positions ``[start, start + n)``, righ
 A drafter context with a window (``Context.window``, see :func:`dflash_gguf.engine.drafter_options`)
 keeps the features of the last ``window`` positions only: before rows are written, older positions
 leave its cache, and rows that would leave it at once (the head of a long prompt) are never injected.
-Positions stay absolute, as the drafter was trained.
+Positions stay absolute, as the drafter was trained. One feed per sequence (``seq``): its rows of a
+batched decode start at ``row0``.
 """
 from __future__ import annotations
 
@@ -24,8 +25,9 @@ MAX_ROWS = 64    # flush at this many buffered rows (bounds host memory: MAX_ROW
 
 
 class FeatureFeed:
-    def __init__(self, target: Context, drafter: Context, info: DrafterInfo):
+    def __init__(self, target: Context, drafter: Context, info: DrafterInfo, seq: int = 0):
         self.target, self.drafter = target, drafter
+        self.seq = seq
         self.taps = np.asarray(info.target_layers, dtype=np.int32)
         self.row = len(self.taps) * target.model.n_embd
         self.buf: np.ndarray | None = None      # allocated on first use
@@ -39,12 +41,12 @@ class FeatureFeed:
         if not self.window:
             return 0
         low = (pos + n_rows if end is None else end) - self.window
-        if low > 0 and not self.drafter.forget_before(low):
+        if low > 0 and not self.drafter.forget_before(low, self.seq):
             raise DFlashError(f"the drafter refused to drop positions before {low}")
         return min(max(low - pos, 0), n_rows)
 
-    def inject(self, pos: int, n_rows: int, what: str, end: int | None = None) -> None:
-        """Rows ``0..n_rows`` of the target's last decode, at ``pos``, straight into the drafter.
+    def inject(self, pos: int, n_rows: int, what: str, end: int | None = None, row0: int = 0) -> None:
+        """Rows ``row0..row0+n_rows`` of the target's last decode, at ``pos``, straight into the drafter.
 
         ``end``: the position the cache will reach once a longer fill (a prompt in chunks) is done;
         rows the window drops by then are skipped now.
@@ -52,11 +54,11 @@ class FeatureFeed:
         self.flush()
         skip = self._first_kept(pos, n_rows, end)
         if n_rows > skip:
-            B.check(B.lib.llama_dflash_inject(self.drafter.cptr, self.target.cptr, 0, pos + skip, skip,
+            B.check(B.lib.llama_dflash_inject(self.drafter.cptr, self.target.cptr, self.seq, pos + skip, row0 + skip,
                                               n_rows - skip), what)
 
-    def keep(self, pos: int, n_rows: int) -> None:
-        """Rows ``0..n_rows`` of the target's last decode, at ``pos``, into the host buffer."""
+    def keep(self, pos: int, n_rows: int, row0: int = 0) -> None:
+        """Rows ``row0..row0+n_rows`` of the target's last decode, at ``pos``, into the host buffer."""
         if n_rows == 0:
             return
         if self.n and self.start + self.n != pos or self.n + n_rows > MAX_ROWS:
@@ -67,7 +69,7 @@ class FeatureFeed:
             self.start = pos
         out = self.buf[self.n:self.n + n_rows]
         B.check(B.lib.llama_dflash_get_taps(self.target.cptr, B.ffi.from_buffer("int32_t[]", self.taps), len(self.taps),
-                                            0, n_rows, B.ffi.from_buffer("float[]", out), out.size),
+                                            row0, n_rows, B.ffi.from_buffer("float[]", out), out.size),
                 "keeping the features of a plain step")
         self.n += n_rows
 
@@ -79,7 +81,7 @@ class FeatureFeed:
         skip = self._first_kept(self.start, n, None)
         rows = self.buf[skip:n]
         if len(rows):
-            B.check(B.lib.llama_dflash_inject_features(self.drafter.cptr, 0, self.start + skip,
+            B.check(B.lib.llama_dflash_inject_features(self.drafter.cptr, self.seq, self.start + skip,
                                                        B.ffi.from_buffer("float[]", rows), len(rows), rows.size),
                     "injecting the features of plain steps into the drafter")
 

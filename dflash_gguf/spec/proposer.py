@@ -1,8 +1,8 @@
 """Proposers: where a step's drafted tokens come from.
 
-:class:`DrafterProposer` asks the DFlash drafter (one C call per block). :class:`OverrideProposer`
+:class:`DrafterProposer` asks the DFlash drafter (one C call per step: a block for every sequence). :class:`OverrideProposer`
 still runs the drafter - its cost is paid and its cache stays exactly as without the override - and
-then replaces the proposal with a function of the context: an oracle for tests, replayed acceptance
+then replaces each sequence's proposal with a function of its context: an oracle for tests, replayed acceptance
 profiles for benchmarks. :class:`LatticeProposer` serves DFlash2 drafters at temperature > 0: it
 samples each drafted token from the selector's top-k distribution and returns that distribution
 (q) for the acceptance rule.
@@ -18,20 +18,25 @@ from dflash_gguf.engine import Context
 
 
 class Proposer:
-    def propose(self, drafter: Context, pos: int, pending: int, n: int, out: np.ndarray,
-                context: Callable[[], list[int]]) -> int:
-        """Write up to ``n`` proposed tokens for positions ``pos + 1 ..`` into ``out``; return how many.
+    def propose(self, drafter: Context, seqs: np.ndarray, pos: np.ndarray, pending: np.ndarray, n: int,
+                out: np.ndarray, context: Callable[[int], list[int]]) -> int:
+        """Propose up to ``n`` tokens for each sequence ``i`` of a step, into ``out[i, :]``; return how many
+        (the same for every sequence).
 
-        ``pending`` is the last chosen token (at ``pos``, not yet decoded); ``context()`` gives the
-        tokens before it (built only when a proposer asks).
+        Sequence ``i`` is llama.cpp's sequence ``seqs[i]``; ``pending[i]`` is its last chosen token (at
+        ``pos[i]``, not yet decoded); ``context(i)`` gives the tokens before it (built only when a
+        proposer asks). One drafter decode serves every sequence.
         """
         raise NotImplementedError
 
 
 class DrafterProposer(Proposer):
-    def propose(self, drafter, pos, pending, n, out, context):
-        return B.check(B.lib.llama_dflash_draft(drafter.cptr, 0, pos, pending, n, B.ffi.from_buffer("llama_token[]", out)),
-                       "drafting a block")
+    def propose(self, drafter, seqs, pos, pending, n, out, context):
+        i32 = "int32_t[]"
+        return B.check(B.lib.llama_dflash_draft_seqs(drafter.cptr, len(seqs), B.ffi.from_buffer(i32, seqs),
+                                                     B.ffi.from_buffer(i32, pos), B.ffi.from_buffer("llama_token[]", pending),
+                                                     n, B.ffi.from_buffer("llama_token[]", out)),
+                       "drafting a block" if len(seqs) == 1 else f"drafting a block for each of {len(seqs)} sequences")
 
 
 class OverrideProposer(DrafterProposer):
@@ -40,9 +45,10 @@ class OverrideProposer(DrafterProposer):
     def __init__(self, fn: Callable[[list[int], int], Sequence[int]]):
         self.fn = fn
 
-    def propose(self, drafter, pos, pending, n, out, context):
-        n = super().propose(drafter, pos, pending, n, out, context)
-        out[:n] = np.asarray(self.fn(context() + [pending], n), dtype=np.int32)[:n]
+    def propose(self, drafter, seqs, pos, pending, n, out, context):
+        n = super().propose(drafter, seqs, pos, pending, n, out, context)
+        for i in range(len(seqs)):
+            out[i, :n] = np.asarray(self.fn(context(i) + [int(pending[i])], n), dtype=np.int32)[:n]
         return n
 
 
@@ -61,9 +67,9 @@ class LatticeProposer:
         self.width = top_k + top_k * top_k
         self.buf = np.zeros((max(n_max, 1), self.width), dtype=np.float32)
 
-    def propose(self, drafter: Context, pos: int, pending: int, n: int, out: np.ndarray, rng: np.random.Generator,
-                temperature: float) -> tuple[int, list[tuple[np.ndarray, np.ndarray]]]:
-        got = B.check(B.lib.llama_dflash_draft_lattice(drafter.cptr, 0, pos, pending, n,
+    def propose(self, drafter: Context, seq: int, pos: int, pending: int, n: int, out: np.ndarray,
+                rng: np.random.Generator, temperature: float) -> tuple[int, list[tuple[np.ndarray, np.ndarray]]]:
+        got = B.check(B.lib.llama_dflash_draft_lattice(drafter.cptr, seq, pos, pending, n,
                                                        B.ffi.from_buffer("float[]", self.buf), self.buf.size),
                       "drafting a block (DFlash2 lattice)")
         k, t = self.k, temperature if temperature > 0 else 1.0

@@ -22,8 +22,9 @@ class Rollback:
     name = "?"
     partial_prefix = False   # may the cache be cut back to any earlier prefix (prompt reuse)?
 
-    def __init__(self, ctx: Context):
+    def __init__(self, ctx: Context, seq: int = 0):
         self.ctx = ctx
+        self.seq = seq
 
     def save(self, n_drafted: int) -> bytes | None:
         """Called before a verify of ``n_drafted`` drafted rows; returns what :meth:`keep` needs."""
@@ -31,7 +32,7 @@ class Rollback:
 
     def keep(self, pos: int, k: int, rows: np.ndarray, saved: bytes | None) -> None:
         """The verify decoded ``rows`` at ``pos``; keep the first ``k`` of them (k < len(rows))."""
-        if not self.ctx.truncate(pos + k):
+        if not self.ctx.truncate(pos + k, self.seq):
             raise RollbackError(f"target refused to roll back from {pos + len(rows)} to {pos + k} "
                                 f"(rollback={self.name}, n_rs_seq={self.ctx.n_rs_seq})")
 
@@ -52,15 +53,15 @@ class CheckpointRollback(Rollback):
     name = "checkpoint"
 
     def save(self, n_drafted: int) -> bytes | None:
-        return self.ctx.save_seq() if n_drafted > 0 else None
+        return self.ctx.save_seq(self.seq) if n_drafted > 0 else None
 
     def keep(self, pos: int, k: int, rows: np.ndarray, saved: bytes | None) -> None:
         if saved is None:
             raise RollbackError("checkpoint rollback without a saved state")
-        self.ctx.restore_seq(saved)
-        if not self.ctx.truncate(pos):
+        self.ctx.restore_seq(saved, self.seq)
+        if not self.ctx.truncate(pos, self.seq):
             raise RollbackError(f"could not drop the rejected rows after restoring the state at {pos}")
-        self.ctx.decode(rows[:k].copy(), pos, out_row0=k)   # replay the committed rows
+        self.ctx.decode(rows[:k].copy(), pos, out_row0=k, seq=self.seq)   # replay the committed rows
 
 
 _BY_NAME = {c.name: c for c in (AttentionRollback, SnapshotRollback, CheckpointRollback)}
@@ -100,8 +101,9 @@ def choose_for_memory(state_bytes: int, n_draft: int, cap_bytes: int | None) -> 
     return "checkpoint"
 
 
-def make_rollback(ctx: Context, n_draft: int, want: str = "auto") -> Rollback:
-    """The rollback for ``ctx`` drafting up to ``n_draft`` tokens per step (``want``: auto or a kind)."""
+def make_rollback(ctx: Context, n_draft: int, want: str = "auto", seq: int = 0) -> Rollback:
+    """The rollback for sequence ``seq`` of ``ctx`` drafting up to ``n_draft`` tokens per step (``want``:
+    auto or a kind)."""
     m = ctx.model
     natural = "checkpoint" if (m.is_recurrent or m.is_hybrid) else "seq_rm"
     if natural == "checkpoint" and ctx.n_rs_seq >= max(n_draft, 1):
@@ -113,4 +115,4 @@ def make_rollback(ctx: Context, n_draft: int, want: str = "auto") -> Rollback:
         raise InvalidArgumentError(f"{m.arch} has recurrent state: seq_rm rollback cannot serve it")
     if kind == "snapshot" and ctx.n_rs_seq < n_draft:
         raise InvalidArgumentError(f"snapshot rollback needs n_rs_seq >= {n_draft}, target has {ctx.n_rs_seq}")
-    return _BY_NAME[kind](ctx)
+    return _BY_NAME[kind](ctx, seq)

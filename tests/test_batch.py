@@ -1,0 +1,285 @@
+"""Several sequences in one decoder: every sequence of a batch gives what it gives alone.
+
+One decoder serves ``n_seq`` slots (one unified KV cache per context); each step drafts every running
+request's block in one drafter decode and verifies every block in one target decode
+(``llama_dflash_draft_seqs`` / ``llama_dflash_decode_seqs``, patch 0015). References are each request
+decoded alone by the plain decoder (greedy: token for token) and the exact distribution of the
+target (sampled: chi-square, as in test_sampling).
+"""
+from __future__ import annotations
+
+from collections import Counter
+
+import numpy as np
+import pytest
+
+from dflash_gguf import _bindings as B
+from dflash_gguf.engine import Context, ContextOptions, Model
+from dflash_gguf.errors import DFlashError, InvalidArgumentError, UnsupportedError
+from dflash_gguf.sampling import SamplingParams
+from dflash_gguf.spec import DFlashDecoder, GenerationStats, OverrideProposer, Request, SpecOptions
+from test_sampling import ALPHA, K_TOKENS, SP, chi2_pvalue, exact_distribution
+
+TEXTS = [b"def main(argv):\n    parser = argparse.ArgumentParser(",
+         b"    for key, value in sorted(items):\n        if",
+         b"import os\n",
+         b"class Config:\n    def __init__(self, path):\n        self.path = path\n        self.",
+         b"x = [i * i for i in range(",
+         b"# utilities\n\ndef read(path):\n    with open(path) as f:\n        return"]
+N_CTX = 256
+
+
+class BatchRig:
+    """A pair with a decoder of ``n_seq`` sequences and a plain one-sequence decoder (the reference)."""
+
+    def __init__(self, pair, n_seq, proposer=None, **spec):
+        self.tm, self.dm = Model(pair.target), Model(pair.drafter)
+        self.tc = Context(self.tm, ContextOptions(n_ctx=N_CTX, n_batch=128, n_ubatch=128, n_seq=n_seq))
+        self.dc = Context(self.dm, ContextOptions(n_ctx=N_CTX, n_batch=128, n_ubatch=128, n_seq=n_seq), other=self.tc)
+        self.dec = DFlashDecoder(self.tc, self.dc, SpecOptions(**spec), OverrideProposer(proposer) if proposer else None)
+        self.pc = Context(self.tm, ContextOptions(n_ctx=N_CTX, n_batch=128, n_ubatch=128))
+        self.plain = DFlashDecoder(self.pc, None)
+
+    def alone(self, r: Request) -> list[int]:
+        return list(self.plain.generate(r.prompt, r.max_tokens, sampling=r.sampling, stop_tokens=r.stop_tokens))
+
+    def close(self):
+        for c in (self.dc, self.tc, self.pc):
+            c.close()
+        self.dm.close()
+        self.tm.close()
+
+
+def _requests(rig, refs_len=40):
+    """Requests of different prompt lengths, max_tokens mid-block, a stop token mid-run, EOS; and each
+    prompt's plain continuation (for an oracle proposer)."""
+    prompts = [rig.tm.tokenize(t) for t in TEXTS]
+    long = [rig.alone(Request(p, refs_len, stop_tokens=[])) for p in prompts]
+    reqs = [Request(prompts[0], 37, stop_tokens=[]),          # max_tokens mid-block
+            Request(prompts[1], 40, stop_tokens=[long[1][13]]),   # a stop token mid-run
+            Request(prompts[2], 5, stop_tokens=[]),           # leaves early: another joins its slot
+            Request(prompts[3], 40),                          # the target's EOS tokens
+            Request(prompts[4], 1, stop_tokens=[]),           # one token
+            Request(prompts[5], 29, stop_tokens=[]),
+            Request(prompts[0] + long[0][:9], 23, stop_tokens=[]),   # extends an earlier prompt (prefix reuse)
+            Request(prompts[2], 0, stop_tokens=[])]           # nothing to do
+    return reqs, [p + c for p, c in zip(prompts, long)]
+
+
+def _oracle(refs):
+    """Proposes the plain continuation of whichever reference the context is on, one token wrong in
+    three blocks (so steps accept whole blocks, parts of blocks and nothing)."""
+    calls = [0]
+
+    def fn(ctx, n):
+        calls[0] += 1
+        for full in refs:
+            if full[:len(ctx)] == ctx:
+                out = list(full[len(ctx):len(ctx) + n]) + [0] * n
+                if calls[0] % 3 == 0:
+                    out[calls[0] % max(n, 1)] = (out[calls[0] % max(n, 1)] + 1) % 50
+                return out[:n]
+        return [0] * n
+    return fn
+
+
+@pytest.mark.parametrize("kind", ["dflash", "dflash2"])
+@pytest.mark.parametrize("oracle", [False, True], ids=["drafter", "oracle"])
+def test_each_sequence_equals_itself_alone(models, kind, oracle):
+    pair = models.pair("qwen3", kind, 8)
+    ref_rig = BatchRig(pair, 1)
+    reqs, fulls = _requests(ref_rig)
+    refs = [ref_rig.alone(r) for r in reqs]
+    ref_rig.close()
+    rig = BatchRig(pair, 3, proposer=_oracle(fulls) if oracle else None)
+    try:
+        for r in reqs:
+            r.stats = GenerationStats()
+        got = rig.dec.generate_batch(reqs)
+        for i, (g, ref) in enumerate(zip(got, refs)):
+            assert g == ref, f"request {i}: batched output differs from the request alone"
+        assert got[1][-1] == reqs[1].stop_tokens[0] and len(got[1]) <= 14
+        assert (len(got[0]), len(got[2]), len(got[4]), len(got[7])) == (37, 5, 1, 0)
+        assert reqs[0].stats.finish == "length" and reqs[1].stats.finish == "stop"
+        assert reqs[6].stats.n_reused > 0, "a request extending a cached prompt reuses that slot's cache"
+        st = GenerationStats()
+        for r in reqs:
+            st.merge(r.stats)
+        assert st.steps > 0 and st.drafted > 0
+        if oracle:
+            assert 0 < st.accepted < st.drafted and max(st.accepted_per_pos) > 0
+        # the same decoder again: slots keep their caches, outputs stay the same
+        assert rig.dec.generate_batch(reqs) == refs
+    finally:
+        rig.close()
+
+
+def test_greedy_and_sampled_sequences_in_one_batch(models):
+    """Sampled requests in a batch follow the target's distribution while greedy ones beside them stay
+    token for token the same as alone."""
+    pair = models.pair("qwen3", "dflash", 8)
+    rig = BatchRig(pair, 4)
+    try:
+        prompt = rig.tm.tokenize(TEXTS[0])
+        exact = exact_distribution(rig.pc, prompt, SP)
+        rig.plain.reset()
+        greedy = Request(rig.tm.tokenize(TEXTS[1]), 20, stop_tokens=[])
+        ref = rig.alone(greedy)
+        n_runs = 1200
+        reqs = []
+        for seed in range(n_runs):
+            reqs.append(Request(prompt, K_TOKENS, SamplingParams(**{**SP.__dict__, "seed": seed}), stop_tokens=[]))
+            if seed % 100 == 0:
+                reqs.append(Request(greedy.prompt, 20, stop_tokens=[]))
+        got = rig.dec.generate_batch(reqs)
+        counts = Counter(tuple(g) for r, g in zip(reqs, got) if r.sampling is not None)
+        assert sum(counts.values()) == n_runs
+        assert all(g == ref for r, g in zip(reqs, got) if r.sampling is None)
+        p = chi2_pvalue(counts, exact)
+        assert p > ALPHA, f"batched samples do not follow the target distribution (p={p:.2e}): {counts} vs {exact}"
+    finally:
+        rig.close()
+
+
+def test_one_sequence_of_a_batched_decoder_is_the_single_case(models):
+    """generate() on a decoder of several slots is the one-sequence loop (slot 0), and gated batches of
+    plain and drafting requests stay lossless."""
+    pair = models.pair("qwen3", "dflash", 8)
+    rig = BatchRig(pair, 2, adaptive=True)
+    try:
+        prompt = rig.tm.tokenize(TEXTS[0])
+        ref = rig.alone(Request(prompt, 30, stop_tokens=[]))
+        assert list(rig.dec.generate(prompt, 30, stop_tokens=[])) == ref
+        assert rig.dec.cache == prompt + ref[:-1]
+        reqs = [Request(prompt, 30, stop_tokens=[]), Request(prompt, 30, stop_tokens=[], use_draft=False),
+                Request(rig.tm.tokenize(TEXTS[1]), 30, stop_tokens=[])]
+        refs = [rig.alone(r) for r in reqs]
+        for _ in range(3):
+            assert rig.dec.generate_batch(reqs) == refs
+    finally:
+        rig.close()
+
+
+def test_streamed_order_and_early_exit(models):
+    """run() streams each request's tokens as they are committed; leaving it early frees every slot."""
+    pair = models.pair("qwen3", "dflash", 8)
+    rig = BatchRig(pair, 2)
+    try:
+        reqs = [Request(rig.tm.tokenize(t), 12, stop_tokens=[]) for t in TEXTS[:4]]
+        refs = [rig.alone(r) for r in reqs]
+        seen: dict[int, list[int]] = {i: [] for i in range(len(reqs))}
+        first_step = []
+        for n, (i, toks) in enumerate(rig.dec.run(reqs)):
+            seen[i].extend(toks)
+            if n < 2:
+                first_step.append(i)
+        assert [seen[i] for i in range(len(reqs))] == refs
+        assert sorted(first_step) == [0, 1], "the first step runs the first two requests side by side"
+        gen = rig.dec.run(reqs)
+        next(gen)
+        gen.close()
+        assert all(s.done for s in rig.dec.seqs)
+        assert rig.dec.generate_batch(reqs) == refs
+    finally:
+        rig.close()
+
+
+def test_mismatched_sequence_counts_are_refused(models):
+    pair = models.pair("qwen3", "dflash", 8)
+    tm, dm = Model(pair.target), Model(pair.drafter)
+    tc = Context(tm, ContextOptions(n_ctx=128, n_batch=64, n_ubatch=64, n_seq=3))
+    dc = Context(dm, ContextOptions(n_ctx=128, n_batch=64, n_ubatch=64, n_seq=2), other=tc)
+    try:
+        with pytest.raises(InvalidArgumentError, match="same n_seq"):
+            DFlashDecoder(tc, dc)
+        with pytest.raises(InvalidArgumentError, match="n_seq must be >= 1"):
+            Context(tm, ContextOptions(n_seq=0))
+    finally:
+        dc.close()
+        tc.close()
+        dm.close()
+        tm.close()
+
+
+def test_c_api_checks_its_arguments(models):
+    """Distinct sequence ids below n_seq_max, rows within n_batch, blocks within the drafter's ubatch."""
+    pair = models.pair("qwen3", "dflash", 8)
+    tm, dm = Model(pair.target), Model(pair.drafter)
+    tc = Context(tm, ContextOptions(n_ctx=128, n_batch=64, n_ubatch=64, n_seq=2))
+    dc = Context(dm, ContextOptions(n_ctx=128, n_batch=64, n_ubatch=64, n_seq=2), other=tc)
+    i32 = lambda *v: np.array(v, dtype=np.int32)  # noqa: E731
+    try:
+        DFlashDecoder(tc, dc)   # pairs them
+        toks = i32(1, 2, 3, 4)
+        for seqs in (i32(0, 0), i32(0, 2), i32(-1, 1)):
+            with pytest.raises(DFlashError):
+                tc.decode_seqs(seqs, i32(0, 0), i32(2, 2), toks)
+        with pytest.raises(DFlashError):
+            tc.decode_seqs(i32(0, 1), i32(0, 0), i32(40, 40), np.ones(80, dtype=np.int32))   # > n_batch
+        am = np.zeros(4, dtype=np.int32)
+        tc.decode_seqs(i32(0, 1), i32(0, 0), i32(2, 2), toks, am)
+        alone = np.zeros(2, dtype=np.int32)
+        tc.clear()
+        tc.decode(toks[2:], 0, out_row0=0, argmax=alone, seq=1)
+        assert am[2:].tolist() == alone.tolist(), "a sequence's rows in a batch give its ids alone"
+        out = np.zeros(2 * 8, dtype=np.int32)
+        pair01 = i32(0, 1)
+
+        def draft(n, seqs=pair01):
+            return B.lib.llama_dflash_draft_seqs(dc.cptr, len(seqs), B.ffi.from_buffer("int32_t[]", seqs),
+                                                 B.ffi.from_buffer("int32_t[]", i32(0, 0)),
+                                                 B.ffi.from_buffer("int32_t[]", i32(1, 1)), n,
+                                                 B.ffi.from_buffer("int32_t[]", out))
+        assert draft(7) == 7
+        assert dc.pos_max(0) == dc.pos_max(1) == -1, "noise blocks never stay in the drafter's cache"
+        assert draft(8) < 0, "a block longer than the drafter's"
+        assert draft(3, i32(1, 1)) < 0
+    finally:
+        dc.close()
+        tc.close()
+        dm.close()
+        tm.close()
+
+
+def test_hybrid_targets_take_one_sequence(models):
+    pair = models.pair("qwen35", "dflash", 8)
+    tm = Model(pair.target)
+    tc = Context(tm, ContextOptions(n_ctx=128, n_batch=64, n_ubatch=64, n_seq=2))
+    try:
+        with pytest.raises(UnsupportedError, match="one sequence"):
+            DFlashDecoder(tc, None)
+    finally:
+        tc.close()
+        tm.close()
+
+
+def test_batched_drafting_sees_each_sequences_own_context():
+    """On the trained demo pair: drafting in a batch accepts what drafting alone accepts (each block reads
+    its own sequence's features; a feature written to the wrong sequence, or a block attending across
+    sequences, drops acceptance to the random drafter's ~0) - and the outputs stay the target's."""
+    from dflash_gguf.demo import DEMO_DIR
+    from dflash_gguf.spec.stats import GenerationStats as Stats
+
+    pair = type("P", (), {"target": DEMO_DIR / "target.gguf", "drafter": DEMO_DIR / "drafter.gguf"})
+    prompts = [b"def fibonacci(n):\n", b"class Stack:\n    def __init__(self):\n", b"import json\n\ndef load(path):\n"]
+    alone_rig = BatchRig(pair, 1)
+    rig = BatchRig(pair, 3)
+    try:
+        reqs = [Request(alone_rig.tm.tokenize(p), 48, stop_tokens=[]) for p in prompts]
+        refs = [alone_rig.alone(r) for r in reqs]
+        alone = Stats()
+        for r, ref in zip(reqs, refs):
+            st = Stats()
+            assert list(alone_rig.dec.generate(r.prompt, r.max_tokens, stats=st, stop_tokens=[])) == ref
+            alone.merge(st)
+        for r in reqs:
+            r.stats = Stats()
+        assert rig.dec.generate_batch(reqs) == refs
+        batched = Stats()
+        for r in reqs:
+            batched.merge(r.stats)
+        assert alone.tau > 2, "the demo pair drafts well alone"
+        assert batched.tau >= 0.9 * alone.tau, (batched.tau, alone.tau)
+    finally:
+        rig.close()
+        alone_rig.close()
