@@ -1,0 +1,175 @@
+"""Offline batch generation: many prompts in, completions out, several sequences per step.
+
+For evaluations and dataset generation, in the spirit of vLLM's ``LLM.generate(list)`` and mlx-lm's
+``batch_generate``::
+
+    from dflash_gguf.batch import BatchLlama
+
+    with BatchLlama("target.gguf", "drafter.gguf", n_parallel=4) as llm:
+        for c in llm.generate(["def fib(n):", "class Stack:"], max_tokens=64, stop=["\\n\\n"]):
+            print(c.finish_reason, c.text)
+        llm.chat([[{"role": "user", "content": "Hello"}]], max_tokens=32)
+
+``n_parallel`` sequences run at once in one target and one drafter context: each step drafts every
+running sequence's block in one drafter decode and verifies all of them in one target decode; a
+prompt takes a free slot as soon as one is (in order; the slot whose cache shares the longest prefix
+with it). Each completion is exactly what the target alone gives (greedy: token for token; sampled:
+the same distribution). ``dflash_gguf.Llama`` stays the single-sequence drop-in for llama_cpp.Llama.
+"""
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass, field
+from typing import Callable, Sequence
+
+from dflash_gguf.engine import Context, ContextOptions, Model
+from dflash_gguf.errors import InvalidArgumentError
+from dflash_gguf.sampling import SamplingParams
+from dflash_gguf.spec.decoder import DFlashDecoder, Request, SpecOptions
+from dflash_gguf.spec.stats import GenerationStats
+
+log = logging.getLogger("dflash_gguf.batch")
+
+
+@dataclass
+class Completion:
+    """One prompt's result. ``finish_reason``: "stop" (end of generation, a stop token or string),
+    "length" (max_tokens) or "context" (the context is full)."""
+    text: str
+    tokens: list[int]
+    finish_reason: str
+    prompt_tokens: int
+    stats: GenerationStats = field(repr=False, default_factory=GenerationStats)
+
+
+class StopStrings:
+    """A request's consumer (see :class:`dflash_gguf.spec.decoder.Request`): keeps tokens until the text
+    holds one of ``stops``, then ends the request after the token that completed it."""
+
+    def __init__(self, piece: Callable[[int], bytes], stops: Sequence[str]):
+        self.piece, self.stops = piece, [s for s in stops if s]
+        self.longest = max((len(s) for s in self.stops), default=0)
+        self.raw = b""
+        self.seen = 0                  # characters of text already searched (less a stop string's length)
+        self.cut: int | None = None    # character offset of the first stop string found
+
+    def text(self) -> str:
+        """The completion's text: bytes that are not UTF-8 left out, as llama_cpp does."""
+        text = self.raw.decode("utf-8", "ignore")
+        return text if self.cut is None else text[:self.cut]
+
+    def __call__(self, tokens: list[int]) -> int | None:
+        for j, tok in enumerate(tokens):
+            self.raw += self.piece(tok)
+            if self.stops:
+                text = self.raw.decode("utf-8", "ignore")
+                start = max(0, self.seen - self.longest)
+                hits = [i for i in (text.find(s, start) for s in self.stops) if i >= 0]
+                self.seen = len(text)
+                if hits:
+                    self.cut = min(hits)
+                    return j + 1
+        return None
+
+
+class BatchLlama:
+    """A target (and a drafter) run for many prompts at once. Close it (or use ``with``) to free both."""
+
+    def __init__(self, model_path: str | os.PathLike, draft_model_path: str | os.PathLike | None = None, *,
+                 n_parallel: int = 4, n_ctx: int = 2048, n_batch: int = 512, n_threads: int | None = None,
+                 draft_adaptive: bool = True, draft_n_max: int | None = None, draft_window: int | None = None,
+                 flash_attn: bool | None = None):
+        if n_parallel < 1:
+            raise InvalidArgumentError(f"n_parallel must be >= 1, got {n_parallel}")
+        opts = ContextOptions(n_ctx=n_ctx, n_batch=n_batch, n_ubatch=n_batch, n_threads=n_threads, n_seq=n_parallel,
+                              flash_attn=flash_attn, draft_window=draft_window)
+        self._owned: list = []
+        try:
+            self.model = self._own(Model(model_path))
+            self.target = self._own(Context(self.model, opts))
+            self.drafter = None
+            if draft_model_path is not None:
+                self.draft_model = self._own(Model(draft_model_path))
+                self.drafter = self._own(Context(self.draft_model, opts, other=self.target))
+            self.decoder = DFlashDecoder(self.target, self.drafter,
+                                         SpecOptions(n_draft=draft_n_max, adaptive=draft_adaptive))
+        except BaseException:
+            self.close()
+            raise
+        self.n_parallel = n_parallel
+        log.info("batch: %d sequences of %d positions, drafter %s (n_draft %d)", n_parallel, self.target.n_ctx,
+                 "none" if self.drafter is None else os.fspath(draft_model_path), self.decoder.n_draft)
+
+    def _own(self, handle):
+        self._owned.append(handle)
+        return handle
+
+    # ------------------------------------------------------------------ generation
+    def generate(self, prompts: Sequence[str | Sequence[int]], *, max_tokens: int = 128, temperature: float = 0.0,
+                 top_k: int = 40, top_p: float = 0.95, min_p: float = 0.05, repeat_penalty: float = 1.0,
+                 seed: int | None = None, stop: Sequence[str] | None = None, add_bos: bool = True,
+                 dflash: bool = True) -> list[Completion]:
+        """Complete every prompt (text, or token ids as they are); results in prompt order.
+
+        A sampled batch with a ``seed`` gives prompt ``i`` the seed ``seed + i``: the same batch on a fresh
+        BatchLlama repeats its text (a seed's text also depends on the batch around it: the drafts, hence
+        the random numbers each step uses, do; its distribution does not).
+        ``stop``: strings that end a completion (not included in its text), besides end of generation.
+        """
+        if max_tokens < 0:
+            raise InvalidArgumentError(f"max_tokens must be >= 0, got {max_tokens}")
+        ids = [self.model.tokenize(p.encode(), add_bos=add_bos, special=True) if isinstance(p, str) else list(p)
+               for p in prompts]
+        return self._complete(ids, max_tokens, stop or [], dflash, [
+            SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
+                           repeat_penalty=repeat_penalty, seed=None if seed is None else seed + i)
+            for i in range(len(ids))])
+
+    def chat(self, conversations: Sequence[Sequence[dict]], **kw) -> list[Completion]:
+        """Answer every conversation (OpenAI-style messages) with the chat template in the target's GGUF;
+        ``kw`` as for :meth:`generate`. The template's end-of-turn token ends a reply."""
+        from llama_cpp.llama_chat_format import Jinja2ChatFormatter
+
+        template = self.model.meta("tokenizer.chat_template")
+        if not template:
+            raise InvalidArgumentError(f"{self.model.path.name} carries no chat template (tokenizer.chat_template)")
+        import llama_cpp.llama_cpp as C
+        text = lambda t: self.model.token_bytes(t, special=True).decode("utf-8", "replace") if t >= 0 else ""  # noqa: E731
+        fmt = Jinja2ChatFormatter(template=template, eos_token=text(C.llama_vocab_eos(self.model.vocab)),
+                                  bos_token=text(C.llama_vocab_bos(self.model.vocab)))
+        prompts = []
+        stops = list(kw.pop("stop", None) or [])
+        for messages in conversations:
+            r = fmt(messages=list(messages))
+            prompts.append(self.model.tokenize(r.prompt.encode(), add_bos=not r.added_special, special=True))
+            for s in ([r.stop] if isinstance(r.stop, str) else (r.stop or [])):
+                if s not in stops:
+                    stops.append(s)
+        return self.generate(prompts, stop=stops, **kw)
+
+    def _complete(self, ids: list[list[int]], max_tokens: int, stop: Sequence[str], dflash: bool,
+                  sps: list[SamplingParams]) -> list[Completion]:
+        cuts = [StopStrings(self.model.token_bytes, stop) for _ in ids]
+        reqs = [Request(p, max_tokens, sp, use_draft=dflash, stats=GenerationStats(), consumer=c)
+                for p, sp, c in zip(ids, sps, cuts)]
+        tokens = self.decoder.generate_batch(reqs)
+        out = []
+        for p, r, toks, c in zip(ids, reqs, tokens, cuts):
+            out.append(Completion(c.text(), toks, "stop" if r.stats.finish == "stop" else r.stats.finish or "length",
+                                  len(p), r.stats))
+        return out
+
+    # ------------------------------------------------------------------ lifetime
+    def close(self) -> None:
+        if getattr(self, "decoder", None) is not None:
+            self.decoder.closed = True
+        for h in reversed(getattr(self, "_owned", [])):
+            h.close()
+        self._owned = []
+
+    def __enter__(self) -> "BatchLlama":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()

@@ -1,0 +1,99 @@
+"""The batch API (dflash_gguf.batch.BatchLlama): many prompts at once, each completion what
+llama_cpp.Llama gives for that prompt alone (text, stop strings, finish reason, chat template)."""
+from __future__ import annotations
+
+import llama_cpp
+import pytest
+
+from dflash_gguf.batch import BatchLlama
+from dflash_gguf.demo import DEMO_DIR
+from dflash_gguf.errors import InvalidArgumentError
+from chat_templates import QWEN3, with_chat_template
+
+TARGET, DRAFTER = DEMO_DIR / "target.gguf", DEMO_DIR / "drafter.gguf"
+PROMPTS = ["def fibonacci(n):\n", "class Stack:\n    def __init__(self):\n", "import json\n\ndef load(path):\n",
+           "for i in range(10):\n", "def add(a, b):\n    return", "# sort a list\n"]
+PLAIN_KW = dict(n_ctx=512, n_threads=2, seed=0, verbose=False)
+
+
+@pytest.fixture(scope="module")
+def plain():
+    llm = llama_cpp.Llama(str(TARGET), **PLAIN_KW)
+    yield llm
+    llm.close()
+
+
+@pytest.fixture(scope="module")
+def batch():
+    with BatchLlama(TARGET, DRAFTER, n_parallel=3, n_ctx=512, n_threads=2) as b:
+        yield b
+
+
+def _plain_text(plain, prompt, **kw):
+    out = plain.create_completion(prompt, temperature=0, **kw)["choices"][0]
+    return out["text"], out["finish_reason"]
+
+
+def test_completions_equal_llama_cpp_alone(plain, batch):
+    want = [_plain_text(plain, p, max_tokens=40) for p in PROMPTS]
+    got = batch.generate(PROMPTS, max_tokens=40)
+    assert [(c.text, c.finish_reason) for c in got] == want
+    assert all(c.prompt_tokens == len(plain.tokenize(p.encode())) for c, p in zip(got, PROMPTS))
+    st = [c.stats for c in got]
+    assert sum(s.steps for s in st) > 0 and sum(s.accepted for s in st) > 0, "the trained drafter drafts"
+    # plain decoding in the same engine (dflash=False): the same text
+    assert [c.text for c in batch.generate(PROMPTS, max_tokens=40, dflash=False)] == [w[0] for w in want]
+
+
+def test_stop_strings_cut_like_llama_cpp(plain, batch):
+    full = [_plain_text(plain, p, max_tokens=48)[0] for p in PROMPTS]
+    stops = []
+    for text in full:   # a piece of each reference, past its start, as a stop string
+        piece = text[len(text) // 2:len(text) // 2 + 3]
+        stops.append(piece if piece.strip() else "\n")
+    for p, s in zip(PROMPTS, stops):
+        want = _plain_text(plain, p, max_tokens=48, stop=[s])
+        (c,) = batch.generate([p], max_tokens=48, stop=[s])
+        assert (c.text, c.finish_reason) == want, (p, s)
+    got = batch.generate(PROMPTS, max_tokens=48, stop=stops[:1] + ["\n\n\n"])
+    for p, c in zip(PROMPTS, got):
+        assert (c.text, c.finish_reason) == _plain_text(plain, p, max_tokens=48, stop=stops[:1] + ["\n\n\n"])
+
+
+def test_seeded_sampling_repeats():
+    """The same seeded batch on a fresh BatchLlama gives the same text (same slots, same steps); which
+    text a seed gives is not tied to the batch around it (drafts, hence the random numbers a step uses,
+    depend on it), while its distribution is (tests/test_batch.py)."""
+    runs = []
+    for _ in range(2):
+        with BatchLlama(TARGET, DRAFTER, n_parallel=3, n_ctx=512, n_threads=2) as b:
+            runs.append([c.tokens for c in b.generate(PROMPTS[:4], max_tokens=24, temperature=0.8, seed=7)])
+    assert runs[0] == runs[1]
+    assert len({tuple(t) for t in runs[0]}) == 4
+
+
+def test_chat_uses_the_gguf_template(models, tmp_path):
+    pair = models.pair("qwen3", "dflash", 8)
+    target = with_chat_template(pair.target, tmp_path / "chat.gguf", QWEN3)
+    convs = [[{"role": "user", "content": "def add(a, b):"}],
+             [{"role": "system", "content": "You write Python."}, {"role": "user", "content": "Sort a list."}]]
+    ref = llama_cpp.Llama(str(target), **PLAIN_KW, chat_format=None)
+    try:
+        want = [ref.create_chat_completion(m, max_tokens=24, temperature=0)["choices"][0]["message"]["content"]
+                for m in convs]
+    finally:
+        ref.close()
+    with BatchLlama(target, pair.drafter, n_parallel=2, n_ctx=512) as b:
+        got = b.chat(convs, max_tokens=24)
+    assert [c.text for c in got] == want
+
+
+def test_bad_arguments(models):
+    pair = models.pair("qwen3", "dflash", 8)
+    with pytest.raises(InvalidArgumentError, match="n_parallel"):
+        BatchLlama(pair.target, pair.drafter, n_parallel=0)
+    with BatchLlama(pair.target, None, n_parallel=1, n_ctx=128) as b:
+        with pytest.raises(InvalidArgumentError, match="chat template"):
+            b.chat([[{"role": "user", "content": "hi"}]])
+        with pytest.raises(InvalidArgumentError, match="max_tokens"):
+            b.generate(["x"], max_tokens=-1)
