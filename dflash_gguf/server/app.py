@@ -42,10 +42,12 @@ server faults.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hmac
 import json
 import logging
 import time
+import uuid
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable, Iterator
 
@@ -142,6 +144,7 @@ class _Server:
         self.worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="llama")   # the only thread touching llm
         self.metrics = Metrics()
         self.waiting = 0
+        self.slots = None          # --parallel N: the batched engine (dflash_gguf.server.slots.Slots)
 
     async def run(self, fn: Callable, *args):
         return await asyncio.wrap_future(self.worker.submit(fn, *args))
@@ -257,6 +260,114 @@ class _Server:
             if not leased:
                 self.metrics.in_flight -= 1
 
+    # ------------------------------------------------------------------ --parallel slots
+    async def _next(self, job, request: Request, deadline: float | None):
+        """The job's next item from the engine thread, or (None, "timeout" | "disconnect")."""
+        while True:
+            try:
+                return await asyncio.wait_for(job.queue.get(), POLL_S), None
+            except asyncio.TimeoutError:
+                if deadline is not None and time.monotonic() >= deadline:
+                    return None, "timeout"
+                if await request.is_disconnected():
+                    return None, "disconnect"
+
+    async def generate_slots(self, request: Request, endpoint: str, job, stream: bool, include_usage: bool,
+                             chat: bool):
+        """Serve ``job`` in the batched slots (see :mod:`dflash_gguf.server.slots`); JSON or an SSE stream."""
+        from dflash_gguf.server import slots as S
+
+        self.metrics.in_flight += 1
+        streaming = False
+        deadline = time.monotonic() + self.request_timeout if self.request_timeout else None
+        drafting = self.slots.drafter is not None
+        try:
+            if self.max_queue is not None and self.slots.n_waiting >= self.max_queue:
+                self.metrics.rejected += 1
+                raise ServingError(503, f"server busy: {self.slots.n_waiting} request(s) already waiting for a slot "
+                                        f"(--max-queue {self.max_queue}); retry later", "server_busy", "queue_full",
+                                   {"Retry-After": "1"})
+            self.slots.submit(job)
+            if stream:
+                streaming = True
+                self.metrics.request(endpoint, 200)
+                return StreamingResponse(self._slot_events(request, job, deadline, include_usage, chat, drafting),
+                                         media_type="text/event-stream")
+            text = ""
+            while True:
+                item, why = await self._next(job, request, deadline)
+                if why is not None:
+                    job.cancelled = True
+                    return self._stopped(endpoint, why)
+                kind, val = item
+                if kind == "error":
+                    raise val
+                text = val
+                if kind == "end":
+                    break
+            body = S.completion_body(job, self.model_id, text, chat, drafting)
+            self.metrics.generation(body.get("dflash"), body["usage"])
+            self.metrics.request(endpoint, 200)
+            return JSONResponse(body)
+        except Exception as e:
+            resp = _error_response(e)
+            self.metrics.request(endpoint, resp.status_code)
+            return resp
+        finally:
+            if not streaming:
+                self.metrics.in_flight -= 1
+
+    async def _slot_events(self, request: Request, job, deadline: float | None, include_usage: bool, chat: bool,
+                           drafting: bool):
+        from dflash_gguf.server import slots as S
+
+        jid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4()}"
+        hold = max((len(x) for x in job.text.stops), default=1) - 1   # a stop string may still be forming
+        sent = 0
+        try:
+            if chat:
+                yield f"data: {json.dumps(S.chunk(jid, self.model_id, None, None, chat, first=True))}\n\n"
+            while True:
+                item, why = await self._next(job, request, deadline)
+                if why is not None:
+                    job.cancelled = True
+                    if why == "timeout":
+                        err = self.timed_out()
+                        yield f"data: {json.dumps(error_body(str(err), err.type, None, 408))}\n\n"
+                    else:
+                        self.metrics.disconnects += 1
+                        log.info("client disconnected: generation stopped")
+                    return
+                kind, val = item
+                if kind == "error":
+                    err = _error_response(val)
+                    yield f"data: {err.body.decode()}\n\n"
+                    return
+                upto = len(val) if kind == "end" else max(sent, len(val) - hold)
+                if upto > sent:
+                    yield f"data: {json.dumps(S.chunk(jid, self.model_id, val[sent:upto], None, chat))}\n\n"
+                    sent = upto
+                if kind == "end":
+                    break
+            fin = S.chunk(jid, self.model_id, None, S.finish_reason(job), chat)
+            info, usage = S.dflash_object(job, drafting), S.usage(job)
+            if info is not None:
+                fin["dflash"] = info
+            self.metrics.generation(info, usage)
+            if include_usage:
+                fin["usage"] = None
+            yield f"data: {json.dumps(fin)}\n\n"
+            if include_usage:
+                yield f"data: {json.dumps(_usage_chunk(fin, usage))}\n\n"
+            yield "data: [DONE]\n\n"
+        except asyncio.CancelledError:
+            job.cancelled = True
+            self.metrics.disconnects += 1
+            raise
+        finally:
+            job.cancelled = True     # a no-op once it ended; else its slot frees at the next step
+            self.metrics.in_flight -= 1
+
     def _stopped(self, endpoint: str, why: str) -> JSONResponse:
         if why == "timeout":
             resp = _error_response(self.timed_out())
@@ -359,20 +470,37 @@ def authorized(header: str | None, api_key: str) -> bool:
 
 
 def create_app(llm, model_id: str | None = None, *, max_queue: int | None = None,
-               request_timeout: float | None = None, api_key: str | None = None) -> FastAPI:
+               request_timeout: float | None = None, api_key: str | None = None, parallel: int | None = None) -> FastAPI:
     """A FastAPI app serving ``llm`` (a :class:`dflash_gguf.Llama`, or any ``llama_cpp.Llama``).
 
     ``max_queue``: requests allowed to wait for the model (more get 503; None: no limit).
     ``request_timeout``: seconds a request may take from arrival to its end (408; None: no limit).
     ``api_key``: every request but ``/health`` must carry ``Authorization: Bearer <api_key>`` (401
     otherwise, with an OpenAI-style error); None or empty: no key.
+    ``parallel``: sequences decoded together (:mod:`dflash_gguf.server.slots`; needs a
+    :class:`dflash_gguf.Llama`): requests the batched engine serves run there, N per step, the rest
+    (grammars, JSON formats, tools, logprobs, logit_bias, echo) on ``llm`` one at a time. None: every
+    request on ``llm``, one at a time.
     With a plain ``llama_cpp.Llama`` a timed-out or abandoned generation runs to its end unseen.
     """
     from pathlib import Path
 
     model_id = model_id or Path(llm.model_path).stem
     srv = _Server(llm, model_id, max_queue=max_queue, request_timeout=request_timeout)
-    app = FastAPI(title="dflash-gguf", version=__version__,
+    if parallel is not None:
+        if not hasattr(llm, "dflash_info"):
+            raise ValueError("parallel slots need a dflash_gguf.Llama")
+        from dflash_gguf.server.slots import Slots
+
+        srv.slots = Slots(llm, parallel)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app):
+        yield
+        if srv.slots is not None:
+            srv.slots.close()   # the engine thread ends, its contexts are freed
+
+    app = FastAPI(title="dflash-gguf", version=__version__, lifespan=lifespan,
                   description="OpenAI-compatible server with lossless DFlash speculative decoding")
     app.state.server = srv
 
@@ -409,8 +537,11 @@ def create_app(llm, model_id: str | None = None, *, max_queue: int | None = None
 
     @app.get("/health")
     async def health():
-        return {"status": "ok", "model": model_id, "dflash": _dflash_info(llm), "busy": srv.lock.locked(),
-                "waiting": srv.waiting}
+        out = {"status": "ok", "model": model_id, "dflash": _dflash_info(llm), "busy": srv.lock.locked(),
+               "waiting": srv.waiting}
+        if srv.slots is not None:
+            out["slots"] = {"total": srv.slots.n, "busy": srv.slots.busy(), "waiting": srv.slots.n_waiting}
+        return out
 
     @app.get("/v1/models")
     async def models():
@@ -433,6 +564,15 @@ def create_app(llm, model_id: str | None = None, *, max_queue: int | None = None
             kw["grammar"] = grammar
         prompt = body.prompt
         _check_prompt(llm, prompt)
+        if srv.slots is not None and grammar is None and body.logprobs is None and not body.echo \
+                and srv.slots.eligible(_set(kw)) and (body.typical_p in (None, 1.0)):
+            from dflash_gguf.server import slots as S
+
+            # as llama_cpp's create_completion tokenizes it
+            ids = list(prompt) if not isinstance(prompt, str) else \
+                llm.tokenize(prompt.encode("utf-8"), special=True) if prompt else [llm.token_bos()]
+            job = S.make_job(srv.slots, asyncio.get_running_loop(), ids, kw, _stops(kw.get("stop")), chat=False)
+            return await srv.generate_slots(request, "/v1/completions", job, body.stream, body.include_usage(), False)
         return await srv.generate(request, "/v1/completions", lambda: llm.create_completion(prompt, **kw), body.stream,
                                   body.include_usage())
 
@@ -450,11 +590,33 @@ def create_app(llm, model_id: str | None = None, *, max_queue: int | None = None
             if not hasattr(llm, "dflash_info"):
                 raise BadRequest("chat_template_kwargs needs a dflash_gguf.Llama", "chat_template_kwargs")
             kw["chat_template_kwargs"] = body.chat_template_kwargs
+        if srv.slots is not None and grammar is None and not body.logprobs and body.top_logprobs is None \
+                and body.response_format is None and not body.tools and body.tool_choice is None \
+                and srv.slots.eligible(_set(kw)) \
+                and body.typical_p in (None, 1.0):
+            from dflash_gguf.server import slots as S
+
+            formatted = S.chat_prompt(llm, messages)
+            if formatted is not None:
+                ids, fmt_stops = formatted
+                job = S.make_job(srv.slots, asyncio.get_running_loop(), ids, kw,
+                                 _stops(kw.get("stop")) + fmt_stops, chat=True)
+                return await srv.generate_slots(request, "/v1/chat/completions", job, body.stream,
+                                                body.include_usage(), True)
         return await srv.generate(request, "/v1/chat/completions",
                                   lambda: llm.create_chat_completion(messages, **kw), body.stream,
                                   body.include_usage())
 
     return app
+
+
+def _set(kw: dict) -> dict:
+    """The request's fields that ask for something (None and False ask for nothing)."""
+    return {k: v for k, v in kw.items() if v is not None and v is not False}
+
+
+def _stops(stop) -> list[str]:
+    return [] if stop is None else [stop] if isinstance(stop, str) else list(stop)
 
 
 def _dflash_info(llm) -> dict | None:

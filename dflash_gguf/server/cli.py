@@ -39,6 +39,11 @@ def parser(prog: str = "python -m dflash_gguf.server") -> argparse.ArgumentParse
                    help=f"require 'Authorization: Bearer KEY' on every request but /health (401 otherwise); "
                         f"also from the environment variable {API_KEY_ENV}, which keeps it out of process "
                         f"listings (default: no key)")
+    g.add_argument("-np", "--parallel", type=int, default=None, metavar="N",
+                   help="requests decoded together, up to N sequences per step in one batched engine (llama.cpp's "
+                        "flag). Its contexts come beside the model's own: N x the KV cache and the drafter window; "
+                        "grammars, JSON formats, tools, logprobs, logit_bias and echo still run one at a time on "
+                        "the model's own context (default: off, every request one at a time)")
     add_model_args(ap)
     return ap
 
@@ -65,6 +70,7 @@ def main(argv: list[str] | None = None, prog: str = "python -m dflash_gguf.serve
                     "(--api-key KEY or %s)", args.host, args.port, API_KEY_ENV)
     llm = load_llama(args)
     app = create_app(llm, args.model_alias, max_queue=args.max_queue, request_timeout=args.request_timeout,
+                     parallel=args.parallel,
                      api_key=api_key)
     uvicorn.run(app, host=args.host, port=args.port, log_level="debug" if args.verbose else "info")
     return 0

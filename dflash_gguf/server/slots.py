@@ -1,0 +1,264 @@
+"""``--parallel N``: requests decoded together, N sequences per step, in one batched engine.
+
+Beside the server's :class:`dflash_gguf.Llama` (which keeps serving what the batched engine does not:
+grammars, JSON formats, tools, logprobs, logit_bias, echo, chat formats without a known formatter),
+:class:`Slots` runs a :class:`dflash_gguf.spec.DFlashDecoder` of N sequences on the same models (its own
+target context of N x n_ctx positions and drafter context of N windows) in one thread. Each step drafts
+every running request's block in one drafter decode and verifies them all in one target decode; a
+waiting request takes a slot as soon as one is free, first come first served. Every response is what
+the request gives alone (greedy: token for token; sampled: the same distribution).
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+import time
+import uuid
+from collections import deque
+from typing import Any
+
+from dflash_gguf.batch import StopStrings
+from dflash_gguf.engine import Context, ContextOptions, Model
+from dflash_gguf.sampling import SamplingParams
+from dflash_gguf.spec.decoder import DFlashDecoder, Request, SpecOptions
+from dflash_gguf.spec.stats import GenerationStats
+
+log = logging.getLogger("dflash_gguf.server")
+
+# request fields the batched engine serves; any other set field (grammar, logprobs, logit_bias, echo,
+# response_format, tools, mirostat, typical_p < 1, chat_template_kwargs) goes to the Llama
+SERVED = frozenset({"temperature", "top_p", "top_k", "min_p", "repeat_penalty", "frequency_penalty",
+                    "presence_penalty", "seed", "stop", "dflash", "max_tokens", "stream", "model"})
+
+
+class Job:
+    """One request on its way through the slots; tokens come back to the event loop in ``queue``."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, request: Request, text: StopStrings):
+        self.loop, self.request, self.text = loop, request, text
+        self.id = 0
+        self.queue: asyncio.Queue = asyncio.Queue()
+        self.cancelled = False      # set by the event loop (client gone, timeout): ends at the next step
+        self.n_tokens = 0
+        request.consumer = self._consume
+
+    def _consume(self, tokens: list[int]) -> int | None:
+        if self.cancelled:
+            return 0
+        return self.text(tokens)
+
+    def put(self, item: Any) -> None:
+        self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
+
+
+class Slots:
+    def __init__(self, llm, n: int):
+        if n < 1:
+            raise ValueError(f"--parallel must be >= 1, got {n}")
+        self.llm, self.n = llm, n
+        flash = getattr(llm.context_params, "flash_attn_type", None) == 1
+        opts = ContextOptions(n_ctx=llm.n_ctx(), n_batch=llm.n_batch, n_ubatch=llm.context_params.n_ubatch,
+                              n_threads=llm.n_threads, n_seq=n, flash_attn=flash,
+                              draft_window=getattr(llm, "draft_window", None))
+        self.model = Model.borrow(llm._model.model, llm.model_path)
+        self.target = Context(self.model, opts)
+        self.drafter = None
+        dm = getattr(llm, "_draft_model", None)
+        try:
+            if dm is not None:
+                self.drafter = Context(dm, opts, other=self.target)
+            dec = getattr(llm, "decoder", None)
+            self.decoder = DFlashDecoder(self.target, self.drafter, SpecOptions(
+                n_draft=dec.n_draft if dec is not None else None, adaptive=getattr(llm, "draft_adaptive", True)))
+        except BaseException:
+            self.close()
+            raise
+        self._jobs: queue.SimpleQueue = queue.SimpleQueue()
+        self.waiting: deque[Job] = deque()     # admitted to the server, not yet to a slot (engine thread)
+        self.n_waiting = 0                      # ... as the event loop counts them
+        self._running: dict[int, Job] = {}
+        self._next_id = 0
+        self._thread = threading.Thread(target=self._loop, name="dflash-slots", daemon=True)
+        self._thread.start()
+        log.info("--parallel %d: %d sequences of %d positions per step%s", n, n, self.target.n_ctx,
+                 "" if self.drafter is None else f", drafting up to {self.decoder.n_draft} tokens each")
+
+    # ------------------------------------------------------------------ the event loop's side
+    @staticmethod
+    def eligible(fields: dict) -> bool:
+        """Whether a request with these set fields can run in the slots."""
+        return set(fields) <= SERVED
+
+    def submit(self, job: Job) -> None:
+        self.n_waiting += 1
+        self._jobs.put(job)
+
+    def busy(self) -> int:
+        return len(self._running)
+
+    # ------------------------------------------------------------------ the engine thread
+    def _loop(self) -> None:
+        dec = self.decoder
+        while True:
+            block = not dec.running and not self.waiting
+            try:
+                job = self._jobs.get(block=block)
+                while True:
+                    if job is None:
+                        self._fail_all(RuntimeError("the server is shutting down"))
+                        return
+                    self.waiting.append(job)
+                    job = self._jobs.get_nowait()
+            except queue.Empty:
+                pass
+            while self.waiting and dec.free_slots:
+                job = self.waiting.popleft()
+                job.loop.call_soon_threadsafe(self._left_queue)
+                if job.cancelled:
+                    job.put(("end", ""))
+                    continue
+                self._next_id += 1
+                job.id = self._next_id
+                try:
+                    dec.admit(job.request, job.id)
+                except Exception as e:   # a bad prompt: that request fails, the others go on
+                    job.put(("error", e))
+                    continue
+                self._running[job.id] = job
+            if not dec.running:
+                continue
+            try:
+                results = dec.step()
+            except Exception as e:   # the engine failed mid-step: every running request fails, caches reset
+                log.exception("batched step failed")
+                dec.abandon()
+                dec.reset()
+                for j in self._running.values():
+                    j.put(("error", e))
+                self._running.clear()
+                continue
+            for idx, toks, ended in results:
+                j = self._running[idx]
+                j.n_tokens += len(toks)
+                if ended:
+                    del self._running[idx]
+                if toks or ended:
+                    # the text so far, taken here, right after the consumer saw these tokens: it holds no
+                    # whole stop string unless the request ended on it (then it is cut before it)
+                    j.put(("end" if ended else "tokens", j.text.text()))
+
+    def _left_queue(self) -> None:
+        self.n_waiting -= 1
+
+    def _fail_all(self, e: BaseException) -> None:
+        for j in list(self._running.values()) + list(self.waiting):
+            j.put(("error", e))
+        self._running.clear()
+        self.waiting.clear()
+
+    def close(self) -> None:
+        t = getattr(self, "_thread", None)
+        if t is not None and t.is_alive():
+            self._jobs.put(None)
+            t.join(timeout=30)
+        if getattr(self, "decoder", None) is not None:
+            self.decoder.closed = True
+        for c in (getattr(self, "drafter", None), getattr(self, "target", None)):
+            if c is not None:
+                c.close()
+
+
+# ---------------------------------------------------------------------- requests and responses
+def sampling(kw: dict, chat: bool) -> SamplingParams:
+    """llama_cpp's create_completion / create_chat_completion defaults, overridden by the request."""
+    return SamplingParams(temperature=float(kw.get("temperature", 0.2 if chat else 0.8)),
+                          top_k=int(kw.get("top_k", 40)), top_p=float(kw.get("top_p", 0.95)),
+                          min_p=float(kw.get("min_p", 0.05)), repeat_penalty=float(kw.get("repeat_penalty", 1.0)),
+                          frequency_penalty=float(kw.get("frequency_penalty", 0.0)),
+                          presence_penalty=float(kw.get("presence_penalty", 0.0)), seed=kw.get("seed"))
+
+
+def chat_prompt(llm, messages: list[dict]) -> tuple[list[int], list[str]] | None:
+    """The prompt ids and stop strings llama_cpp's chat handler would use for ``messages`` (the GGUF's
+    template, or a named format with a formatter), or None when it cannot say."""
+    import llama_cpp.llama_chat_format as F
+
+    name = llm.chat_format
+    fmt = None
+    if llm.chat_handler is not None:
+        return None
+    if name and name.startswith("chat_template."):
+        template = llm.metadata.get("tokenizer." + name) if name != "chat_template.default" \
+            else llm.metadata.get("tokenizer.chat_template")
+        if not template:
+            return None
+        eos, bos = llm.token_eos(), llm.token_bos()
+        text = lambda t: llm._model.token_get_text(t) if t != -1 else ""  # noqa: E731
+        fmt = F.Jinja2ChatFormatter(template=template, eos_token=text(eos), bos_token=text(bos),
+                                    stop_token_ids=[eos])
+    elif name:
+        for cand in (name, name.replace("-", "_"), name.replace("-", "")):
+            fmt = getattr(F, f"format_{cand}", None)
+            if fmt is not None:
+                break
+    if fmt is None:
+        return None
+    r = fmt(messages=messages)
+    ids = llm.tokenize(r.prompt.encode("utf-8"), add_bos=not r.added_special, special=True)
+    stops = [r.stop] if isinstance(r.stop, str) else list(r.stop or [])
+    return ids, stops
+
+
+def make_job(slots: Slots, loop, prompt_ids: list[int], kw: dict, stops: list[str], chat: bool) -> Job:
+    max_tokens = kw.get("max_tokens")
+    room = max(slots.target.n_ctx - len(prompt_ids), 0)
+    if max_tokens is None or max_tokens <= 0:
+        max_tokens = room
+    request = Request(prompt_ids, min(max_tokens, room), sampling(kw, chat),
+                      use_draft=kw.get("dflash") is not False, stats=GenerationStats())
+    return Job(loop, request, StopStrings(slots.model.token_bytes, stops))
+
+
+def finish_reason(job: Job) -> str:
+    return "stop" if job.request.stats.finish == "stop" else "length"
+
+
+def dflash_object(job: Job, drafting: bool) -> dict | None:
+    if not drafting:
+        return None
+    if job.request.use_draft:
+        return {"enabled": True, **job.request.stats.as_dict()}
+    return {"enabled": False, "reason": "dflash=false in the request"}
+
+
+def usage(job: Job) -> dict:
+    n_prompt = len(job.request.prompt)
+    return {"prompt_tokens": n_prompt, "completion_tokens": job.n_tokens, "total_tokens": n_prompt + job.n_tokens}
+
+
+def completion_body(job: Job, model_id: str, text: str, chat: bool, drafting: bool) -> dict:
+    now = int(time.time())
+    if chat:
+        body = {"id": f"chatcmpl-{uuid.uuid4()}", "object": "chat.completion", "created": now, "model": model_id,
+                "choices": [{"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
+                             "finish_reason": finish_reason(job)}]}
+    else:
+        body = {"id": f"cmpl-{uuid.uuid4()}", "object": "text_completion", "created": now, "model": model_id,
+                "choices": [{"text": text, "index": 0, "logprobs": None, "finish_reason": finish_reason(job)}]}
+    body["usage"] = usage(job)
+    info = dflash_object(job, drafting)
+    if info is not None:
+        body["dflash"] = info
+    return body
+
+
+def chunk(job_id: str, model_id: str, text: str | None, finish: str | None, chat: bool, first: bool = False) -> dict:
+    now = int(time.time())
+    if chat:
+        delta: dict = {"role": "assistant"} if first else ({} if text is None else {"content": text})
+        return {"id": job_id, "object": "chat.completion.chunk", "created": now, "model": model_id,
+                "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}]}
+    return {"id": job_id, "object": "text_completion", "created": now, "model": model_id,
+            "choices": [{"text": text or "", "index": 0, "logprobs": None, "finish_reason": finish}]}

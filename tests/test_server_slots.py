@@ -1,0 +1,125 @@
+"""The server with ``--parallel N``: requests decoded together in the batched engine, each response what
+llama_cpp.Llama gives for that request alone (the shipped demo pair: a trained drafter, real acceptance)."""
+from __future__ import annotations
+
+import json
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+import llama_cpp
+import pytest
+
+from dflash_gguf import Llama
+from dflash_gguf.demo import DEMO_DIR
+from dflash_gguf.server import create_app
+from support import serve
+
+TARGET, DRAFTER = DEMO_DIR / "target.gguf", DEMO_DIR / "drafter.gguf"
+KW = dict(n_ctx=512, n_threads=2, seed=0, verbose=False, chat_format="chatml")
+PROMPTS = ["def fibonacci(n):\n", "class Stack:\n    def __init__(self):\n", "import json\n\ndef load(path):\n",
+           "for i in range(10):\n", "def add(a, b):\n    return", "# sort a list\n", "x = [", "while True:\n"]
+
+
+@pytest.fixture(scope="module")
+def plain():
+    llm = llama_cpp.Llama(str(TARGET), **KW)
+    yield llm
+    llm.close()
+
+
+@pytest.fixture(scope="module")
+def server():
+    llm = Llama(str(TARGET), draft_model_path=str(DRAFTER), **KW)
+    app = create_app(llm, "demo", parallel=3)
+    with serve(app) as url:
+        yield url, app.state.server
+    app.state.server.slots.close()
+    llm.close()
+
+
+def _complete(url, prompt, **kw):
+    r = httpx.post(f"{url}/v1/completions", json={"prompt": prompt, "temperature": 0, **kw}, timeout=120)
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def _stream(url, path, body):
+    chunks = []
+    with httpx.stream("POST", f"{url}{path}", json={**body, "stream": True}, timeout=120) as r:
+        assert r.status_code == 200
+        for line in r.iter_lines():
+            if line.startswith("data: ") and line != "data: [DONE]":
+                chunks.append(json.loads(line[6:]))
+    return chunks
+
+
+def test_concurrent_completions_equal_llama_cpp_alone(server, plain):
+    url, srv = server
+    want = [plain.create_completion(p, max_tokens=40, temperature=0)["choices"][0] for p in PROMPTS]
+    with ThreadPoolExecutor(6) as pool:
+        got = list(pool.map(lambda p: _complete(url, p, max_tokens=40), PROMPTS))
+    for w, g in zip(want, got):
+        c = g["choices"][0]
+        assert (c["text"], c["finish_reason"]) == (w["text"], w["finish_reason"])
+        assert g["dflash"]["enabled"] is True and g["usage"]["completion_tokens"] > 0
+    assert sum(g["dflash"]["steps"] for g in got) > 0 and sum(g["dflash"]["accepted"] for g in got) > 0
+    health = httpx.get(f"{url}/health").json()
+    assert health["slots"] == {"total": 3, "busy": 0, "waiting": 0}
+
+
+def test_streams_and_stop_strings(server, plain):
+    url, _ = server
+    for p in PROMPTS[:4]:
+        ref = plain.create_completion(p, max_tokens=48, temperature=0)["choices"][0]["text"]
+        stop = ref[len(ref) // 2:len(ref) // 2 + 2] or "\n"
+        want = plain.create_completion(p, max_tokens=48, temperature=0, stop=[stop])["choices"][0]
+        got = _complete(url, p, max_tokens=48, stop=[stop])["choices"][0]
+        assert (got["text"], got["finish_reason"]) == (want["text"], want["finish_reason"]), (p, stop)
+        chunks = _stream(url, "/v1/completions", {"prompt": p, "max_tokens": 48, "temperature": 0, "stop": [stop]})
+        assert "".join(c["choices"][0]["text"] for c in chunks) == want["text"]
+        assert chunks[-1]["choices"][0]["finish_reason"] == want["finish_reason"]
+        assert chunks[-1]["dflash"]["enabled"] is True
+
+
+def test_chat_equals_llama_cpp(server, plain):
+    url, _ = server
+    msgs = [{"role": "system", "content": "You write Python."}, {"role": "user", "content": "def add(a, b):"}]
+    want = plain.create_chat_completion(msgs, max_tokens=32, temperature=0)["choices"][0]
+    r = httpx.post(f"{url}/v1/chat/completions", json={"messages": msgs, "max_tokens": 32, "temperature": 0},
+                   timeout=120).json()
+    assert r["object"] == "chat.completion" and r["dflash"]["enabled"] is True
+    assert (r["choices"][0]["message"]["content"], r["choices"][0]["finish_reason"]) == \
+        (want["message"]["content"], want["finish_reason"])
+    chunks = _stream(url, "/v1/chat/completions", {"messages": msgs, "max_tokens": 32, "temperature": 0})
+    assert chunks[0]["choices"][0]["delta"] == {"role": "assistant"}
+    assert "".join(c["choices"][0]["delta"].get("content", "") for c in chunks) == want["message"]["content"]
+
+
+def test_requests_the_slots_do_not_serve_run_on_the_llama(server, plain):
+    url, srv = server
+    r = _complete(url, PROMPTS[0], max_tokens=8, echo=True)
+    want = plain.create_completion(PROMPTS[0], max_tokens=8, temperature=0, echo=True)["choices"][0]["text"]
+    assert r["choices"][0]["text"] == want and want.startswith(PROMPTS[0])
+
+
+def test_an_abandoned_stream_frees_its_slot(server):
+    url, srv = server
+    with httpx.stream("POST", f"{url}/v1/completions", json={"prompt": PROMPTS[1], "max_tokens": 400,
+                                                             "temperature": 0, "stream": True}, timeout=60) as r:
+        for line in r.iter_lines():
+            if line.startswith("data: "):
+                break
+    deadline = time.time() + 20
+    while httpx.get(f"{url}/health").json()["slots"]["busy"] and time.time() < deadline:
+        time.sleep(0.05)
+    assert httpx.get(f"{url}/health").json()["slots"]["busy"] == 0
+    assert _complete(url, PROMPTS[2], max_tokens=8)["choices"][0]["text"]
+
+
+def test_bad_prompts_fail_alone(server):
+    url, _ = server
+    too_long = list(range(5, 600))
+    r = httpx.post(f"{url}/v1/completions", json={"prompt": too_long, "max_tokens": 4, "temperature": 0}, timeout=60)
+    assert r.status_code == 400, r.text
+    assert _complete(url, PROMPTS[3], max_tokens=8)["choices"][0]["text"]
