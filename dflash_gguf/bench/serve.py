@@ -1,0 +1,223 @@
+"""``python -m dflash_gguf.bench.serve``: servers under concurrent clients, ours beside upstream's llama-server.
+
+For each pair and each client count C, every server is started on its own (one process, the same
+threads, ``-np C`` slots), warmed up with one request, then C clients send ``--requests`` greedy
+streamed ``/v1/completions`` of ``--tokens`` tokens between them. Reported per server: aggregate
+completion tokens per second (all tokens over the wall time of the run), and p50 / p95 of the time to
+first token and of the whole request. Servers:
+
+* ``ours``            - ``python -m dflash_gguf.server -np C`` with the drafter (the speed gate on)
+* ``ours-plain``      - the same with ``--no-dflash`` (our batched engine decoding plainly)
+* ``upstream``        - upstream ``llama-server -np C`` (plain)
+* ``upstream-dflash`` - upstream ``llama-server -np C -md DRAFTER --spec-type draft-dflash``
+
+Pairs: ``demo`` (the shipped trained pair), or ``bench.scale`` pairs by shape and type (e.g. ``0.6b:q4_0``;
+random weights: a drafter that is never right, so the gate must decode plainly). Upstream's server is
+the one ``python -m dflash_gguf.build --with-tools`` built from the same patched tree.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import platform
+import socket
+import statistics
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import httpx
+
+log = logging.getLogger("dflash_gguf.bench.serve")
+
+SERVERS = ("ours", "ours-plain", "upstream", "upstream-dflash")
+PROMPTS = ["def fibonacci(n):\n", "class Stack:\n    def __init__(self):\n", "import json\n\ndef load(path):\n",
+           "for i in range(10):\n", "def add(a, b):\n    return", "# sort a list\n", "while True:\n",
+           "def parse(text):\n    tokens = []\n"]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def pair_files(spec: str) -> tuple[Path, Path]:
+    if spec == "demo":
+        from dflash_gguf.demo import DEMO_DIR
+        return DEMO_DIR / "target.gguf", DEMO_DIR / "drafter.gguf"
+    from dflash_gguf.bench.scale import synth
+    shape, _, wtype = spec.partition(":")
+    d = synth.make_pair(shape, wtype or "q4_0")
+    return d / "target.gguf", d / "drafter.gguf"
+
+
+def command(server: str, target: Path, drafter: Path, n_par: int, threads: int, ctx: int, port: int) -> list[str]:
+    if server.startswith("ours"):
+        cmd = [sys.executable, "-m", "dflash_gguf.server", "-m", str(target), "-md", str(drafter), "-np", str(n_par),
+               "-t", str(threads), "-c", str(ctx), "--port", str(port), "--chat-format", "chatml"]
+        return cmd + (["--no-dflash"] if server == "ours-plain" else [])
+    from dflash_gguf import paths
+    exe = Path(paths.tools_dir() or "") / "llama-server"
+    if not exe.is_file():
+        raise SystemExit(f"{exe} is missing: python -m dflash_gguf.build --with-tools builds it")
+    cmd = [str(exe), "-m", str(target), "-np", str(n_par), "-t", str(threads), "-tb", str(threads),
+           "-c", str(ctx * n_par), "--port", str(port), "--host", "127.0.0.1", "--no-webui"]
+    return cmd + (["-md", str(drafter), "--spec-type", "draft-dflash"] if server == "upstream-dflash" else [])
+
+
+def start(cmd: list[str], port: int, timeout: float = 180) -> subprocess.Popen:
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"server exited ({proc.returncode}): {' '.join(cmd)}\n{proc.stderr.read()[-3000:]}")
+        try:
+            if httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200:
+                return proc
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.2)
+    proc.kill()
+    raise RuntimeError(f"server did not answer /health within {timeout:.0f} s: {' '.join(cmd)}")
+
+
+def one_request(url: str, prompt: str, n_tokens: int) -> tuple[float, float, int]:
+    """(time to first token, whole request, completion tokens) of one greedy streamed completion."""
+    t0 = time.perf_counter()
+    first, n = None, 0
+    body = {"prompt": prompt, "max_tokens": n_tokens, "temperature": 0, "stream": True,
+            "stream_options": {"include_usage": True}}
+    with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=600) as r:
+        r.raise_for_status()
+        for line in r.iter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            chunk = json.loads(line[6:])
+            if first is None and chunk.get("choices") and chunk["choices"][0].get("text"):
+                first = time.perf_counter() - t0
+            if chunk.get("usage"):
+                n = int(chunk["usage"]["completion_tokens"])
+    total = time.perf_counter() - t0
+    return (first if first is not None else total), total, n
+
+
+def run_clients(url: str, n_clients: int, n_requests: int, n_tokens: int) -> dict:
+    jobs = list(range(n_requests))
+    lock = threading.Lock()
+    out: list[tuple[float, float, int]] = []
+
+    def client():
+        while True:
+            with lock:
+                if not jobs:
+                    return
+                i = jobs.pop(0)
+            res = one_request(url, PROMPTS[i % len(PROMPTS)], n_tokens)
+            with lock:
+                out.append(res)
+
+    t0 = time.perf_counter()
+    threads = [threading.Thread(target=client) for _ in range(n_clients)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    wall = time.perf_counter() - t0
+    ttft, lat, toks = zip(*out)
+
+    def pct(xs, q):
+        xs = sorted(xs)
+        return xs[min(len(xs) - 1, int(round(q * (len(xs) - 1))))]
+
+    return {"tok_s": sum(toks) / wall, "tokens": sum(toks), "wall_s": wall,
+            "ttft_p50": statistics.median(ttft), "ttft_p95": pct(ttft, 0.95),
+            "lat_p50": statistics.median(lat), "lat_p95": pct(lat, 0.95)}
+
+
+def bench(pair: str, servers: list[str], clients: list[int], n_requests: int, n_tokens: int, threads: int,
+          ctx: int) -> list[dict]:
+    target, drafter = pair_files(pair)
+    rows = []
+    for c in clients:
+        for server in servers:
+            port = _free_port()
+            cmd = command(server, target, drafter, c, threads, ctx, port)
+            log.info("%s, %d client(s): %s", pair, c, server)
+            proc = start(cmd, port)
+            try:
+                url = f"http://127.0.0.1:{port}"
+                one_request(url, PROMPTS[0], 4)   # warm-up (and the gate's calibration, ours)
+                r = run_clients(url, c, max(n_requests, c), n_tokens)
+            finally:
+                proc.terminate()
+                try:
+                    proc.wait(30)
+                except subprocess.TimeoutExpired:
+                    proc.kill()
+            rows.append({"pair": pair, "clients": c, "server": server, **{k: round(v, 4) for k, v in r.items()}})
+            log.info("  %.1f tok/s, ttft p50 %.0f ms, request p50 %.0f ms", r["tok_s"], 1e3 * r["ttft_p50"],
+                     1e3 * r["lat_p50"])
+    return rows
+
+
+def table(rows: list[dict], servers: list[str]) -> str:
+    head = "| pair | clients | " + " | ".join(f"{s} tok/s (ttft / request p50, ms)" for s in servers)
+    ratio = "ours / upstream" if "ours" in servers and "upstream" in servers else None
+    lines = [head + (f" | {ratio} |" if ratio else " |"), "|---" * (2 + len(servers) + (1 if ratio else 0)) + "|"]
+    keys = sorted({(r["pair"], r["clients"]) for r in rows}, key=lambda k: (k[0], k[1]))
+    for pair, c in keys:
+        by = {r["server"]: r for r in rows if r["pair"] == pair and r["clients"] == c}
+        cells = []
+        for s in servers:
+            r = by.get(s)
+            cells.append("-" if r is None else
+                         f"{r['tok_s']:.1f} ({1e3 * r['ttft_p50']:.0f} / {1e3 * r['lat_p50']:.0f})")
+        line = f"| {pair} | {c} | " + " | ".join(cells)
+        if ratio:
+            best = max((by[s]["tok_s"] for s in ("upstream", "upstream-dflash") if s in by), default=None)
+            line += f" | {by['ours']['tok_s'] / by['upstream']['tok_s']:.2f}x (vs best {by['ours']['tok_s'] / best:.2f}x)" \
+                if "ours" in by and "upstream" in by and best else " | -"
+        lines.append(line + " |")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m dflash_gguf.bench.serve", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--pairs", nargs="+", default=["demo"], help="demo and/or scale pairs SHAPE:TYPE (e.g. 0.6b:q4_0)")
+    ap.add_argument("--servers", nargs="+", default=list(SERVERS), choices=SERVERS)
+    ap.add_argument("--clients", default="1,2,4,8", help="concurrent client counts (each server runs -np C)")
+    ap.add_argument("--requests", type=int, default=8, help="requests per run (at least one per client)")
+    ap.add_argument("--tokens", type=int, default=32, help="completion tokens per request")
+    ap.add_argument("-t", "--threads", type=int, default=2)
+    ap.add_argument("-c", "--ctx-size", type=int, default=1024, help="context per slot")
+    ap.add_argument("--out", type=Path, default=None, help="write TAG.json and TAG.md here")
+    ap.add_argument("--tag", default="serve")
+    a = ap.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s", datefmt="%H:%M:%S")
+    clients = [int(x) for x in a.clients.split(",")]
+    rows = []
+    for pair in a.pairs:
+        rows += bench(pair, a.servers, clients, a.requests, a.tokens, a.threads, a.ctx_size)
+    cpu = platform.processor() or "?"
+    try:
+        cpu = next(ln.split(":", 1)[1].strip() for ln in open("/proc/cpuinfo") if ln.startswith("model name"))
+    except (OSError, StopIteration):
+        pass
+    cmd = "python -m dflash_gguf.bench.serve " + " ".join(argv if argv is not None else sys.argv[1:])
+    md = (f"Server benchmark. {cmd}\n\nMachine: {cpu}, {os.cpu_count()} cores; {a.threads} threads per server; "
+          f"{a.requests} greedy streamed requests of {a.tokens} tokens per run.\n\n{table(rows, a.servers)}\n")
+    print(md)
+    if a.out:
+        a.out.mkdir(parents=True, exist_ok=True)
+        (a.out / f"{a.tag}.json").write_text(json.dumps(rows, indent=1))
+        (a.out / f"{a.tag}.md").write_text(md)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
