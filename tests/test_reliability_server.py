@@ -1,7 +1,7 @@
 """Server soak at CI size: concurrent mixed traffic on loopback against a DFlash server (the demo
 pair), then every good request replayed alone on a fresh server, and every greedy one on a server
-decoding plainly. ``--full`` (500 requests, max_tokens
-up to 256) in RELIABILITY.md.
+decoding plainly; once one request at a time, once with ``--parallel 4`` (the batched engine's slots).
+``--full`` (500 requests, max_tokens up to 256) in RELIABILITY.md.
 """
 from __future__ import annotations
 
@@ -15,8 +15,9 @@ from dflash_gguf.reliability import server_soak  # noqa: E402
 pytestmark = pytest.mark.reliability
 
 
-def test_server_soak(tmp_path):
-    rep = server_soak.run(server_soak.DEMO_DIR, 72, 8, 48, seed=5, warmup=12, work=tmp_path)
+@pytest.mark.parametrize("parallel", [None, 4], ids=["serial", "parallel4"])
+def test_server_soak(tmp_path, parallel):
+    rep = server_soak.run(server_soak.DEMO_DIR, 72, 8, 48, seed=5, warmup=12, work=tmp_path, parallel=parallel)
     print(server_soak.summary(rep))
     assert rep["status_5xx"] == 0
     assert not rep["wrong_status"], rep["wrong_status"][:3]
@@ -24,6 +25,7 @@ def test_server_soak(tmp_path):
     assert not rep["mismatches"], rep["mismatches"][:2]
     # what DFlash returned under load is plain decoding's text, not only DFlash-alone's
     assert rep["replayed_plain"] > 15 and not rep["plain_mismatches"], rep["plain_mismatches"][:2]
+    assert rep["replayed"] >= rep["replayed_plain"]
     assert rep["metrics_ok"], rep["metrics"]
     assert abs(rep["rss_change_pct"]) <= 5.0
     k = rep["kinds"]

@@ -66,6 +66,10 @@ def test_concurrent_completions_equal_llama_cpp_alone(server, plain):
     assert sum(g["dflash"]["steps"] for g in got) > 0 and sum(g["dflash"]["accepted"] for g in got) > 0
     health = httpx.get(f"{url}/health").json()
     assert health["slots"] == {"total": 3, "busy": 0, "waiting": 0}
+    m = httpx.get(f"{url}/metrics?format=json").json()
+    assert m["slots"]["steps"] > 0 and 1 < m["slots"]["mean_batch"] <= 3, m["slots"]
+    assert m["completion_tokens"] >= sum(g["usage"]["completion_tokens"] for g in got)
+    assert "dflash_batch_steps_total" in httpx.get(f"{url}/metrics").text
 
 
 def test_streams_and_stop_strings(server, plain):

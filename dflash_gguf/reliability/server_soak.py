@@ -54,11 +54,12 @@ def free_port() -> int:
 class Server:
     """``python -m dflash_gguf.server`` in a child process on a free loopback port."""
 
-    def __init__(self, pair: Path, log_path: Path, *, plain: bool = False):
+    def __init__(self, pair: Path, log_path: Path, *, plain: bool = False, parallel: int | None = None):
         self.port = free_port()
         self.log = open(log_path, "ab")
         cmd = [sys.executable, "-m", "dflash_gguf.server", "--pair", str(pair), "--host", HOST, "--port",
-               str(self.port), "-t", "1", "--n-ctx", str(N_CTX)] + (["--no-dflash"] if plain else [])
+               str(self.port), "-t", "1", "--n-ctx", str(N_CTX)] + (["--no-dflash"] if plain else []) \
+            + ([] if parallel is None else ["--parallel", str(parallel)])
         self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=self.log, env=dict(os.environ, GGML_NO_BACKTRACE="1"))
         deadline = time.monotonic() + 120
         while time.monotonic() < deadline:
@@ -339,11 +340,14 @@ def replay(pair: Path, results: list[Result], log_path: Path, label: str, *, pla
 
 
 def run(pair: Path, n_requests: int, clients: int, max_tokens: int, *, seed: int = 0, warmup: int = 24,
-        work: Path | None = None) -> dict:
+        work: Path | None = None, parallel: int | None = None) -> dict:
+    """The soak against a server with ``parallel`` slots (None: one request at a time). With slots, the
+    sampled requests the batched engine served are compared for their count only: a seed's text depends
+    on the batch around it there (the drafts do), its distribution does not (tests/test_batch.py)."""
     work = work or Path(os.environ.get("TMPDIR", "/tmp"))
     t0 = time.monotonic()
     reqs = make_requests(n_requests, seed, max_tokens)
-    srv = Server(pair, work / "server-soak.log")
+    srv = Server(pair, work / "server-soak.log", parallel=parallel)
     try:
         warm = [r for r in make_requests(warmup * 3, seed + 999, max_tokens) if r.kind == "good"][:warmup]
         run_traffic(srv.port, warm, clients, seed + 999)
@@ -363,6 +367,8 @@ def run(pair: Path, n_requests: int, clients: int, max_tokens: int, *, seed: int
     soak_s = time.monotonic() - t0
     # replay every good request alone on a fresh server, in another order
     good = [r for r in results if r.req.kind == "good" and r.status == 200]
+    if parallel is not None:
+        good = [r for r in good if r.req.body.get("temperature") == 0]
     order = list(good)
     random.Random(seed + 1).shuffle(order)
     mismatches = replay(pair, order, work / "server-soak-fresh.log", "alone")
@@ -393,7 +399,7 @@ def run(pair: Path, n_requests: int, clients: int, max_tokens: int, *, seed: int
     fives = [r for r in results if r.status >= 500]
     wrong_status = [r for r in results if (r.req.kind in ("good", "bad") and r.status != r.req.expect) or r.status == -2]
     rep = {
-        "requests": len(results), "clients": clients, "max_tokens": max_tokens, "seed": seed,
+        "requests": len(results), "clients": clients, "max_tokens": max_tokens, "seed": seed, "parallel": parallel,
         "kinds": {k: sum(r.req.kind == k for r in results) for k in ("good", "bad", "drop_stream", "drop_request")},
         "streamed": sum(r.req.stream for r in results if r.req.kind == "good"),
         "chat": sum(r.req.endpoint.endswith("chat/completions") for r in results if r.req.kind == "good"),
@@ -423,7 +429,9 @@ def summary(rep: dict) -> str:
     k = rep["kinds"]
     m = rep["metrics"]
     return "\n".join([
-        f"{rep['requests']} requests from {rep['clients']} clients in {rep['seconds']} s (max_tokens <= {rep['max_tokens']}): "
+        f"{rep['requests']} requests from {rep['clients']} clients"
+        f"{'' if rep.get('parallel') is None else ' to ' + str(rep['parallel']) + ' slots'} in {rep['seconds']} s "
+        f"(max_tokens <= {rep['max_tokens']}): "
         f"{k['good']} good ({rep['streamed']} streamed, {rep['chat']} chat), {k['bad']} bad, {k['drop_stream']} "
         f"disconnects mid-stream, {k['drop_request']} mid-request; {rep['tokens']} tokens",
         f"  5xx responses: {rep['status_5xx']}; wrong status: {len(rep['wrong_status'])}",
@@ -453,11 +461,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--full", action="store_true", help="500 requests, max_tokens up to 256")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json", type=Path, default=None)
+    ap.add_argument("--parallel", type=int, default=None, metavar="N",
+                    help="soak a server with N slots (--parallel N); greedy responses replayed alone")
     args = ap.parse_args(argv)
     if args.full:
         args.requests, args.max_tokens = 500, 256
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s", datefmt="%H:%M:%S")
-    rep = run(args.pair, args.requests, args.clients, args.max_tokens, seed=args.seed)
+    rep = run(args.pair, args.requests, args.clients, args.max_tokens, seed=args.seed, parallel=args.parallel)
     print(summary(rep))
     for mm in rep["mismatches"][:5]:
         print("  MISMATCH", json.dumps(mm)[:600])

@@ -493,6 +493,7 @@ def create_app(llm, model_id: str | None = None, *, max_queue: int | None = None
         from dflash_gguf.server.slots import Slots
 
         srv.slots = Slots(llm, parallel)
+        srv.metrics.slots = srv.slots
 
     @contextlib.asynccontextmanager
     async def lifespan(app):
@@ -540,7 +541,8 @@ def create_app(llm, model_id: str | None = None, *, max_queue: int | None = None
         out = {"status": "ok", "model": model_id, "dflash": _dflash_info(llm), "busy": srv.lock.locked(),
                "waiting": srv.waiting}
         if srv.slots is not None:
-            out["slots"] = {"total": srv.slots.n, "busy": srv.slots.busy(), "waiting": srv.slots.n_waiting}
+            f = srv.slots.figures()
+            out["slots"] = {k: f[k] for k in ("total", "busy", "waiting")}
         return out
 
     @app.get("/v1/models")

@@ -19,6 +19,7 @@ class Metrics:
         self.fallbacks: dict[str, int] = {}   # plain decoding with a drafter loaded, by reason
         self.last_tokens_per_second = 0.0
         self.in_flight = 0
+        self.slots = None                      # --parallel: the batched engine (server.slots.Slots)
 
     def request(self, endpoint: str, status: int) -> None:
         self.requests[(endpoint, status)] = self.requests.get((endpoint, status), 0) + 1
@@ -56,6 +57,7 @@ class Metrics:
             "client_disconnects": self.disconnects,
             "timeouts": self.timeouts, "rejected_queue_full": self.rejected,
             "fallbacks": [{"reason": r, "count": n} for r, n in sorted(self.fallbacks.items())],
+            "slots": None if self.slots is None else self.slots.figures(),
         }
 
     def prometheus(self) -> str:
@@ -91,5 +93,13 @@ class Metrics:
         metric("timeouts_total", "counter", "requests stopped by --request-timeout", d["timeouts"])
         metric("rejected_total", "counter", "requests refused with 503 because --max-queue requests were waiting",
                d["rejected_queue_full"])
+        if d["slots"] is not None:
+            sl = d["slots"]
+            metric("slots", "gauge", "--parallel: sequences the batched engine runs per step at most", sl["total"])
+            metric("slots_busy", "gauge", "--parallel: slots with a running request", sl["busy"])
+            metric("slots_waiting", "gauge", "--parallel: requests waiting for a slot", sl["waiting"])
+            metric("batch_steps_total", "counter", "--parallel: steps of the batched engine", sl["steps"])
+            metric("batch_sequences_total", "counter", "--parallel: sequences summed over those steps "
+                   "(over batch_steps_total: the mean batch size)", sl["sequences"])
         metric("uptime_seconds", "gauge", "seconds since the server started", d["uptime_seconds"])
         return "".join(out)

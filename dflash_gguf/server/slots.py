@@ -80,6 +80,8 @@ class Slots:
         self.n_waiting = 0                      # ... as the event loop counts them
         self._running: dict[int, Job] = {}
         self._next_id = 0
+        self.steps = 0                          # batched steps so far
+        self.sequences = 0                      # ... and the sequences in them (mean batch: sequences / steps)
         self._thread = threading.Thread(target=self._loop, name="dflash-slots", daemon=True)
         self._thread.start()
         log.info("--parallel %d: %d sequences of %d positions per step%s", n, n, self.target.n_ctx,
@@ -97,6 +99,11 @@ class Slots:
 
     def busy(self) -> int:
         return len(self._running)
+
+    def figures(self) -> dict:
+        return {"total": self.n, "busy": self.busy(), "waiting": self.n_waiting, "steps": self.steps,
+                "sequences": self.sequences,
+                "mean_batch": round(self.sequences / self.steps, 3) if self.steps else None}
 
     # ------------------------------------------------------------------ the engine thread
     def _loop(self) -> None:
@@ -129,8 +136,11 @@ class Slots:
                 self._running[job.id] = job
             if not dec.running:
                 continue
+            n_running = dec.running
             try:
                 results = dec.step()
+                self.steps += 1
+                self.sequences += n_running
             except Exception as e:   # the engine failed mid-step: every running request fails, caches reset
                 log.exception("batched step failed")
                 dec.abandon()
