@@ -34,10 +34,12 @@ class BatchRig:
 
     def __init__(self, pair, n_seq, proposer=None, **spec):
         self.tm, self.dm = Model(pair.target), Model(pair.drafter)
-        self.tc = Context(self.tm, ContextOptions(n_ctx=N_CTX, n_batch=128, n_ubatch=128, n_seq=n_seq))
-        self.dc = Context(self.dm, ContextOptions(n_ctx=N_CTX, n_batch=128, n_ubatch=128, n_seq=n_seq), other=self.tc)
+        # one attention kernel for every context (several sequences default to the fp32 one: engine.Context)
+        opts = ContextOptions(n_ctx=N_CTX, n_batch=128, n_ubatch=128, n_seq=n_seq, flash_attn=False)
+        self.tc = Context(self.tm, opts)
+        self.dc = Context(self.dm, opts, other=self.tc)
         self.dec = DFlashDecoder(self.tc, self.dc, SpecOptions(**spec), OverrideProposer(proposer) if proposer else None)
-        self.pc = Context(self.tm, ContextOptions(n_ctx=N_CTX, n_batch=128, n_ubatch=128))
+        self.pc = Context(self.tm, ContextOptions(n_ctx=N_CTX, n_batch=128, n_ubatch=128, flash_attn=False))
         self.plain = DFlashDecoder(self.pc, None)
 
     def alone(self, r: Request) -> list[int]:
@@ -168,13 +170,13 @@ def test_streamed_order_and_early_exit(models):
         reqs = [Request(rig.tm.tokenize(t), 12, stop_tokens=[]) for t in TEXTS[:4]]
         refs = [rig.alone(r) for r in reqs]
         seen: dict[int, list[int]] = {i: [] for i in range(len(reqs))}
-        first_step = []
-        for n, (i, toks) in enumerate(rig.dec.run(reqs)):
+        order = []
+        for i, toks in rig.dec.run(reqs):
             seen[i].extend(toks)
-            if n < 2:
-                first_step.append(i)
+            order.append(i)
         assert [seen[i] for i in range(len(reqs))] == refs
-        assert sorted(first_step) == [0, 1], "the first step runs the first two requests side by side"
+        assert order.index(1) < len(order) - 1 - order[::-1].index(0), "requests 0 and 1 ran side by side"
+        assert order.index(2) > order.index(1), "request 2 waited for a free slot"
         gen = rig.dec.run(reqs)
         next(gen)
         gen.close()
@@ -182,6 +184,27 @@ def test_streamed_order_and_early_exit(models):
         assert rig.dec.generate_batch(reqs) == refs
     finally:
         rig.close()
+
+
+def test_several_sequences_default_to_fp32_attention(models, monkeypatch):
+    """Contexts of several sequences take the fp32 attention path unless asked otherwise; with ggml's
+    fp16-accumulating flash attention a sequence's logits depend on how its KV cells interleave with
+    the others' (this batch, run twice with an oracle's acceptance, flips a near-tie argmax)."""
+    import llama_cpp.llama_cpp as C
+
+    seen = []
+    real = C.llama_init_from_model
+    monkeypatch.setattr(C, "llama_init_from_model", lambda m, p: seen.append((p.n_seq_max, p.flash_attn_type)) or real(m, p))
+    pair = models.pair("qwen3", "dflash", 8)
+    tm = Model(pair.target)
+    try:
+        for opts in (ContextOptions(n_ctx=64, n_seq=2), ContextOptions(n_ctx=64, n_seq=2, flash_attn=True),
+                     ContextOptions(n_ctx=64)):
+            Context(tm, opts).close()
+    finally:
+        tm.close()
+    default = C.llama_context_default_params().flash_attn_type
+    assert seen == [(2, 0), (2, 1), (1, default)]
 
 
 def test_mismatched_sequence_counts_are_refused(models):
@@ -283,3 +306,67 @@ def test_batched_drafting_sees_each_sequences_own_context():
     finally:
         rig.close()
         alone_rig.close()
+
+
+def test_a_long_prompt_joins_in_chunks(models, monkeypatch):
+    """A joining request's prompt is prefilled a chunk per step while the running requests keep getting
+    tokens, and both give what they give alone."""
+    pair = models.pair("qwen3", "dflash", 8)
+    monkeypatch.setattr(DFlashDecoder, "PREFILL_CHUNK", 16)
+    rig = BatchRig(pair, 2)
+    try:
+        short = Request(rig.tm.tokenize(TEXTS[0]), 60, stop_tokens=[])
+        long_prompt = rig.tm.tokenize(b" ".join([TEXTS[3]] * 4))
+        assert len(long_prompt) > 100
+        long = Request(long_prompt, 20, stop_tokens=[])
+        refs = [rig.alone(short), rig.alone(long)]
+        dec = rig.dec
+        assert dec.admit(short, 0)
+        got = {0: [], 1: []}
+        for i, toks, _ in dec.step():   # short's prompt, then its first step
+            got[i] += toks
+        while not got[0]:
+            for i, toks, _ in dec.step():
+                got[i] += toks
+        assert dec.admit(long, 1)
+        steps_while_filling = 0
+        while dec._filling:
+            for i, toks, _ in dec.step():
+                got[i] += toks
+                steps_while_filling += i == 0 and bool(toks)
+        assert steps_while_filling >= len(long_prompt) // 16 - 1, "the running request stepped between chunks"
+        while dec.running:
+            for i, toks, _ in dec.step():
+                got[i] += toks
+        assert [got[0], got[1]] == refs
+    finally:
+        rig.close()
+
+
+def test_a_prompt_that_fails_ends_only_its_request(models, monkeypatch):
+    """A prompt whose prefill fails (here: the target refuses the decode, as a full cache would) ends its
+    own request with the error; its slot is emptied and freed, the others finish as they would alone."""
+    from dflash_gguf.errors import ContextFullError
+
+    pair = models.pair("qwen3", "dflash", 8)
+    monkeypatch.setattr(DFlashDecoder, "PREFILL_CHUNK", 16)
+    rig = BatchRig(pair, 2)
+    try:
+        ok = Request(rig.tm.tokenize(TEXTS[2]), 12, stop_tokens=[])
+        bad = Request(rig.tm.tokenize(b" ".join([TEXTS[3]] * 3)), 8, stop_tokens=[])
+        ref = rig.alone(ok)
+        real = DFlashDecoder._prefill
+
+        def prefill(self, s, tokens, pos0, stats, end=None):
+            if s.prompt == list(bad.prompt) and pos0 >= 32:
+                raise ContextFullError("no KV slot for the batch")
+            return real(self, s, tokens, pos0, stats, end)
+        monkeypatch.setattr(DFlashDecoder, "_prefill", prefill)
+        got = rig.dec.generate_batch([ok, bad])
+        assert got == [ref, []]
+        assert isinstance(bad.error, ContextFullError) and bad.stats.finish == "error" and ok.error is None
+        assert all(s.done for s in rig.dec.seqs) and rig.dec.free_slots == 2
+        failed = [s for s in rig.dec.seqs if s.prompt == list(bad.prompt)][0]
+        assert failed.cache == [] and rig.tc.pos_max(failed.slot) == -1, "the failed prompt's rows are gone"
+    finally:
+        rig.close()

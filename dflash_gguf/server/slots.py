@@ -58,9 +58,10 @@ class Slots:
         if n < 1:
             raise ValueError(f"--parallel must be >= 1, got {n}")
         self.llm, self.n = llm, n
+        # the Llama's attention kernel; several sequences take the fp32 one (see engine.Context)
         flash = getattr(llm.context_params, "flash_attn_type", None) == 1
         opts = ContextOptions(n_ctx=llm.n_ctx(), n_batch=llm.n_batch, n_ubatch=llm.context_params.n_ubatch,
-                              n_threads=llm.n_threads, n_seq=n, flash_attn=flash,
+                              n_threads=llm.n_threads, n_seq=n, flash_attn=flash if n == 1 else None,
                               draft_window=getattr(llm, "draft_window", None))
         self.model = Model.borrow(llm._model.model, llm.model_path)
         self.target = Context(self.model, opts)
@@ -154,7 +155,9 @@ class Slots:
                 j.n_tokens += len(toks)
                 if ended:
                     del self._running[idx]
-                if toks or ended:
+                if ended and j.request.error is not None:   # its prompt could not be decoded
+                    j.put(("error", j.request.error))
+                elif toks or ended:
                     # the text so far, taken here, right after the consumer saw these tokens: it holds no
                     # whole stop string unless the request ended on it (then it is cut before it)
                     j.put(("end" if ended else "tokens", j.text.text()))
