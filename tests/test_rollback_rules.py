@@ -17,21 +17,26 @@ class Ctx:
     def __init__(self, arch="qwen3", recurrent=False, hybrid=False, n_rs_seq=0, truncates=True, state=b"S" * 10):
         self.model = types.SimpleNamespace(arch=arch, is_recurrent=recurrent, is_hybrid=hybrid)
         self.n_rs_seq, self.ok, self.state, self.calls = n_rs_seq, truncates, state, []
+        self.seqs = []   # the sequence id of each call
 
-    def truncate(self, n):
+    def truncate(self, n, seq=0):
         self.calls.append(("truncate", n))
+        self.seqs.append(seq)
         return self.ok
 
-    def save_seq(self):
+    def save_seq(self, seq=0):
         self.calls.append(("save",))
+        self.seqs.append(seq)
         return self.state
 
-    def restore_seq(self, b):
+    def restore_seq(self, b, seq=0):
         self.calls.append(("restore", b))
+        self.seqs.append(seq)
 
-    def decode(self, rows, pos, out_row0=None):
+    def decode(self, rows, pos, out_row0=None, seq=0):
         assert rows.dtype == np.int32                # token ids, as llama_batch takes them
         self.calls.append(("decode", list(rows), pos, out_row0))
+        self.seqs.append(seq)
 
     def clear(self):
         self.calls.append(("clear",))
@@ -121,3 +126,13 @@ def test_choose_for_memory():
         choose_for_memory(10 * mib, 15, int(9.5 * mib))
     with pytest.raises(InvalidArgumentError, match="at least 11,"):
         choose_for_memory(10 * mib + 1, 15, 10 * mib)
+
+
+@pytest.mark.parametrize("kind", ["seq_rm", "checkpoint"])
+def test_a_rollback_acts_on_its_own_sequence(kind):
+    """In a context of several sequences each sequence's rollback touches that sequence only."""
+    ctx = Ctx(recurrent=kind == "checkpoint")
+    rb = make_rollback(ctx, 3, kind, seq=2)
+    saved = rb.save(3)
+    rb.keep(5, 2, ROWS, saved)
+    assert ctx.calls and ctx.seqs == [2] * len(ctx.calls)
