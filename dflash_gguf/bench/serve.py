@@ -8,6 +8,8 @@ first token and of the whole request. Servers:
 
 * ``ours``            - ``python -m dflash_gguf.server -np C`` with the drafter (the speed gate on)
 * ``ours-plain``      - the same with ``--no-dflash`` (our batched engine decoding plainly)
+* ``ours-serial``     - ``python -m dflash_gguf.server`` without ``-np``: one request at a time through the
+                        ``Llama`` (not in the default set)
 * ``upstream``        - upstream ``llama-server -np C`` (plain)
 * ``upstream-dflash`` - upstream ``llama-server -np C -md DRAFTER --spec-type draft-dflash``
 
@@ -34,7 +36,8 @@ import httpx
 
 log = logging.getLogger("dflash_gguf.bench.serve")
 
-SERVERS = ("ours", "ours-plain", "upstream", "upstream-dflash")
+SERVERS = ("ours", "ours-plain", "ours-serial", "upstream", "upstream-dflash")
+DEFAULT_SERVERS = ("ours", "ours-plain", "upstream", "upstream-dflash")
 PROMPTS = ["def fibonacci(n):\n", "class Stack:\n    def __init__(self):\n", "import json\n\ndef load(path):\n",
            "for i in range(10):\n", "def add(a, b):\n    return", "# sort a list\n", "while True:\n",
            "def parse(text):\n    tokens = []\n"]
@@ -58,8 +61,10 @@ def pair_files(spec: str) -> tuple[Path, Path]:
 
 def command(server: str, target: Path, drafter: Path, n_par: int, threads: int, ctx: int, port: int) -> list[str]:
     if server.startswith("ours"):
-        cmd = [sys.executable, "-m", "dflash_gguf.server", "-m", str(target), "-md", str(drafter), "-np", str(n_par),
+        cmd = [sys.executable, "-m", "dflash_gguf.server", "-m", str(target), "-md", str(drafter),
                "-t", str(threads), "-c", str(ctx), "--port", str(port), "--chat-format", "chatml"]
+        if server != "ours-serial":
+            cmd += ["-np", str(n_par)]
         return cmd + (["--no-dflash"] if server == "ours-plain" else [])
     from dflash_gguf import paths
     exe = Path(paths.tools_dir() or "") / "llama-server"
@@ -189,7 +194,7 @@ def table(rows: list[dict], servers: list[str]) -> str:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m dflash_gguf.bench.serve", description=__doc__.split("\n\n")[0])
     ap.add_argument("--pairs", nargs="+", default=["demo"], help="demo and/or scale pairs SHAPE:TYPE (e.g. 0.6b:q4_0)")
-    ap.add_argument("--servers", nargs="+", default=list(SERVERS), choices=SERVERS)
+    ap.add_argument("--servers", nargs="+", default=list(DEFAULT_SERVERS), choices=SERVERS)
     ap.add_argument("--clients", default="1,2,4,8", help="concurrent client counts (each server runs -np C)")
     ap.add_argument("--requests", type=int, default=8, help="requests per run (at least one per client)")
     ap.add_argument("--tokens", type=int, default=32, help="completion tokens per request")
