@@ -12,6 +12,8 @@ first token and of the whole request. Servers:
                         ``Llama`` (not in the default set)
 * ``upstream``        - upstream ``llama-server -np C`` (plain)
 * ``upstream-dflash`` - upstream ``llama-server -np C -md DRAFTER --spec-type draft-dflash``
+* ``--engine``: also the batched engine alone in this process (no HTTP): C sequences of 2 x ``--tokens``
+  tokens in one ``DFlashDecoder.generate_batch``, with the drafter (``engine``) and without
 
 Pairs: ``demo`` (the shipped trained pair), or ``bench.scale`` pairs by shape and type (e.g. ``0.6b:q4_0``;
 random weights: a drafter that is never right, so the gate must decode plainly). Upstream's server is
@@ -170,8 +172,46 @@ def bench(pair: str, servers: list[str], clients: list[int], n_requests: int, n_
     return rows
 
 
+def engine_only(pair: str, clients: list[int], n_tokens: int, threads: int, ctx: int) -> list[dict]:
+    """The batched engine in this process, no HTTP: C sequences of ``n_tokens`` greedy tokens each in one
+    ``generate_batch`` (plain and with the drafter), after a warm-up batch."""
+    from dflash_gguf.engine import Context, ContextOptions, Model
+    from dflash_gguf.spec import DFlashDecoder, Request, SpecOptions
+
+    target, drafter = pair_files(pair)
+    tm, dm = Model(target), Model(drafter)
+    rows = []
+    try:
+        for c in clients:
+            opts = ContextOptions(n_ctx=ctx, n_batch=512, n_ubatch=512, n_threads=threads, n_seq=c)
+            for mode in ("engine", "engine-plain"):
+                tc = Context(tm, opts)
+                dc = Context(dm, opts, other=tc) if mode == "engine" else None
+                try:
+                    dec = DFlashDecoder(tc, dc, SpecOptions(adaptive=True))
+                    reqs = lambda c=c: [Request(tm.tokenize(PROMPTS[i % len(PROMPTS)].encode()), n_tokens,  # noqa: E731
+                                                stop_tokens=[]) for i in range(c)]
+                    dec.generate_batch(reqs())
+                    rs = reqs()
+                    t0 = time.perf_counter()
+                    n = sum(map(len, dec.generate_batch(rs)))
+                    wall = time.perf_counter() - t0
+                finally:
+                    for x in (dc, tc):
+                        if x is not None:
+                            x.close()
+                rows.append({"pair": pair, "clients": c, "server": mode, "tok_s": round(n / wall, 2),
+                             "tokens": n, "wall_s": round(wall, 3)})
+                log.info("%s, %d sequence(s), %s: %.1f tok/s", pair, c, mode, n / wall)
+    finally:
+        dm.close()
+        tm.close()
+    return rows
+
+
 def table(rows: list[dict], servers: list[str]) -> str:
-    head = "| pair | clients | " + " | ".join(f"{s} tok/s (ttft / request p50, ms)" for s in servers)
+    head = "| pair | clients | " + " | ".join(f"{s} tok/s" + ("" if s.startswith("engine") else " (ttft / request p50, ms)")
+                                             for s in servers)
     ratio = "ours / upstream" if "ours" in servers and "upstream" in servers else None
     lines = [head + (f" | {ratio} |" if ratio else " |"), "|---" * (2 + len(servers) + (1 if ratio else 0)) + "|"]
     keys = sorted({(r["pair"], r["clients"]) for r in rows}, key=lambda k: (k[0], k[1]))
@@ -180,7 +220,7 @@ def table(rows: list[dict], servers: list[str]) -> str:
         cells = []
         for s in servers:
             r = by.get(s)
-            cells.append("-" if r is None else
+            cells.append("-" if r is None else f"{r['tok_s']:.1f}" if "ttft_p50" not in r else
                          f"{r['tok_s']:.1f} ({1e3 * r['ttft_p50']:.0f} / {1e3 * r['lat_p50']:.0f})")
         line = f"| {pair} | {c} | " + " | ".join(cells)
         if ratio:
@@ -202,12 +242,19 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("-c", "--ctx-size", type=int, default=1024, help="context per slot")
     ap.add_argument("--out", type=Path, default=None, help="write TAG.json and TAG.md here")
     ap.add_argument("--tag", default="serve")
+    ap.add_argument("--engine", action="store_true",
+                    help="also time the batched engine in this process (no HTTP): C sequences in one generate_batch")
     a = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s", datefmt="%H:%M:%S")
     clients = [int(x) for x in a.clients.split(",")]
     rows = []
+    servers = list(a.servers)
     for pair in a.pairs:
         rows += bench(pair, a.servers, clients, a.requests, a.tokens, a.threads, a.ctx_size)
+        if a.engine:
+            rows += engine_only(pair, clients, 2 * a.tokens, a.threads, a.ctx_size)
+    if a.engine:
+        servers += ["engine", "engine-plain"]
     cpu = platform.processor() or "?"
     try:
         cpu = next(ln.split(":", 1)[1].strip() for ln in open("/proc/cpuinfo") if ln.startswith("model name"))
@@ -215,7 +262,7 @@ def main(argv: list[str] | None = None) -> int:
         pass
     cmd = "python -m dflash_gguf.bench.serve " + " ".join(argv if argv is not None else sys.argv[1:])
     md = (f"Server benchmark. {cmd}\n\nMachine: {cpu}, {os.cpu_count()} cores; {a.threads} threads per server; "
-          f"{a.requests} greedy streamed requests of {a.tokens} tokens per run.\n\n{table(rows, a.servers)}\n")
+          f"{a.requests} greedy streamed requests of {a.tokens} tokens per run.\n\n{table(rows, servers)}\n")
     print(md)
     if a.out:
         a.out.mkdir(parents=True, exist_ok=True)
