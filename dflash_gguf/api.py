@@ -3,7 +3,7 @@
 Every generation entry point of llama-cpp-python (``__call__``, ``create_completion``,
 ``create_chat_completion``, streaming or not) funnels into ``Llama.generate``. This class overrides
 that one generator: when the request can be served exactly by the DFlash engine it runs
-:class:`dflash_gguf.spec.DFlashDecoder` on the Llama's *own* target context; otherwise it falls back
+:class:`dflash_gguf.decoding.DFlashDecoder` on the Llama's *own* target context; otherwise it falls back
 to ``llama_cpp.Llama.generate`` (see :meth:`Llama.dflash_unsupported`). Stop strings, ``max_tokens``,
 UTF-8-safe streaming and the response shapes stay llama_cpp's code.
 
@@ -43,9 +43,9 @@ from dflash_gguf.fallback import Call, plain_reason
 from dflash_gguf.gguf_check import check_gguf
 from dflash_gguf.memory import LOW_MEMORY_DRAFT_CACHE, low_memory_settings, release_free_heap
 from dflash_gguf.sampling import SamplingParams
-from dflash_gguf.spec.decoder import DFlashDecoder, SpecOptions, common_prefix_len
-from dflash_gguf.spec.rollback import choose_for_memory, recurrent_state_bytes
-from dflash_gguf.spec.stats import GenerationStats
+from dflash_gguf.decoding.decoder import DFlashDecoder, SpecOptions, common_prefix_len
+from dflash_gguf.decoding.rollback import choose_for_memory, recurrent_state_bytes
+from dflash_gguf.decoding.stats import GenerationStats
 from dflash_gguf.stopping import stop_token_ids
 
 log = logging.getLogger("dflash_gguf.api")

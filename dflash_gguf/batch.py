@@ -26,8 +26,8 @@ from typing import Callable, Sequence
 from dflash_gguf.engine import Context, ContextOptions, Model
 from dflash_gguf.errors import InvalidArgumentError
 from dflash_gguf.sampling import SamplingParams
-from dflash_gguf.spec.decoder import DFlashDecoder, Request, SpecOptions
-from dflash_gguf.spec.stats import GenerationStats
+from dflash_gguf.decoding.decoder import DFlashDecoder, Request, SpecOptions
+from dflash_gguf.decoding.stats import GenerationStats
 
 log = logging.getLogger("dflash_gguf.batch")
 
@@ -44,7 +44,7 @@ class Completion:
 
 
 class StopStrings:
-    """A request's consumer (see :class:`dflash_gguf.spec.decoder.Request`): keeps tokens until the text
+    """A request's consumer (see :class:`dflash_gguf.decoding.decoder.Request`): keeps tokens until the text
     holds one of ``stops``, then ends the request after the token that completed it."""
 
     def __init__(self, piece: Callable[[int], bytes], stops: Sequence[str]):

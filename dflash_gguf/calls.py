@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 import llama_cpp
 
-from dflash_gguf.spec.stats import GenerationStats
+from dflash_gguf.decoding.stats import GenerationStats
 
 
 @dataclass

@@ -76,7 +76,7 @@ def main(argv=None) -> int:
         from dflash_gguf.engine import ContextOptions
         from dflash_gguf.logs import set_log_handler
         from dflash_gguf.pair import open_pair
-        from dflash_gguf.spec import GenerationStats, SpecOptions
+        from dflash_gguf.decoding import GenerationStats, SpecOptions
     except Exception as e:  # noqa: BLE001 - the most likely first-run failure; say what to do
         print(f"error: the patched llama.cpp is not usable here ({e}).\n"
               "       build it first: python -m dflash_gguf.build", file=sys.stderr)

@@ -15,7 +15,7 @@ measured rather than read off the fitted line. A step's cost is its whole work a
 measures it (drafting, verifying, acceptance and sampling, keeping the rows), so per-step overheads
 that do not scale with the model count on small pairs. It only changes speed: the decoder's output
 is the target's whatever length is drafted. Given this machine's measured step costs as a prior
-(:mod:`dflash_gguf.spec.calibration`) it skips the warm-up that measures them.
+(:mod:`dflash_gguf.decoding.calibration`) it skips the warm-up that measures them.
 """
 from __future__ import annotations
 
@@ -43,7 +43,7 @@ class DraftLength:
 
     def __init__(self, n_max: int, costs: np.ndarray | None = None):
         """``costs``: a prior for the seconds of a step drafting n = 0..n_max tokens on this machine
-        (:mod:`dflash_gguf.spec.calibration`). With it the warm-up is one probe (the drafter's
+        (:mod:`dflash_gguf.decoding.calibration`). With it the warm-up is one probe (the drafter's
         acceptance is all there is left to see, and a drafter that is never right then costs one
         short block, as long as rows stay nearly free, instead of a full one), and probes while
         decoding plainly are spaced to cost at most PROBE_BUDGET; without it the warm-up measures

@@ -1,7 +1,7 @@
 """Memory settings: the low-memory preset of :class:`dflash_gguf.Llama` (README "Memory").
 
 The drafter's own sizing (block-sized batches, window + block cache) is in
-:func:`dflash_gguf.engine.drafter_options`; the rollback memory cap in :mod:`dflash_gguf.spec.rollback`.
+:func:`dflash_gguf.engine.drafter_options`; the rollback memory cap in :mod:`dflash_gguf.decoding.rollback`.
 """
 from __future__ import annotations
 

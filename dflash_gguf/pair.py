@@ -19,9 +19,9 @@ from dflash_gguf.gguf_check import check_manifest
 
 if TYPE_CHECKING:
     from dflash_gguf.engine import Context, ContextOptions, Model
-    from dflash_gguf.spec.decoder import DFlashDecoder, SpecOptions
-    from dflash_gguf.spec.proposer import Proposer
-    from dflash_gguf.spec.stats import GenerationStats
+    from dflash_gguf.decoding.decoder import DFlashDecoder, SpecOptions
+    from dflash_gguf.decoding.proposer import Proposer
+    from dflash_gguf.decoding.stats import GenerationStats
 
 MANIFEST = "pair.json"
 FORMAT = "dflash-gguf-pair"
@@ -149,13 +149,13 @@ class OpenPair:
 
     def decoder(self, spec: "SpecOptions | None" = None, proposer: "Proposer | None" = None) -> "DFlashDecoder":
         """A DFlash decoder on the pair (it clears both caches)."""
-        from dflash_gguf.spec.decoder import DFlashDecoder
+        from dflash_gguf.decoding.decoder import DFlashDecoder
 
         return DFlashDecoder(self.tctx, self.dctx, spec, proposer)
 
     def plain(self) -> "DFlashDecoder":
         """The one-token-per-step reference decoder on the same target context."""
-        from dflash_gguf.spec.decoder import DFlashDecoder
+        from dflash_gguf.decoding.decoder import DFlashDecoder
 
         return DFlashDecoder(self.tctx, None)
 
@@ -189,7 +189,7 @@ class Comparison:
     first_mismatch: int | None = field(init=False)
 
     def __post_init__(self) -> None:
-        from dflash_gguf.spec.decoder import common_prefix_len
+        from dflash_gguf.decoding.decoder import common_prefix_len
 
         n = common_prefix_len(self.plain, self.spec)
         self.first_mismatch = None if (n == len(self.plain) == len(self.spec)) else n
@@ -202,7 +202,7 @@ class Comparison:
 def compare_with_plain(pair: OpenPair, prompt: Sequence[int], n_tokens: int, *, spec: "SpecOptions | None" = None,
                        decoder: "DFlashDecoder | None" = None, stop_tokens: Sequence[int] | None = None) -> Comparison:
     """Decode ``prompt`` plainly, then with DFlash (``decoder`` or a new one from ``spec``), from cold caches."""
-    from dflash_gguf.spec.stats import GenerationStats
+    from dflash_gguf.decoding.stats import GenerationStats
 
     plain_stats, stats = GenerationStats(), GenerationStats()
     plain = list(pair.plain().generate(prompt, n_tokens, stats=plain_stats, stop_tokens=stop_tokens))

@@ -49,7 +49,7 @@ def main(argv=None) -> int:
     from dflash_gguf.logs import set_log_handler
     set_log_handler(logger)
     from dflash_gguf.engine import Context, ContextOptions, Model
-    from dflash_gguf.spec import DFlashDecoder, GenerationStats, SpecOptions
+    from dflash_gguf.decoding import DFlashDecoder, GenerationStats, SpecOptions
     t_import = time.perf_counter() - t0
 
     tm, dm = Model(a.target), Model(a.drafter)

@@ -57,9 +57,9 @@ def models() -> TinyModels:
 
 @pytest.fixture(scope="session", autouse=True)
 def fresh_calibration(tmp_path_factory):
-    """The gate's cost priors (spec.calibration) measured in this run, not read from the user's cache:
+    """The gate's cost priors (decoding.calibration) measured in this run, not read from the user's cache:
     a prior cached on a busier machine (or by another build) cannot steer what the tests see."""
-    from dflash_gguf.spec import calibration
+    from dflash_gguf.decoding import calibration
 
     root = tmp_path_factory.mktemp("calibration")
     with pytest.MonkeyPatch.context() as mp:

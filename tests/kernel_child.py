@@ -72,7 +72,7 @@ def _main(target: str, drafter: str, n: int, threads: int) -> None:
     from dflash_gguf.engine import Context, ContextOptions, Model
     from dflash_gguf.logs import set_log_handler
     from dflash_gguf.mulmat import Ggml, default_lib_dir
-    from dflash_gguf.spec import DFlashDecoder, GenerationStats
+    from dflash_gguf.decoding import DFlashDecoder, GenerationStats
 
     seen: list[str] = []
 

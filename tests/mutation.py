@@ -32,13 +32,13 @@ ROOT = Path(__file__).resolve().parents[1]
 SURVIVORS = Path(__file__).with_name("mutation-survivors.txt")
 MUTMUT_VERSION = "3.8.1"
 
-CI_MODULES = ["dflash_gguf/gate.py", "dflash_gguf/fallback.py", "dflash_gguf/spec/acceptance.py",
+CI_MODULES = ["dflash_gguf/gate.py", "dflash_gguf/fallback.py", "dflash_gguf/decoding/acceptance.py",
               "dflash_gguf/stopping.py"]
 CI_TESTS = ["tests/test_gate_rules.py", "tests/test_gate.py", "tests/test_fallback.py", "tests/test_acceptance.py",
             "tests/test_stopping.py"]
 PROFILES = {
     "ci": (CI_MODULES, CI_TESTS),
-    "full": (CI_MODULES + ["dflash_gguf/spec/stats.py", "dflash_gguf/sampling.py", "dflash_gguf/spec/rollback.py"],
+    "full": (CI_MODULES + ["dflash_gguf/decoding/stats.py", "dflash_gguf/sampling.py", "dflash_gguf/decoding/rollback.py"],
              CI_TESTS + ["tests/test_stats.py", "tests/test_sampling_rules.py", "tests/test_rollback_rules.py"]),
 }
 

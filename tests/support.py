@@ -7,7 +7,7 @@ import llama_cpp
 import pytest
 
 from dflash_gguf import Llama
-from dflash_gguf.spec import OverrideProposer
+from dflash_gguf.decoding import OverrideProposer
 
 # one thread: on a busy 2-core machine llama.cpp's spinning thread pool slows down badly
 KW = dict(n_ctx=512, n_threads=1, n_threads_batch=1, seed=0, verbose=False, chat_format="chatml")

@@ -5,8 +5,8 @@ import numpy as np
 import pytest
 
 from dflash_gguf.sampling import SamplingParams, TokenChooser, distribution
-from dflash_gguf.spec.acceptance import cut_at_stop, greedy_accept, sampled_accept
-from dflash_gguf.spec.stats import GenerationStats, acceptance_length
+from dflash_gguf.decoding.acceptance import cut_at_stop, greedy_accept, sampled_accept
+from dflash_gguf.decoding.stats import GenerationStats, acceptance_length
 
 
 @pytest.mark.parametrize("draft, target, want", [

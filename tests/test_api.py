@@ -426,7 +426,7 @@ def test_memory_settings_keep_the_text(pair, oracle, settings):
     drafter cache) and drafter windows: the text is plain decoding's on the same settings, and the
     drafter's context is sized as documented."""
     from dflash_gguf.memory import LOW_MEMORY
-    from dflash_gguf.spec import OverrideProposer
+    from dflash_gguf.decoding import OverrideProposer
 
     llm = Llama(str(pair.target), draft_model_path=str(pair.drafter), draft_adaptive=False, **settings, **KW)
     try:

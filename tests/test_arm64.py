@@ -26,7 +26,7 @@ import pytest
 from dflash_gguf import build_cross, paths
 from dflash_gguf.demo import demo_pair
 from dflash_gguf.engine import Context, ContextOptions, Model
-from dflash_gguf.spec import DFlashDecoder, GenerationStats, SpecOptions
+from dflash_gguf.decoding import DFlashDecoder, GenerationStats, SpecOptions
 
 TRIPLE = "aarch64-linux-gnu"
 KAI = TRIPLE + "-kleidiai"

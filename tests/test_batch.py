@@ -17,7 +17,7 @@ from dflash_gguf import _bindings as B
 from dflash_gguf.engine import Context, ContextOptions, Model
 from dflash_gguf.errors import DFlashError, InvalidArgumentError, UnsupportedError
 from dflash_gguf.sampling import SamplingParams
-from dflash_gguf.spec import DFlashDecoder, GenerationStats, OverrideProposer, Request, SpecOptions
+from dflash_gguf.decoding import DFlashDecoder, GenerationStats, OverrideProposer, Request, SpecOptions
 from test_sampling import ALPHA, K_TOKENS, SP, chi2_pvalue, exact_distribution
 
 TEXTS = [b"def main(argv):\n    parser = argparse.ArgumentParser(",
@@ -281,7 +281,7 @@ def test_batched_drafting_sees_each_sequences_own_context():
     its own sequence's features; a feature written to the wrong sequence, or a block attending across
     sequences, drops acceptance to the random drafter's ~0) - and the outputs stay the target's."""
     from dflash_gguf.demo import DEMO_DIR
-    from dflash_gguf.spec.stats import GenerationStats as Stats
+    from dflash_gguf.decoding.stats import GenerationStats as Stats
 
     pair = type("P", (), {"target": DEMO_DIR / "target.gguf", "drafter": DEMO_DIR / "drafter.gguf"})
     prompts = [b"def fibonacci(n):\n", b"class Stack:\n    def __init__(self):\n", b"import json\n\ndef load(path):\n"]

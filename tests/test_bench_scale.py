@@ -97,7 +97,7 @@ def test_synthetic_pair_files(small_pairs):
 @pytest.mark.parametrize("wtype", synth.TYPES)
 def test_replayed_run_is_lossless_and_hits_the_profile(small_pairs, wtype):
     from dflash_gguf.engine import Context, ContextOptions, Model
-    from dflash_gguf.spec import DFlashDecoder, GenerationStats, OverrideProposer, SpecOptions
+    from dflash_gguf.decoding import DFlashDecoder, GenerationStats, OverrideProposer, SpecOptions
 
     d = small_pairs[wtype]
     with Model(d / "target.gguf") as tm, Model(d / "drafter.gguf") as dm:

@@ -1,4 +1,4 @@
-"""The speed gate's cost prior (spec.calibration): measured through the decoder's own loop, cached by
+"""The speed gate's cost prior (decoding.calibration): measured through the decoder's own loop, cached by
 what it depends on, and never a change to what the decoder outputs."""
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import pytest
 from dflash_gguf.engine import ContextOptions
 from dflash_gguf.paths import DEMO_DIR as DEMO
 from dflash_gguf.pair import OpenPair
-from dflash_gguf.spec import SpecOptions, calibration
+from dflash_gguf.decoding import SpecOptions, calibration
 
 PROMPT = b"def read_lines(path):\n    \"\"\"Return the lines of a text file.\"\"\"\n"
 

@@ -17,7 +17,7 @@ import pytest
 
 from dflash_gguf import Llama, StopOnTokens
 from dflash_gguf.server import create_app
-from dflash_gguf.spec import OverrideProposer
+from dflash_gguf.decoding import OverrideProposer
 
 from chat_templates import LLAMA3, QWEN3, with_chat_template
 from support import KW, serve

@@ -44,7 +44,7 @@ def demo_contexts():
 
 
 def test_shipped_pair_dflash_equals_plain(demo_contexts):
-    from dflash_gguf.spec import DFlashDecoder, GenerationStats
+    from dflash_gguf.decoding import DFlashDecoder, GenerationStats
 
     tm, tctx, dctx = demo_contexts
     ids = tm.tokenize(DEFAULT_PROMPT.encode())

@@ -100,7 +100,7 @@ def _proposals(target: Path, drafter: Path, prompt_len: int = 24, steps: int = 6
                ids: bool = True) -> list[list[int]]:
     """The drafter's raw block proposals at a few positions of a plain run (no proposer hook)."""
     from dflash_gguf import _bindings as B
-    from dflash_gguf.spec import DFlashDecoder
+    from dflash_gguf.decoding import DFlashDecoder
 
     tm, dm, tctx, dctx = _engine_pair(target, drafter)
     try:
@@ -148,7 +148,7 @@ def test_draft_ids_from_the_graph_equal_the_logits_scan(models, tmp_path, kind):
 
 
 def _lossless(target: Path, drafter: Path, n: int = 48) -> tuple[list[int], list[int], float]:
-    from dflash_gguf.spec import DFlashDecoder, GenerationStats
+    from dflash_gguf.decoding import DFlashDecoder, GenerationStats
 
     tm, dm, tctx, dctx = _engine_pair(target, drafter)
     try:

@@ -7,7 +7,7 @@ import pytest
 
 from dflash_gguf.engine import Context, ContextOptions, Model
 from dflash_gguf.gate import DraftLength
-from dflash_gguf.spec import DFlashDecoder, GenerationStats, OverrideProposer, SpecOptions
+from dflash_gguf.decoding import DFlashDecoder, GenerationStats, OverrideProposer, SpecOptions
 
 PROMPT = b"def main(argv):\n    parser = argparse.ArgumentParser("
 
@@ -201,7 +201,7 @@ def test_a_gate_kept_between_calls_matches_the_best_fixed_length():
         assert np.mean(kept) >= 0.97 * best, (np.mean(kept), best)
 
 
-# ---------------------------------------------------------------- a measured cost prior (spec.calibration)
+# ---------------------------------------------------------------- a measured cost prior (decoding.calibration)
 def test_a_cost_prior_turns_a_never_right_drafter_off_after_one_block():
     """With this machine's costs known, the warm-up is one short block: a drafter that gets nothing
     right costs one PROBE_SHORT block, not the five warm-up steps (two of them full blocks) of a gate

@@ -18,7 +18,7 @@ import pytest
 
 from dflash_gguf.engine import Context, ContextOptions, Model
 from dflash_gguf.errors import InvalidArgumentError
-from dflash_gguf.spec import DFlashDecoder, GenerationStats, OverrideProposer, SpecOptions
+from dflash_gguf.decoding import DFlashDecoder, GenerationStats, OverrideProposer, SpecOptions
 from support import llama_cpp_greedy
 
 PROMPTS = [b"def main(argv):\n    parser = argparse.ArgumentParser(",
@@ -350,7 +350,7 @@ def test_diverging_prompt_equals_cold_run(hybrid, arch, mode):
 
 # ------------------------------------------------------------------------------- memory cap
 def test_choose_for_memory_rules():
-    from dflash_gguf.spec.rollback import choose_for_memory
+    from dflash_gguf.decoding.rollback import choose_for_memory
 
     mib = 2**20
     assert choose_for_memory(10 * mib, 15, None) == "snapshot"            # no cap: snapshots
@@ -367,7 +367,7 @@ def test_snapshot_memory_is_n_copies_of_the_state(models):
     import logging
     import re
 
-    from dflash_gguf.spec.rollback import recurrent_state_bytes
+    from dflash_gguf.decoding.rollback import recurrent_state_bytes
 
     pair = models.pair("qwen35", "dflash", 8)
     lines: list[float] = []
@@ -404,7 +404,7 @@ def test_rollback_memory_mb_picks_the_kind_and_stays_lossless(models):
     """Llama(rollback_memory_mb=): snapshots while n_draft copies of the state fit, a host checkpoint
     when they do not, a clear error below one copy; the text is plain decoding's every time."""
     from dflash_gguf import Llama
-    from dflash_gguf.spec.rollback import recurrent_state_bytes
+    from dflash_gguf.decoding.rollback import recurrent_state_bytes
 
     pair = models.pair("qwen35", "dflash", 8)
     with Model(pair.target) as tm, Context(tm, opts(0)) as tc:

@@ -30,7 +30,7 @@ import pytest
 import tiny
 from dflash_gguf.engine import DEFAULT_DRAFT_CACHE, Context, ContextOptions, Model
 from dflash_gguf.errors import ContextFullError, ContextOverflowError
-from dflash_gguf.spec import DFlashDecoder, DrafterProposer, GenerationStats, OverrideProposer
+from dflash_gguf.decoding import DFlashDecoder, DrafterProposer, GenerationStats, OverrideProposer
 
 SIZES = (16384, 32768)
 ARCHS = ("qwen3", "llama", "qwen35")

@@ -24,7 +24,7 @@ from dflash_gguf import paths
 
 from dflash_gguf import Llama, state_file
 from dflash_gguf.errors import BusyError, StateFileError
-from dflash_gguf.spec import DrafterProposer, OverrideProposer
+from dflash_gguf.decoding import DrafterProposer, OverrideProposer
 
 pytestmark = pytest.mark.reliability
 

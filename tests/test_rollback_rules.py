@@ -1,4 +1,4 @@
-"""The rollback kinds of dflash_gguf.spec.rollback against a recording stand-in for the target
+"""The rollback kinds of dflash_gguf.decoding.rollback against a recording stand-in for the target
 context: what each kind asks of llama.cpp, in what order, and which kind is chosen. (tests/test_hybrid.py
 checks they are exact on real hybrid targets.)"""
 from __future__ import annotations
@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from dflash_gguf.errors import InvalidArgumentError, RollbackError
-from dflash_gguf.spec.rollback import (KINDS, AttentionRollback, CheckpointRollback, SnapshotRollback,
+from dflash_gguf.decoding.rollback import (KINDS, AttentionRollback, CheckpointRollback, SnapshotRollback,
                                        choose_for_memory, make_rollback, recurrent_state_bytes)
 
 

@@ -19,7 +19,7 @@ import pytest
 from dflash_gguf.demo import DEMO_DIR
 from dflash_gguf.engine import Context, ContextOptions, Model
 from dflash_gguf.sampling import SamplingParams, distribution
-from dflash_gguf.spec import DFlashDecoder, GenerationStats, OverrideProposer, SpecOptions
+from dflash_gguf.decoding import DFlashDecoder, GenerationStats, OverrideProposer, SpecOptions
 
 PROMPT = b"def main(argv):\n    parser = argparse.ArgumentParser("
 ALPHA = 1e-3

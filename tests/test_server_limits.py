@@ -17,7 +17,7 @@ import pytest
 
 from dflash_gguf import Llama
 from dflash_gguf.server import create_app
-from dflash_gguf.spec import OverrideProposer
+from dflash_gguf.decoding import OverrideProposer
 from support import KW, Oracle, fast, oracle, pair, plain, serve  # noqa: F401 (fixtures)
 
 MODEL_ID = "tiny-qwen3"

@@ -10,7 +10,7 @@ import pytest
 
 from dflash_gguf.engine import Context, ContextOptions, Model
 from dflash_gguf.errors import ContextOverflowError, InvalidArgumentError
-from dflash_gguf.spec import DFlashDecoder, GenerationStats, OverrideProposer, SpecOptions
+from dflash_gguf.decoding import DFlashDecoder, GenerationStats, OverrideProposer, SpecOptions
 from support import llama_cpp_greedy
 
 PROMPTS = [b"def main(argv):\n    parser = argparse.ArgumentParser(",

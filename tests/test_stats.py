@@ -1,10 +1,10 @@
-"""GenerationStats (dflash_gguf.spec.stats): its record round trip, merge and derived figures, exactly.
+"""GenerationStats (dflash_gguf.decoding.stats): its record round trip, merge and derived figures, exactly.
 (tests/test_acceptance.py covers observe_step and merge's per-position counts.)"""
 from __future__ import annotations
 
 import pytest
 
-from dflash_gguf.spec.stats import PHASES, GenerationStats, acceptance_length
+from dflash_gguf.decoding.stats import PHASES, GenerationStats, acceptance_length
 
 
 def filled() -> GenerationStats:

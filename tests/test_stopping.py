@@ -7,7 +7,7 @@ import types
 import llama_cpp.llama_chat_format as chat_format
 import numpy as np
 
-from dflash_gguf.spec.acceptance import sampled_accept
+from dflash_gguf.decoding.acceptance import sampled_accept
 from dflash_gguf.stopping import StopOnTokens, stop_token_ids
 
 

@@ -16,7 +16,7 @@ import pytest
 from dflash_gguf import paths
 from dflash_gguf.bench.upstream import upstream_generated
 from dflash_gguf.engine import Context, ContextOptions, Model
-from dflash_gguf.spec import DFlashDecoder, GenerationStats
+from dflash_gguf.decoding import DFlashDecoder, GenerationStats
 
 TOOLS = paths.tools_dir()
 pytestmark = pytest.mark.skipif(
@@ -51,7 +51,7 @@ def run_ours(target: Path, drafter: Path, n_max: int, n_tokens: int):
     opts = ContextOptions(n_ctx=512, n_batch=512, n_ubatch=512)
     tc = Context(tm, opts)
     dc = Context(dm, opts, other=tc)
-    from dflash_gguf.spec import SpecOptions
+    from dflash_gguf.decoding import SpecOptions
     dec = DFlashDecoder(tc, dc, SpecOptions(n_draft=n_max))
     st = GenerationStats()
     prompt = tm.tokenize(PROMPT.encode())

@@ -8,7 +8,7 @@
 
 Columns, all greedy (temperature 0) on the same GGUF pair in one process:
 
-* ``plain``    - :class:`dflash_gguf.spec.DFlashDecoder` with no drafter: one target pass per token;
+* ``plain``    - :class:`dflash_gguf.decoding.DFlashDecoder` with no drafter: one target pass per token;
 * ``dflash``   - our DFlash loop (drafter proposes a block, the target verifies it in one pass);
 * ``upstream`` - ``llama-speculative-simple --spec-type draft-dflash`` from ``dflash_gguf.paths.tools_dir()``
   (one subprocess per prompt; its own ``decoded N tokens in X s`` timer, which like ours excludes
@@ -76,7 +76,7 @@ def main(argv=None) -> int:
     from dflash_gguf.demo import demo_pair
     from dflash_gguf.engine import Context, ContextOptions, Model
     from dflash_gguf.logs import set_log_handler
-    from dflash_gguf.spec import DFlashDecoder, SpecOptions
+    from dflash_gguf.decoding import DFlashDecoder, SpecOptions
 
     set_log_handler()
     tpath, dpath = demo_pair()

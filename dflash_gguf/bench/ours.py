@@ -1,4 +1,4 @@
-"""Our columns: plain and DFlash through :class:`dflash_gguf.spec.DFlashDecoder`, the n_draft sweep,
+"""Our columns: plain and DFlash through :class:`dflash_gguf.decoding.DFlashDecoder`, the n_draft sweep,
 the CPU cost profile and the near-tie diagnosis."""
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ log = logging.getLogger("dflash_gguf.bench")
 def run_ours(dec, prompts: list[dict], ids: list[list[int]], max_tokens: int, res: ModeResult, model,
              record: bool) -> float:
     """One trial of one mode: every prompt once from an empty cache. Returns tokens/s."""
-    from dflash_gguf.spec import GenerationStats
+    from dflash_gguf.decoding import GenerationStats
 
     n_tok, t_dec = 0, 0.0
     for p, tok_ids in zip(prompts, ids):
@@ -62,7 +62,7 @@ def top2_gap(tctx, prefix: list[int]) -> float | None:
 
 # --------------------------------------------------------------------------- sweep and profile
 def sweep(tctx, dctx, model, prompts, ids, max_tokens, trials, plain_tps: float) -> list[dict]:
-    from dflash_gguf.spec import DFlashDecoder, SpecOptions
+    from dflash_gguf.decoding import DFlashDecoder, SpecOptions
 
     rows = []
     probe = DFlashDecoder(tctx, dctx)
@@ -86,7 +86,7 @@ def profile(tctx, dctx, prompt_ids: list[int], repeats: int = 15, max_rows: int 
     import numpy as np
 
     from dflash_gguf import _bindings as B
-    from dflash_gguf.spec import DFlashDecoder
+    from dflash_gguf.decoding import DFlashDecoder
 
     dec = DFlashDecoder(tctx, dctx)
     toks = list(dec.generate(prompt_ids, 1))   # prompt in both caches, features injected

@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from dflash_gguf.cpu import cpu_flags, cpu_model
-from dflash_gguf.spec.stats import GenerationStats
+from dflash_gguf.decoding.stats import GenerationStats
 
 
 # --------------------------------------------------------------------------- machine facts

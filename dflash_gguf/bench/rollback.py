@@ -36,8 +36,8 @@ class _Grab(logging.Handler):
 
 def measure(target: str, drafter: str, blocks: list[int], n_gen: int, threads: int | None) -> list[dict]:
     from dflash_gguf.engine import Context, ContextOptions, Model
-    from dflash_gguf.spec import DFlashDecoder, GenerationStats, SpecOptions
-    from dflash_gguf.spec.rollback import recurrent_state_bytes
+    from dflash_gguf.decoding import DFlashDecoder, GenerationStats, SpecOptions
+    from dflash_gguf.decoding.rollback import recurrent_state_bytes
 
     grab = _Grab()
     lg = logging.getLogger("dflash_gguf.llama_cpp")
@@ -89,7 +89,7 @@ def measure(target: str, drafter: str, blocks: list[int], n_gen: int, threads: i
 
 def table(rows: list[dict], caps: list[float]) -> str:
     from dflash_gguf.errors import InvalidArgumentError
-    from dflash_gguf.spec.rollback import choose_for_memory
+    from dflash_gguf.decoding.rollback import choose_for_memory
 
     head = ("| block | n_draft | state copy MiB | RS buffer MiB (snapshot / none) | snapshot extra MiB | "
             "checkpoint extra MiB | plain tok/s | snapshot tok/s (tau) | checkpoint tok/s (tau) | "

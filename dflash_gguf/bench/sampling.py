@@ -9,7 +9,7 @@ decoding, DFlash with fixed drafting and one-hot proposals (``SpecOptions(sample
 DFlash with fixed drafting and lattice proposals (these three with the seed), and lattice proposals
 with the speed gate choosing the draft length (``lattice+gate``: an unseeded request, as a ``Llama``
 without ``seed`` makes it; its gate is kept across the runs). Every DFlash mode is lossless (the acceptance rule takes the q they
-proposed with, see ``spec/acceptance.py``); what changes is how much of each block is kept. It reports the
+proposed with, see ``decoding/acceptance.py``); what changes is how much of each block is kept. It reports the
 acceptance length, the share of drafted tokens accepted, acceptance per block position and decode
 tokens/s (prefill excluded), with DFlash's ratio to plain measured in the same run. Greedy (T = 0)
 rows can be added with ``--temperatures 0,...`` (both modes are then the same greedy walk).
@@ -25,7 +25,7 @@ import sys
 import time
 from pathlib import Path
 
-from dflash_gguf.spec.stats import GenerationStats
+from dflash_gguf.decoding.stats import GenerationStats
 
 log = logging.getLogger("dflash_gguf.bench.sampling")
 _DATA = Path(__file__).resolve().parent.parent / "data"
@@ -37,7 +37,7 @@ def measure(target: str, drafter: str, prompts: list[str], temperatures: list[fl
             threads: int | None) -> list[dict]:
     from dflash_gguf.engine import Context, ContextOptions, Model
     from dflash_gguf.sampling import SamplingParams
-    from dflash_gguf.spec import DFlashDecoder, SpecOptions
+    from dflash_gguf.decoding import DFlashDecoder, SpecOptions
 
     rows = []
     with Model(target) as tm, Model(drafter) as dm:

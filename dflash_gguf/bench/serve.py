@@ -176,7 +176,7 @@ def engine_only(pair: str, clients: list[int], n_tokens: int, threads: int, ctx:
     """The batched engine in this process, no HTTP: C sequences of ``n_tokens`` greedy tokens each in one
     ``generate_batch`` (plain and with the drafter), after a warm-up batch."""
     from dflash_gguf.engine import Context, ContextOptions, Model
-    from dflash_gguf.spec import DFlashDecoder, Request, SpecOptions
+    from dflash_gguf.decoding import DFlashDecoder, Request, SpecOptions
 
     target, drafter = pair_files(pair)
     tm, dm = Model(target), Model(drafter)

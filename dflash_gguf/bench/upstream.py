@@ -13,7 +13,7 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from dflash_gguf.spec.stats import GenerationStats
+from dflash_gguf.decoding.stats import GenerationStats
 
 if TYPE_CHECKING:
     from dflash_gguf.bench.results import ModeResult

@@ -44,8 +44,8 @@ def sweep(target: str, drafter: str, windows: list[int], lengths: list[int], n_g
           threads: int | None) -> list[dict]:
     from dflash_gguf.bench.ours import top2_gap
     from dflash_gguf.engine import Context, ContextOptions, Model
-    from dflash_gguf.spec import DFlashDecoder, GenerationStats, SpecOptions
-    from dflash_gguf.spec.decoder import common_prefix_len
+    from dflash_gguf.decoding import DFlashDecoder, GenerationStats, SpecOptions
+    from dflash_gguf.decoding.decoder import common_prefix_len
 
     rows = []
     with Model(target) as tm, Model(drafter) as dm:

@@ -250,7 +250,7 @@ def _worker(no_precheck: bool) -> int:
 
     def stage_model(d: Path):
         from dflash_gguf.engine import Context, ContextOptions, Model
-        from dflash_gguf.spec import DFlashDecoder
+        from dflash_gguf.decoding import DFlashDecoder
         opts = ContextOptions(n_ctx=128, n_batch=64, n_ubatch=64, n_threads=1)
         with Model(d / "target.gguf") as t, Model(d / "drafter.gguf") as dm:
             with Context(t, opts) as tc, Context(dm, opts, other=tc) as dc:

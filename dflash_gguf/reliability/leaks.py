@@ -117,7 +117,7 @@ def llama_phase(target: str, drafter: str, generations: int, reopen: int, seed: 
 
 def engine_phase(target: str, drafter: str, cycles: int, per_mark: int) -> list[dict]:
     from dflash_gguf.engine import Context, ContextOptions, Model
-    from dflash_gguf.spec import DFlashDecoder
+    from dflash_gguf.decoding import DFlashDecoder
 
     opts = ContextOptions(n_ctx=256, n_batch=64, n_ubatch=64, n_threads=1)
     marks = []

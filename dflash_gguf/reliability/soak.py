@@ -163,7 +163,7 @@ class Soak:
         self.ref = llama_cpp.Llama(cfg.target, **kw)
         self.oracle = None
         if cfg.oracle:
-            from dflash_gguf.spec.proposer import OverrideProposer
+            from dflash_gguf.decoding.proposer import OverrideProposer
 
             self.oracle = Oracle(seed)
             self.oracle.n_vocab = self.llm.n_vocab()

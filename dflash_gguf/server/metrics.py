@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import time
 
-from dflash_gguf.spec.stats import GenerationStats
+from dflash_gguf.decoding.stats import GenerationStats
 
 
 class Metrics:

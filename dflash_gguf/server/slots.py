@@ -2,7 +2,7 @@
 
 Beside the server's :class:`dflash_gguf.Llama` (which keeps serving what the batched engine does not:
 grammars, JSON formats, tools, logprobs, logit_bias, echo, chat formats without a known formatter),
-:class:`Slots` runs a :class:`dflash_gguf.spec.DFlashDecoder` of N sequences on the same models (its own
+:class:`Slots` runs a :class:`dflash_gguf.decoding.DFlashDecoder` of N sequences on the same models (its own
 target context of N x n_ctx positions and drafter context of N windows) in one thread. Each step drafts
 every running request's block in one drafter decode and verifies them all in one target decode; a
 waiting request takes a slot as soon as one is free, first come first served. Every response is what
@@ -22,8 +22,8 @@ from typing import Any
 from dflash_gguf.batch import StopStrings
 from dflash_gguf.engine import Context, ContextOptions, Model
 from dflash_gguf.sampling import SamplingParams
-from dflash_gguf.spec.decoder import DFlashDecoder, Request, SpecOptions
-from dflash_gguf.spec.stats import GenerationStats
+from dflash_gguf.decoding.decoder import DFlashDecoder, Request, SpecOptions
+from dflash_gguf.decoding.stats import GenerationStats
 
 log = logging.getLogger("dflash_gguf.server")
 

@@ -88,7 +88,7 @@ def verify(work: Path, a) -> dict:
     from dflash_gguf.bench.ours import top2_gap
     from dflash_gguf.bench.window import NEAR_TIE
     from dflash_gguf.pair import compare_with_plain, open_pair
-    from dflash_gguf.spec import GenerationStats, SpecOptions
+    from dflash_gguf.decoding import GenerationStats, SpecOptions
 
     set_log_handler()
     sp = sp_model(work)
@@ -166,7 +166,7 @@ def align_check(work: Path, a, mask_id: int) -> dict:
     sys.path.insert(0, str(REPO))
     from dflash_gguf.engine import Context, ContextOptions, Model
     from dflash_gguf.logs import set_log_handler
-    from dflash_gguf.spec import DFlashDecoder, GenerationStats
+    from dflash_gguf.decoding import DFlashDecoder, GenerationStats
 
     set_log_handler()
     tm, dm = Model(work / "gguf" / "target.gguf"), Model(work / "gguf" / "drafter.gguf")
@@ -382,7 +382,7 @@ def lattice_check(work: Path, a, mask_id: int, n_prompts: int = 4) -> dict:
     from dflash_gguf import _bindings as B
     from dflash_gguf.engine import Context, ContextOptions, Model
     from dflash_gguf.logs import set_log_handler
-    from dflash_gguf.spec import DFlashDecoder
+    from dflash_gguf.decoding import DFlashDecoder
 
     target, dr = torch_pair(work, a)
     W = target.model.embed_tokens.weight

@@ -37,7 +37,7 @@ def _ms(x: float) -> float:
 
 def measure_costs(tctx, dctx, prompt_ids: list[int], n_draft: int, repeats: int, max_rows: int = 16) -> dict:
     from dflash_gguf import _bindings as B
-    from dflash_gguf.spec import DFlashDecoder
+    from dflash_gguf.decoding import DFlashDecoder
 
     dec = DFlashDecoder(tctx, dctx)
     first = list(dec.generate(prompt_ids, 1, stop_tokens=[]))
@@ -70,7 +70,7 @@ def measure_costs(tctx, dctx, prompt_ids: list[int], n_draft: int, repeats: int,
 
 
 def _gen(dec, prompt_ids, n, stats=None):
-    from dflash_gguf.spec import GenerationStats
+    from dflash_gguf.decoding import GenerationStats
 
     st = stats or GenerationStats()
     dec.reset()
@@ -81,7 +81,7 @@ def _gen(dec, prompt_ids, n, stats=None):
 def run_case(case: dict) -> dict:
     from dflash_gguf.bench.scale.replay import ReplayProposer, expected_tau, parse_profile
     from dflash_gguf.engine import Context, ContextOptions, Model
-    from dflash_gguf.spec import DFlashDecoder, DrafterProposer, OverrideProposer, SpecOptions
+    from dflash_gguf.decoding import DFlashDecoder, DrafterProposer, OverrideProposer, SpecOptions
 
     n_tok, trials, threads = case["tokens"], case["trials"], case.get("threads")
     t_load = time.perf_counter()

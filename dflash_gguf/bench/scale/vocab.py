@@ -28,7 +28,7 @@ log = logging.getLogger("dflash_gguf.bench.scale")
 DEMO_DIR = paths.DEMO_DIR
 def _run(target: Path, drafter: Path, prompts: list[str], n_tok: int, threads: int) -> tuple[float, int, list]:
     from dflash_gguf.engine import Context, ContextOptions, Model
-    from dflash_gguf.spec import DFlashDecoder, GenerationStats
+    from dflash_gguf.decoding import DFlashDecoder, GenerationStats
 
     with Model(target) as tm, Model(drafter) as dm:
         opts = ContextOptions(n_ctx=1024, n_threads=threads)

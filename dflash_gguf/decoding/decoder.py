@@ -38,13 +38,13 @@ from dflash_gguf import _bindings as B
 from dflash_gguf.engine import Context, DrafterInfo, clamp_n_draft
 from dflash_gguf.errors import ContextOverflowError, DFlashError, InvalidArgumentError, UnsupportedError
 from dflash_gguf.gate import DraftLength
-from dflash_gguf.spec import calibration
+from dflash_gguf.decoding import calibration
 from dflash_gguf.sampling import SamplingParams, TokenChooser
-from dflash_gguf.spec.acceptance import cut_at_stop, greedy_accept, sampled_accept
-from dflash_gguf.spec.features import FeatureFeed
-from dflash_gguf.spec.proposer import DrafterProposer, LatticeProposer, Proposer
-from dflash_gguf.spec.rollback import Rollback, make_rollback
-from dflash_gguf.spec.stats import GenerationStats
+from dflash_gguf.decoding.acceptance import cut_at_stop, greedy_accept, sampled_accept
+from dflash_gguf.decoding.features import FeatureFeed
+from dflash_gguf.decoding.proposer import DrafterProposer, LatticeProposer, Proposer
+from dflash_gguf.decoding.rollback import Rollback, make_rollback
+from dflash_gguf.decoding.stats import GenerationStats
 
 # target rows whose taps a decode keeps (llama_dflash_set_tap_rows_max): a verify block and the
 # prompt's last rows in chunks of this many; five taps of a 2048-wide target cost 2.6 MiB of its
@@ -52,7 +52,7 @@ from dflash_gguf.spec.stats import GenerationStats
 # A decoder of several sequences keeps at least a block of each (their verify rows share a decode).
 TAP_ROWS = 64
 
-log = logging.getLogger("dflash_gguf.spec")
+log = logging.getLogger("dflash_gguf.decoding")
 
 
 def common_prefix_len(a: Sequence[int], b: Sequence[int]) -> int:
@@ -69,7 +69,7 @@ class SpecOptions:
     n_draft: int | None = None   # tokens drafted per block; default and maximum: block_size - 1
     rollback: str = "auto"       # auto | seq_rm | snapshot | checkpoint
     adaptive: bool = False       # speed gate: draft per step as many tokens as pays (gate.DraftLength)
-    calibrate: bool = True       # ... starting from this machine's measured step costs (spec.calibration)
+    calibrate: bool = True       # ... starting from this machine's measured step costs (decoding.calibration)
     sample_lattice: bool = True  # DFlash2 at temperature > 0: draft from the selector's top-k distribution
 
 
@@ -136,7 +136,7 @@ class DFlashDecoder:
     embeddings and LM head) and as many sequences as the target's (``ContextOptions.n_seq``). With
     ``drafter=None`` the same loop decodes plainly, one token per step: the baseline the benchmarks
     and tests compare against. ``proposer`` (default: the drafter) may replace the proposals, see
-    :mod:`dflash_gguf.spec.proposer`.
+    :mod:`dflash_gguf.decoding.proposer`.
     """
 
     # prompt tokens a joining request prefills per step of the others (admit/step, run): what the running

@@ -34,12 +34,12 @@ import numpy as np
 from dflash_gguf import _bindings as B
 from dflash_gguf import paths
 from dflash_gguf.cpu import cpu_flags, cpu_model
-from dflash_gguf.spec.proposer import DrafterProposer
+from dflash_gguf.decoding.proposer import DrafterProposer
 
 if TYPE_CHECKING:
-    from dflash_gguf.spec.decoder import DFlashDecoder
+    from dflash_gguf.decoding.decoder import DFlashDecoder
 
-log = logging.getLogger("dflash_gguf.spec")
+log = logging.getLogger("dflash_gguf.decoding")
 
 ROUNDS = 3                         # measured rounds of the schedule (after one warm-up round)
 SPREAD = 1.5                       # a length whose rounds differ by more than this (max / min) is unsteady

@@ -20,7 +20,7 @@ __all__ = sorted(_LAZY)
 def __getattr__(name: str):
     module = _LAZY.get(name)
     if module is None:
-        raise AttributeError(f"module 'dflash_gguf.spec' has no attribute {name!r}")
-    value = getattr(importlib.import_module(f"dflash_gguf.spec.{module}"), name)
+        raise AttributeError(f"module 'dflash_gguf.decoding' has no attribute {name!r}")
+    value = getattr(importlib.import_module(f"dflash_gguf.decoding.{module}"), name)
     globals()[name] = value
     return value
