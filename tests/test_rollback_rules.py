@@ -136,3 +136,10 @@ def test_a_rollback_acts_on_its_own_sequence(kind):
     saved = rb.save(3)
     rb.keep(5, 2, ROWS, saved)
     assert ctx.calls and ctx.seqs == [2] * len(ctx.calls)
+
+
+def test_the_default_sequence_is_zero():
+    """Without a sequence id a rollback acts on sequence 0 (a one-sequence context's only one)."""
+    for rb in (make_rollback(ctx := Ctx(), 3), AttentionRollback(ctx)):
+        rb.keep(5, 2, ROWS, rb.save(3))
+    assert ctx.seqs == [0, 0]
