@@ -178,6 +178,15 @@ class DraftLength:
         self.last = n
         return n
 
+    def learn_acceptance(self, other: "DraftLength") -> None:
+        """Start from ``other``'s acceptance history (the same drafter, another step shape: a batch of
+        sequences), keeping this gate's costs: a drafter ``other`` found never right is not warmed up
+        with full blocks again."""
+        if other.n_max != self.n_max:
+            raise ValueError(f"gates of {self.n_max} and {other.n_max} drafted tokens")
+        self.hits[:], self.tries[:] = other.hits, other.tries
+        self._blocks, self._right = other._blocks, other._right
+
     def record(self, n: int, accepted: int, seconds: float) -> None:
         if n > 0 and self._plan == 0 and 2 * accepted >= n and \
                 not (1 + accepted) * self.cost[0] <= seconds:

@@ -347,3 +347,22 @@ def test_acceptance_counts_decay_and_count_the_positions_reached():
     np.testing.assert_allclose(g.hits, [G.DECAY + 1, G.DECAY + 1, 0, 0])
     g.record(0, 0, 1.0)                              # a plain step draws nothing
     np.testing.assert_allclose(g.tries, [G.DECAY + 1, G.DECAY + 1, G.DECAY, 0])
+
+
+def test_a_gate_can_start_from_anothers_acceptance():
+    DraftLength = G
+    """A batch-size gate takes the one-sequence gate's acceptance history, not its costs: after a
+    never-right history it decodes plainly from its first step; after a right one it warms up."""
+    never = DraftLength(7)
+    for _ in range(3):
+        never.record(7, 0, 0.01)
+    b = DraftLength(7)
+    b.learn_acceptance(never)
+    assert [b.choose() for _ in range(4)] == [0, 0, 0, 0] and np.isnan(b.cost).all()
+    right = DraftLength(7)
+    right.record(7, 7, 0.01)
+    c = DraftLength(7)
+    c.learn_acceptance(right)
+    assert c.choose() == 7 and c.hits.tolist() == right.hits.tolist()
+    with pytest.raises(ValueError, match="gates of 3 and 7 drafted tokens"):
+        DraftLength(3).learn_acceptance(never)

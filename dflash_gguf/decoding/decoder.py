@@ -306,7 +306,10 @@ class DFlashDecoder:
             # step, hence its cost and what drafting buys, grow with the sequences in it)
             gate = self._batch_gates.get(len(seqs))
             if gate is None:
+                # its costs are this batch size's to measure; the drafter's acceptance is known already
                 gate = self._batch_gates[len(seqs)] = DraftLength(self.n_draft)
+                if self.gate is not None:
+                    gate.learn_acceptance(self.gate)
         choice = gate.choose() if gate is not None else 0
         ns = []
         for s in seqs:
