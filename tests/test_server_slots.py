@@ -127,3 +127,26 @@ def test_bad_prompts_fail_alone(server):
     r = httpx.post(f"{url}/v1/completions", json={"prompt": too_long, "max_tokens": 4, "temperature": 0}, timeout=60)
     assert r.status_code == 400, r.text
     assert _complete(url, PROMPTS[3], max_tokens=8)["choices"][0]["text"]
+
+
+def test_openai_client_against_the_slots(server, plain):
+    """What an OpenAI client sees from the slots: completions, chat, streamed chat, usage."""
+    import openai
+
+    url, _ = server
+    client = openai.OpenAI(base_url=f"{url}/v1", api_key="none")
+    want = plain.create_completion(PROMPTS[4], max_tokens=24, temperature=0)["choices"][0]["text"]
+    r = client.completions.create(model="demo", prompt=PROMPTS[4], max_tokens=24, temperature=0)
+    assert r.choices[0].text == want and r.usage.completion_tokens > 0
+    msgs = [{"role": "user", "content": "def add(a, b):"}]
+    want = plain.create_chat_completion(msgs, max_tokens=24, temperature=0)["choices"][0]["message"]["content"]
+    c = client.chat.completions.create(model="demo", messages=msgs, max_tokens=24, temperature=0)
+    assert c.choices[0].message.content == want
+    parts, usage = [], None
+    for ch in client.chat.completions.create(model="demo", messages=msgs, max_tokens=24, temperature=0,
+                                             stream=True, stream_options={"include_usage": True}):
+        if ch.choices:
+            parts.append(ch.choices[0].delta.content or "")
+        if ch.usage is not None:
+            usage = ch.usage
+    assert "".join(parts) == want and usage is not None and usage.completion_tokens > 0

@@ -10,7 +10,7 @@ from __future__ import annotations
 import importlib
 
 _LAZY = {
-    "DFlashDecoder": "decoder", "SpecOptions": "decoder", "Request": "decoder", "common_prefix_len": "decoder",
+    "DFlashDecoder": "decoder", "SpecOptions": "decoder", "Request": "sequence", "common_prefix_len": "decoder",
     "DrafterProposer": "proposer", "OverrideProposer": "proposer", "Proposer": "proposer",
     "GenerationStats": "stats", "acceptance_length": "stats",
 }

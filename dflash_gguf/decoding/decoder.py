@@ -29,8 +29,8 @@ from __future__ import annotations
 import logging
 import time
 from collections import deque
-from dataclasses import dataclass, field
-from typing import Callable, Iterable, Iterator, Sequence
+from dataclasses import dataclass
+from typing import Iterable, Iterator, Sequence
 
 import numpy as np
 
@@ -43,7 +43,8 @@ from dflash_gguf.sampling import SamplingParams, TokenChooser
 from dflash_gguf.decoding.acceptance import cut_at_stop, greedy_accept, sampled_accept
 from dflash_gguf.decoding.features import FeatureFeed
 from dflash_gguf.decoding.proposer import DrafterProposer, LatticeProposer, Proposer
-from dflash_gguf.decoding.rollback import Rollback, make_rollback
+from dflash_gguf.decoding.rollback import make_rollback
+from dflash_gguf.decoding.sequence import Request, Slot, Step
 from dflash_gguf.decoding.stats import GenerationStats
 
 # target rows whose taps a decode keeps (llama_dflash_set_tap_rows_max): a verify block and the
@@ -71,62 +72,6 @@ class SpecOptions:
     adaptive: bool = False       # speed gate: draft per step as many tokens as pays (gate.DraftLength)
     calibrate: bool = True       # ... starting from this machine's measured step costs (decoding.calibration)
     sample_lattice: bool = True  # DFlash2 at temperature > 0: draft from the selector's top-k distribution
-
-
-@dataclass
-class Request:
-    """One generation for :meth:`DFlashDecoder.run`: ``max_tokens`` tokens after ``prompt`` (token ids)."""
-    prompt: Sequence[int]
-    max_tokens: int
-    sampling: SamplingParams | None = None
-    stop_tokens: Sequence[int] | None = None   # None: the target's end-of-generation tokens
-    use_draft: bool = True                     # False: plain decoding (in the same batch)
-    stats: GenerationStats | None = None       # filled in as it runs (None: a new one, set here)
-    # called with each step's committed tokens: None keeps them all, k keeps the first k and ends the
-    # request (e.g. a stop string complete after them); both caches keep exactly what is kept
-    consumer: Callable[[list[int]], int | None] | None = None
-    error: BaseException | None = None         # set when the request failed (its prompt could not be decoded)
-
-
-@dataclass
-class _Step:
-    """What :meth:`DFlashDecoder._advance` did for one sequence: ``n`` tokens drafted, ``commit`` (cut at
-    a stop token), the verify rows and their first row in the batch, what the rollback saved."""
-    pos: int
-    n: int
-    accepted: int
-    commit: list[int]
-    rows: np.ndarray
-    row0: int
-    saved: bytes | None
-
-
-@dataclass
-class _Seq:
-    """One slot of the decoder: llama.cpp sequence ``slot`` of both contexts, the tokens its caches hold,
-    and while a request runs on it, that request's state."""
-    slot: int
-    rollback: Rollback
-    features: FeatureFeed | None
-    cache: list[int] = field(default_factory=list)   # tokens whose KV is in the target (features in the drafter)
-    # the running request
-    index: int = -1
-    pending: int = 0
-    produced: int = 0
-    max_tokens: int = 0
-    stop: frozenset[int] | set[int] = frozenset()
-    chooser: TokenChooser | None = None
-    greedy: bool = True
-    n_draft: int = 0                  # most tokens this request drafts per step (0: plain)
-    gate: DraftLength | None = None   # its speed gate alone (None: fixed length)
-    lattice: bool = False             # DFlash2, sampled: proposals drawn from the selector's lattice
-    stats: GenerationStats = field(default_factory=GenerationStats)
-    consumer: Callable[[list[int]], int | None] | None = None
-    prompt: list[int] = field(default_factory=list)
-    todo: np.ndarray | None = None    # prompt tokens still to prefill (run / admit: a chunk per step)
-    request: "Request | None" = None
-    t_start: float = 0.0
-    done: bool = True
 
 
 class DFlashDecoder:
@@ -180,17 +125,17 @@ class DFlashDecoder:
         self.lattice: LatticeProposer | None = None
         if self.info is not None and self.info.kind == "dflash2" and self.opts.sample_lattice and self.info.selector_top_k:
             self.lattice = LatticeProposer(self.info.selector_top_k, self.n_draft)
-        self.seqs = [_Seq(slot, make_rollback(target, self.n_draft, self.opts.rollback, seq=slot),
+        self.seqs = [Slot(slot, make_rollback(target, self.n_draft, self.opts.rollback, seq=slot),
                           FeatureFeed(target, drafter, self.info, seq=slot) if drafter is not None else None)
                      for slot in range(self.n_seq)]
         self._gated = self.opts.adaptive and self.n_draft > 0
         self.gate = DraftLength(self.n_draft) if self._gated else None            # greedy requests
         self.gate_sampled = DraftLength(self.n_draft) if self._gated else None    # sampled requests without a seed
         self._batch_gates: dict[int, DraftLength] = {}                            # steps of b >= 2 gated sequences
-        self._free: deque[_Seq] = deque(self.seqs)   # slots without a request (run, admit, step)
-        self._active: list[_Seq] = []                # ... with a running one
-        self._ended: list[_Seq] = []                 # ... whose request ended at admission (reported by step)
-        self._filling: deque[_Seq] = deque()         # ... whose prompt is still being prefilled, a chunk per step
+        self._free: deque[Slot] = deque(self.seqs)   # slots without a request (run, admit, step)
+        self._active: list[Slot] = []                # ... with a running one
+        self._ended: list[Slot] = []                 # ... whose request ended at admission (reported by step)
+        self._filling: deque[Slot] = deque()         # ... whose prompt is still being prefilled, a chunk per step
         self.closed = False            # set when the contexts are freed: a late generator cleanup then does nothing
         self._vocab = target.model.n_vocab
         bs = max(self.n_draft + 1, 1)
@@ -231,7 +176,7 @@ class DFlashDecoder:
                 s.features.clear()
             s.cache = []
 
-    def _reset_seq(self, s: _Seq) -> None:
+    def _reset_seq(self, s: Slot) -> None:
         self.target.clear_seq(s.slot)
         if self.drafter is not None:
             self.drafter.clear_seq(s.slot)
@@ -271,7 +216,7 @@ class DFlashDecoder:
         s.cache.extend(int(t) for t in tokens)
 
     # ------------------------------------------------------------------ phases
-    def _prefill(self, s: _Seq, tokens: np.ndarray, pos0: int, stats: GenerationStats, end: int | None = None) -> None:
+    def _prefill(self, s: Slot, tokens: np.ndarray, pos0: int, stats: GenerationStats, end: int | None = None) -> None:
         """Decode ``tokens`` at ``pos0`` into both caches; ``end``: where the whole fill ends when this is
         one chunk of it (rows the drafter's window drops by then are not injected)."""
         t0 = time.perf_counter()
@@ -295,7 +240,7 @@ class DFlashDecoder:
             feed.inject(pos0 + off, len(chunk), "injecting prompt features into the drafter", end)
         stats.t_prefill += time.perf_counter() - t0
 
-    def _lengths(self, seqs: list[_Seq]) -> tuple[list[int], DraftLength | None, int]:
+    def _lengths(self, seqs: list[Slot]) -> tuple[list[int], DraftLength | None, int]:
         """Tokens each sequence drafts this step, the gate that chose them (if any) and its choice."""
         gated = [s for s in seqs if s.gate is not None]
         gate = None
@@ -317,7 +262,7 @@ class DFlashDecoder:
             ns.append(max(0, min(want, s.max_tokens - s.produced - 1, self.n_ctx - len(s.cache) - 1)))
         return ns, gate, choice
 
-    def _propose_all(self, seqs: list[_Seq], ns: list[int]) -> tuple[int, list]:
+    def _propose_all(self, seqs: list[Slot], ns: list[int]) -> tuple[int, list]:
         """Draft into ``self._draft[i]`` for every sequence with ns[i] > 0: one drafter decode for those
         the drafter proposes to, one per sequence drawing from a DFlash2 lattice. Returns the block
         length of the batched draft and, per sequence, the lattice distributions (or None)."""
@@ -351,7 +296,7 @@ class DFlashDecoder:
                 s.stats.t_draft += dt
         return n_block, qs
 
-    def _advance(self, seqs: list[_Seq]) -> tuple[list[_Step], DraftLength | None, int]:
+    def _advance(self, seqs: list[Slot]) -> tuple[list[Step], DraftLength | None, int]:
         """One draft-verify step of every sequence in ``seqs``: what each committed (nothing kept yet)."""
         ns, gate, choice = self._lengths(seqs)
         _, qs = self._propose_all(seqs, ns) if any(ns) else (0, [None] * len(seqs))
@@ -385,10 +330,10 @@ class DFlashDecoder:
                 commit = sampled_accept(draft, lambda j, r=r: self.target.logits_row(r + j), s.chooser, qs[i])
             a = len(commit) - 1
             s.stats.observe_step(n, a)
-            steps.append(_Step(len(s.cache), n, a, cut_at_stop(commit, s.stop), rows[r:r + n + 1].copy(), r, saved[i]))
+            steps.append(Step(len(s.cache), n, a, cut_at_stop(commit, s.stop), rows[r:r + n + 1].copy(), r, saved[i]))
         return steps, gate, choice
 
-    def _settle(self, s: _Seq, st: _Step, consumed: int) -> None:
+    def _settle(self, s: Slot, st: Step, consumed: int) -> None:
         """Keep the first ``consumed`` tokens of a step of ``s`` in both caches, roll the rest back."""
         if self.closed:
             return
@@ -410,7 +355,7 @@ class DFlashDecoder:
             s.pending = st.commit[consumed - 1]
 
     @staticmethod
-    def _record(steps: list[tuple[_Seq, _Step]], gate: DraftLength | None, choice: int, seconds: float) -> None:
+    def _record(steps: list[tuple[Slot, Step]], gate: DraftLength | None, choice: int, seconds: float) -> None:
         """Charge the gate a step's whole work (draft with any deferred feature injection, verify,
         acceptance, sampling, keeping the rows and rolling back): what a step of that length costs."""
         if gate is None:
@@ -430,7 +375,7 @@ class DFlashDecoder:
             raise InvalidArgumentError(f"token id {bad[0]} outside the vocabulary (0..{self._vocab - 1})")
         return list(map(int, prompt))
 
-    def _begin(self, s: _Seq, prompt: list[int], max_tokens: int, sp: SamplingParams, stats: GenerationStats,
+    def _begin(self, s: Slot, prompt: list[int], max_tokens: int, sp: SamplingParams, stats: GenerationStats,
                stop: set[int] | frozenset[int], use_draft: bool, index: int = -1, defer: bool = False) -> None:
         """Start a request on slot ``s``: both caches to ``prompt[:-1]`` (reusing what they share); with
         ``defer``, only the reuse: the rest of the prompt waits in ``s.todo`` (see :meth:`_prefill_chunk`)."""
@@ -467,7 +412,7 @@ class DFlashDecoder:
         s.cache = prompt[:-1]
         s.pending = prompt[-1]
 
-    def _prefill_chunk(self, s: _Seq) -> bool:
+    def _prefill_chunk(self, s: Slot) -> bool:
         """The next ``PREFILL_CHUNK`` tokens of a deferred prompt; True when the prompt is all in."""
         pos = len(s.cache)
         chunk, s.todo = s.todo[:self.PREFILL_CHUNK], s.todo[self.PREFILL_CHUNK:]
@@ -484,7 +429,7 @@ class DFlashDecoder:
         s.pending = s.prompt[-1]
         return True
 
-    def _finished(self, s: _Seq, st: _Step | None) -> bool:
+    def _finished(self, s: Slot, st: Step | None) -> bool:
         """Whether the request on ``s`` ends after step ``st`` (sets ``stats.finish``)."""
         if st is not None and st.commit and st.commit[-1] in s.stop:
             s.stats.finish = "stop"
@@ -496,7 +441,7 @@ class DFlashDecoder:
             return False
         return True
 
-    def _end(self, s: _Seq) -> None:
+    def _end(self, s: Slot) -> None:
         """A request leaves slot ``s``: at the end of a generation the drafter's cache holds every committed
         row again (rows of plain steps are batched on the host only within a generation)."""
         if s.done:

@@ -47,7 +47,6 @@ import hmac
 import json
 import logging
 import time
-import uuid
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable, Iterator
 
@@ -260,114 +259,6 @@ class _Server:
             if not leased:
                 self.metrics.in_flight -= 1
 
-    # ------------------------------------------------------------------ --parallel slots
-    async def _next(self, job, request: Request, deadline: float | None):
-        """The job's next item from the engine thread, or (None, "timeout" | "disconnect")."""
-        while True:
-            try:
-                return await asyncio.wait_for(job.queue.get(), POLL_S), None
-            except asyncio.TimeoutError:
-                if deadline is not None and time.monotonic() >= deadline:
-                    return None, "timeout"
-                if await request.is_disconnected():
-                    return None, "disconnect"
-
-    async def generate_slots(self, request: Request, endpoint: str, job, stream: bool, include_usage: bool,
-                             chat: bool):
-        """Serve ``job`` in the batched slots (see :mod:`dflash_gguf.server.slots`); JSON or an SSE stream."""
-        from dflash_gguf.server import slots as S
-
-        self.metrics.in_flight += 1
-        streaming = False
-        deadline = time.monotonic() + self.request_timeout if self.request_timeout else None
-        drafting = self.slots.drafter is not None
-        try:
-            if self.max_queue is not None and self.slots.n_waiting >= self.max_queue:
-                self.metrics.rejected += 1
-                raise ServingError(503, f"server busy: {self.slots.n_waiting} request(s) already waiting for a slot "
-                                        f"(--max-queue {self.max_queue}); retry later", "server_busy", "queue_full",
-                                   {"Retry-After": "1"})
-            self.slots.submit(job)
-            if stream:
-                streaming = True
-                self.metrics.request(endpoint, 200)
-                return StreamingResponse(self._slot_events(request, job, deadline, include_usage, chat, drafting),
-                                         media_type="text/event-stream")
-            text = ""
-            while True:
-                item, why = await self._next(job, request, deadline)
-                if why is not None:
-                    job.cancelled = True
-                    return self._stopped(endpoint, why)
-                kind, val = item
-                if kind == "error":
-                    raise val
-                text = val
-                if kind == "end":
-                    break
-            body = S.completion_body(job, self.model_id, text, chat, drafting)
-            self.metrics.generation(body.get("dflash"), body["usage"])
-            self.metrics.request(endpoint, 200)
-            return JSONResponse(body)
-        except Exception as e:
-            resp = _error_response(e)
-            self.metrics.request(endpoint, resp.status_code)
-            return resp
-        finally:
-            if not streaming:
-                self.metrics.in_flight -= 1
-
-    async def _slot_events(self, request: Request, job, deadline: float | None, include_usage: bool, chat: bool,
-                           drafting: bool):
-        from dflash_gguf.server import slots as S
-
-        jid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4()}"
-        hold = max((len(x) for x in job.text.stops), default=1) - 1   # a stop string may still be forming
-        sent = 0
-        try:
-            if chat:
-                yield f"data: {json.dumps(S.chunk(jid, self.model_id, None, None, chat, first=True))}\n\n"
-            while True:
-                item, why = await self._next(job, request, deadline)
-                if why is not None:
-                    job.cancelled = True
-                    if why == "timeout":
-                        err = self.timed_out()
-                        yield f"data: {json.dumps(error_body(str(err), err.type, None, 408))}\n\n"
-                    else:
-                        self.metrics.disconnects += 1
-                        log.info("client disconnected: generation stopped")
-                    return
-                kind, val = item
-                if kind == "error":
-                    err = _error_response(val)
-                    yield f"data: {err.body.decode()}\n\n"
-                    return
-                upto = len(val) if kind == "end" else max(sent, len(val) - hold)
-                if upto > sent:
-                    yield f"data: {json.dumps(S.chunk(jid, self.model_id, val[sent:upto], None, chat))}\n\n"
-                    sent = upto
-                if kind == "end":
-                    break
-            fin = S.chunk(jid, self.model_id, None, S.finish_reason(job), chat)
-            info, usage = S.dflash_object(job, drafting), S.usage(job)
-            if info is not None:
-                fin["dflash"] = info
-            self.metrics.generation(info, usage)
-            if include_usage:
-                fin["usage"] = None
-            yield f"data: {json.dumps(fin)}\n\n"
-            if include_usage:
-                yield f"data: {json.dumps(_usage_chunk(fin, usage))}\n\n"
-            yield "data: [DONE]\n\n"
-        except asyncio.CancelledError:
-            job.cancelled = True
-            self.metrics.disconnects += 1
-            raise
-        finally:
-            job.cancelled = True     # a no-op once it ended; else its slot frees at the next step
-            self.metrics.in_flight -= 1
-
     def _stopped(self, endpoint: str, why: str) -> JSONResponse:
         if why == "timeout":
             resp = _error_response(self.timed_out())
@@ -574,7 +465,7 @@ def create_app(llm, model_id: str | None = None, *, max_queue: int | None = None
             ids = list(prompt) if not isinstance(prompt, str) else \
                 llm.tokenize(prompt.encode("utf-8"), special=True) if prompt else [llm.token_bos()]
             job = S.make_job(srv.slots, asyncio.get_running_loop(), ids, kw, _stops(kw.get("stop")), chat=False)
-            return await srv.generate_slots(request, "/v1/completions", job, body.stream, body.include_usage(), False)
+            return await S.serve(srv, request, "/v1/completions", job, body.stream, body.include_usage(), False)
         return await srv.generate(request, "/v1/completions", lambda: llm.create_completion(prompt, **kw), body.stream,
                                   body.include_usage())
 
@@ -603,7 +494,7 @@ def create_app(llm, model_id: str | None = None, *, max_queue: int | None = None
                 ids, fmt_stops = formatted
                 job = S.make_job(srv.slots, asyncio.get_running_loop(), ids, kw,
                                  _stops(kw.get("stop")) + fmt_stops, chat=True)
-                return await srv.generate_slots(request, "/v1/chat/completions", job, body.stream,
+                return await S.serve(srv, request, "/v1/chat/completions", job, body.stream,
                                                 body.include_usage(), True)
         return await srv.generate(request, "/v1/chat/completions",
                                   lambda: llm.create_chat_completion(messages, **kw), body.stream,

@@ -11,6 +11,7 @@ the request gives alone (greedy: token for token; sampled: the same distribution
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import queue
 import threading
@@ -19,7 +20,10 @@ import uuid
 from collections import deque
 from typing import Any
 
+from fastapi.responses import JSONResponse, StreamingResponse
+
 from dflash_gguf.batch import StopStrings
+from dflash_gguf.server.app import POLL_S, ServingError, _error_response, _usage_chunk, error_body
 from dflash_gguf.engine import Context, ContextOptions, Model
 from dflash_gguf.sampling import SamplingParams
 from dflash_gguf.decoding.decoder import DFlashDecoder, Request, SpecOptions
@@ -275,3 +279,109 @@ def chunk(job_id: str, model_id: str, text: str | None, finish: str | None, chat
                 "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}]}
     return {"id": job_id, "object": "text_completion", "created": now, "model": model_id,
             "choices": [{"text": text or "", "index": 0, "logprobs": None, "finish_reason": finish}]}
+
+
+# ---------------------------------------------------------------------- serving a job (the event loop)
+async def _next(job, request, deadline: float | None):
+    """The job's next item from the engine thread, or (None, "timeout" | "disconnect")."""
+    while True:
+        try:
+            return await asyncio.wait_for(job.queue.get(), POLL_S), None
+        except asyncio.TimeoutError:
+            if deadline is not None and time.monotonic() >= deadline:
+                return None, "timeout"
+            if await request.is_disconnected():
+                return None, "disconnect"
+
+
+async def serve(srv, request, endpoint: str, job: Job, stream: bool, include_usage: bool, chat: bool):
+    """Serve ``job`` in ``srv``'s slots (the app's ``_Server``); JSON or an SSE stream."""
+    srv.metrics.in_flight += 1
+    streaming = False
+    deadline = time.monotonic() + srv.request_timeout if srv.request_timeout else None
+    drafting = srv.slots.drafter is not None
+    try:
+        if srv.max_queue is not None and srv.slots.n_waiting >= srv.max_queue:
+            srv.metrics.rejected += 1
+            raise ServingError(503, f"server busy: {srv.slots.n_waiting} request(s) already waiting for a slot "
+                                    f"(--max-queue {srv.max_queue}); retry later", "server_busy", "queue_full",
+                               {"Retry-After": "1"})
+        srv.slots.submit(job)
+        if stream:
+            streaming = True
+            srv.metrics.request(endpoint, 200)
+            return StreamingResponse(_events(srv, request, job, deadline, include_usage, chat, drafting),
+                                     media_type="text/event-stream")
+        text = ""
+        while True:
+            item, why = await _next(job, request, deadline)
+            if why is not None:
+                job.cancelled = True
+                return srv._stopped(endpoint, why)
+            kind, val = item
+            if kind == "error":
+                raise val
+            text = val
+            if kind == "end":
+                break
+        body = completion_body(job, srv.model_id, text, chat, drafting)
+        srv.metrics.generation(body.get("dflash"), body["usage"])
+        srv.metrics.request(endpoint, 200)
+        return JSONResponse(body)
+    except Exception as e:
+        resp = _error_response(e)
+        srv.metrics.request(endpoint, resp.status_code)
+        return resp
+    finally:
+        if not streaming:
+            srv.metrics.in_flight -= 1
+
+
+async def _events(srv, request, job: Job, deadline: float | None, include_usage: bool, chat: bool, drafting: bool):
+    jid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4()}"
+    hold = max((len(x) for x in job.text.stops), default=1) - 1   # a stop string may still be forming
+    sent = 0
+    try:
+        if chat:
+            yield f"data: {json.dumps(chunk(jid, srv.model_id, None, None, chat, first=True))}\n\n"
+        while True:
+            item, why = await _next(job, request, deadline)
+            if why is not None:
+                job.cancelled = True
+                if why == "timeout":
+                    err = srv.timed_out()
+                    yield f"data: {json.dumps(error_body(str(err), err.type, None, 408))}\n\n"
+                else:
+                    srv.metrics.disconnects += 1
+                    log.info("client disconnected: generation stopped")
+                return
+            kind, val = item
+            if kind == "error":
+                err = _error_response(val)
+                yield f"data: {err.body.decode()}\n\n"
+                return
+            upto = len(val) if kind == "end" else max(sent, len(val) - hold)
+            if upto > sent:
+                yield f"data: {json.dumps(chunk(jid, srv.model_id, val[sent:upto], None, chat))}\n\n"
+                sent = upto
+            if kind == "end":
+                break
+        fin = chunk(jid, srv.model_id, None, finish_reason(job), chat)
+        info, used = dflash_object(job, drafting), usage(job)
+        if info is not None:
+            fin["dflash"] = info
+        srv.metrics.generation(info, used)
+        if include_usage:
+            fin["usage"] = None
+        yield f"data: {json.dumps(fin)}\n\n"
+        if include_usage:
+            yield f"data: {json.dumps(_usage_chunk(fin, used))}\n\n"
+        yield "data: [DONE]\n\n"
+    except asyncio.CancelledError:
+        job.cancelled = True
+        srv.metrics.disconnects += 1
+        raise
+    finally:
+        job.cancelled = True     # a no-op once it ended; else its slot frees at the next step
+        srv.metrics.in_flight -= 1
+

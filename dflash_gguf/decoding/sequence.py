@@ -1,0 +1,69 @@
+"""One request, one slot, one step: the records the batched decoder (:mod:`.decoder`) keeps per sequence."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable, Sequence
+
+import numpy as np
+
+from dflash_gguf.decoding.features import FeatureFeed
+from dflash_gguf.decoding.rollback import Rollback
+from dflash_gguf.decoding.stats import GenerationStats
+from dflash_gguf.gate import DraftLength
+from dflash_gguf.sampling import SamplingParams, TokenChooser
+
+
+@dataclass
+class Request:
+    """One generation for :meth:`DFlashDecoder.run`: ``max_tokens`` tokens after ``prompt`` (token ids)."""
+    prompt: Sequence[int]
+    max_tokens: int
+    sampling: SamplingParams | None = None
+    stop_tokens: Sequence[int] | None = None   # None: the target's end-of-generation tokens
+    use_draft: bool = True                     # False: plain decoding (in the same batch)
+    stats: GenerationStats | None = None       # filled in as it runs (None: a new one, set here)
+    # called with each step's committed tokens: None keeps them all, k keeps the first k and ends the
+    # request (e.g. a stop string complete after them); both caches keep exactly what is kept
+    consumer: Callable[[list[int]], int | None] | None = None
+    error: BaseException | None = None         # set when the request failed (its prompt could not be decoded)
+
+
+@dataclass
+class Step:
+    """What :meth:`DFlashDecoder._advance` did for one sequence: ``n`` tokens drafted, ``commit`` (cut at
+    a stop token), the verify rows and their first row in the batch, what the rollback saved."""
+    pos: int
+    n: int
+    accepted: int
+    commit: list[int]
+    rows: np.ndarray
+    row0: int
+    saved: bytes | None
+
+
+@dataclass
+class Slot:
+    """One slot of the decoder: llama.cpp sequence ``slot`` of both contexts, the tokens its caches hold,
+    and while a request runs on it, that request's state."""
+    slot: int
+    rollback: Rollback
+    features: FeatureFeed | None
+    cache: list[int] = field(default_factory=list)   # tokens whose KV is in the target (features in the drafter)
+    # the running request
+    index: int = -1
+    pending: int = 0
+    produced: int = 0
+    max_tokens: int = 0
+    stop: frozenset[int] | set[int] = frozenset()
+    chooser: TokenChooser | None = None
+    greedy: bool = True
+    n_draft: int = 0                  # most tokens this request drafts per step (0: plain)
+    gate: DraftLength | None = None   # its speed gate alone (None: fixed length)
+    lattice: bool = False             # DFlash2, sampled: proposals drawn from the selector's lattice
+    stats: GenerationStats = field(default_factory=GenerationStats)
+    consumer: Callable[[list[int]], int | None] | None = None
+    prompt: list[int] = field(default_factory=list)
+    todo: np.ndarray | None = None    # prompt tokens still to prefill (run / admit: a chunk per step)
+    request: Request | None = None
+    t_start: float = 0.0
+    done: bool = True
