@@ -23,6 +23,8 @@ requests run on the slots.
 
 The phases live in their own modules: :mod:`.proposer` (draft), :mod:`.acceptance` (accept),
 :mod:`.rollback` (one object per memory kind), :mod:`.stats` (statistics); this module sequences them.
+:mod:`.scheduling` holds the decoder's methods for many requests (admit, step, run), :mod:`.sequence`
+the records kept per request and slot.
 """
 from __future__ import annotations
 
@@ -30,7 +32,7 @@ import logging
 import time
 from collections import deque
 from dataclasses import dataclass
-from typing import Iterable, Iterator, Sequence
+from typing import Iterator, Sequence
 
 import numpy as np
 
@@ -44,7 +46,8 @@ from dflash_gguf.decoding.acceptance import cut_at_stop, greedy_accept, sampled_
 from dflash_gguf.decoding.features import FeatureFeed
 from dflash_gguf.decoding.proposer import DrafterProposer, LatticeProposer, Proposer
 from dflash_gguf.decoding.rollback import make_rollback
-from dflash_gguf.decoding.sequence import Request, Slot, Step
+from dflash_gguf.decoding.scheduling import Scheduling, common_prefix_len
+from dflash_gguf.decoding.sequence import Slot, Step
 from dflash_gguf.decoding.stats import GenerationStats
 
 # target rows whose taps a decode keeps (llama_dflash_set_tap_rows_max): a verify block and the
@@ -56,15 +59,6 @@ TAP_ROWS = 64
 log = logging.getLogger("dflash_gguf.decoding")
 
 
-def common_prefix_len(a: Sequence[int], b: Sequence[int]) -> int:
-    """Length of the longest common prefix of two token sequences."""
-    n = min(len(a), len(b))
-    if n == 0:
-        return 0
-    eq = np.asarray(a[:n], dtype=np.int64) == np.asarray(b[:n], dtype=np.int64)
-    return n if eq.all() else int(np.argmin(eq))
-
-
 @dataclass
 class SpecOptions:
     n_draft: int | None = None   # tokens drafted per block; default and maximum: block_size - 1
@@ -74,7 +68,7 @@ class SpecOptions:
     sample_lattice: bool = True  # DFlash2 at temperature > 0: draft from the selector's top-k distribution
 
 
-class DFlashDecoder:
+class DFlashDecoder(Scheduling):
     """Runs lossless DFlash generation on a target context and a drafter context.
 
     The drafter context must have been created with ``other=target`` (it borrows the target's
@@ -495,139 +489,3 @@ class DFlashDecoder:
                 self._record([(s, st)], gate, choice, t_work)
         finally:
             self._end(s)
-
-    # ------------------------------------------------------------------ several requests at once
-    @property
-    def free_slots(self) -> int:
-        """Slots a new request can take now (:meth:`admit`)."""
-        return len(self._free)
-
-    @property
-    def running(self) -> int:
-        """Requests admitted and not yet ended."""
-        return len(self._active) + len(self._ended) + len(self._filling)
-
-    def admit(self, r: Request, index: int = -1) -> bool:
-        """Start request ``r`` on a free slot - the one whose caches share the longest prefix with its
-        prompt; False when every slot is taken. Its prompt is prefilled by the following steps, one
-        ``PREFILL_CHUNK`` per step beside the running requests' steps (so their next tokens wait for
-        at most one chunk), then its tokens come from :meth:`step`, tagged with ``index``. Raises (and
-        takes no slot) on a bad prompt."""
-        if not self._free:
-            return False
-        prompt = self._check(r.prompt)
-        s = max(self._free, key=lambda q: common_prefix_len(q.cache, prompt))
-        sp = r.sampling or SamplingParams()
-        if r.stats is None:
-            r.stats = GenerationStats()
-        stats = r.stats
-        self._free.remove(s)
-        try:
-            self._begin(s, prompt, r.max_tokens, sp, stats,
-                        self.eog if r.stop_tokens is None else set(map(int, r.stop_tokens)), r.use_draft, index,
-                        defer=True)
-        except BaseException:
-            self._free.append(s)
-            raise
-        s.consumer, s.request = r.consumer, r
-        if s.todo is not None and s.max_tokens > 0:
-            self._filling.append(s)
-        elif self._finished(s, None):
-            self._end(s)
-            self._ended.append(s)
-        else:
-            self._active.append(s)
-        return True
-
-    def step(self) -> list[tuple[int, list[int], bool]]:
-        """One draft-verify step of every running request, in one drafter and one target decode:
-        ``(index, tokens, ended)`` for each (tokens: those kept this step; ended: its slot is free again)."""
-        out = [(s.index, [], True) for s in self._ended]
-        self._free.extend(self._ended)
-        self._ended = []
-        if self._filling:
-            s = self._filling[0]
-            try:
-                filled = self._prefill_chunk(s)
-            except Exception as e:   # this request fails (e.g. its context is full); the others go on
-                log.debug("prefill of request %d failed: %s", s.index, e)
-                self._filling.popleft()
-                if s.request is not None:
-                    s.request.error = e
-                s.stats.finish = "error"
-                self._end(s)
-                self._free.append(s)
-                out.append((s.index, [], True))
-                filled = False
-            if filled:
-                self._filling.popleft()
-                if self._finished(s, None):
-                    self._end(s)
-                    self._free.append(s)
-                    out.append((s.index, [], True))
-                else:
-                    self._active.append(s)
-        if not self._active:
-            return out
-        active, t_step = self._active, time.perf_counter()
-        steps, gate, choice = self._advance(active)
-        kept = []
-        for s, st in zip(active, steps):
-            want = s.consumer(st.commit) if s.consumer is not None else None
-            k = len(st.commit) if want is None else max(0, min(int(want), len(st.commit)))
-            self._settle(s, st, k)
-            s.produced += k
-            s.stats.n_generated += k
-            kept.append((k, want is not None))   # a number from the consumer ends the request
-        self._record(list(zip(active, steps)), gate, choice, time.perf_counter() - t_step)
-        self._active = []
-        for s, st, (k, ended) in zip(active, steps, kept):
-            if ended:
-                s.stats.finish = "stop"
-            ended = ended or self._finished(s, st)
-            if ended:
-                self._end(s)
-                self._free.append(s)
-            else:
-                self._active.append(s)
-            out.append((s.index, st.commit[:k], ended))
-        return out
-
-    def abandon(self) -> None:
-        """End every running request where it is (both caches keep what was kept)."""
-        for s in self._active + self._ended + list(self._filling):
-            self._end(s)
-            self._free.append(s)
-        self._active, self._ended = [], []
-        self._filling.clear()
-
-    def run(self, requests: Iterable[Request]) -> Iterator[tuple[int, list[int]]]:
-        """Run ``requests`` on every slot at once: yields ``(index, tokens)`` as each request's tokens are
-        kept (index: its position in ``requests``; a request's last item may have no tokens).
-
-        Each step drafts every running request's block in one drafter decode and verifies them all in
-        one target decode; the next request (read from ``requests`` only then) takes a slot as soon as
-        one is free, between steps, in order. Every request's tokens are the ones it would get alone
-        (greedy: token for token; sampled: the same distribution).
-        """
-        todo = iter(enumerate(requests))
-        try:
-            while True:
-                while self._free:
-                    nxt = next(todo, None)
-                    if nxt is None:
-                        break
-                    self.admit(nxt[1], nxt[0])
-                if not self.running:
-                    return
-                for i, toks, _ in self.step():
-                    yield i, toks
-        finally:
-            self.abandon()
-
-    def generate_batch(self, requests: Sequence[Request]) -> list[list[int]]:
-        """Every request's tokens (see :meth:`run`), in request order."""
-        out: list[list[int]] = [[] for _ in requests]
-        for i, toks in self.run(requests):
-            out[i].extend(toks)
-        return out

@@ -26,7 +26,8 @@ from dflash_gguf.batch import StopStrings
 from dflash_gguf.server.app import POLL_S, ServingError, _error_response, _usage_chunk, error_body
 from dflash_gguf.engine import Context, ContextOptions, Model
 from dflash_gguf.sampling import SamplingParams
-from dflash_gguf.decoding.decoder import DFlashDecoder, Request, SpecOptions
+from dflash_gguf.decoding.decoder import DFlashDecoder, SpecOptions
+from dflash_gguf.decoding.sequence import Request
 from dflash_gguf.decoding.stats import GenerationStats
 
 log = logging.getLogger("dflash_gguf.server")

@@ -1,0 +1,168 @@
+"""Many requests on a decoder's slots: admission, the batched step, the request loop.
+
+The methods of :class:`dflash_gguf.decoding.decoder.DFlashDecoder` that run several requests at once
+(one engine: they drive the same step, ``_advance`` and ``_settle``, as the one-sequence ``generate``).
+A request takes a free slot, its prompt is prefilled a chunk per step beside the running requests,
+and each step drafts and verifies every running request's block in one drafter and one target decode.
+"""
+from __future__ import annotations
+
+import logging
+import time
+from typing import Iterable, Iterator, Sequence
+
+import numpy as np
+
+from dflash_gguf.decoding.sequence import Request
+from dflash_gguf.decoding.stats import GenerationStats
+from dflash_gguf.sampling import SamplingParams
+
+log = logging.getLogger("dflash_gguf.decoding")
+
+
+def common_prefix_len(a: Sequence[int], b: Sequence[int]) -> int:
+    """Length of the longest common prefix of two token sequences."""
+    n = min(len(a), len(b))
+    if n == 0:
+        return 0
+    eq = np.asarray(a[:n], dtype=np.int64) == np.asarray(b[:n], dtype=np.int64)
+    return n if eq.all() else int(np.argmin(eq))
+
+
+class Scheduling:
+    """Mixed into DFlashDecoder (which sets ``_free``, ``_active``, ``_ended``, ``_filling``)."""
+
+    @property
+    def free_slots(self) -> int:
+        """Slots a new request can take now (:meth:`admit`)."""
+        return len(self._free)
+
+    @property
+    def running(self) -> int:
+        """Requests admitted and not yet ended."""
+        return len(self._active) + len(self._ended) + len(self._filling)
+
+    def admit(self, r: Request, index: int = -1) -> bool:
+        """Start request ``r`` on a free slot - the one whose caches share the longest prefix with its
+        prompt; False when every slot is taken. Its prompt is prefilled by the following steps, one
+        ``PREFILL_CHUNK`` per step beside the running requests' steps (so their next tokens wait for
+        at most one chunk), then its tokens come from :meth:`step`, tagged with ``index``. Raises (and
+        takes no slot) on a bad prompt."""
+        if not self._free:
+            return False
+        prompt = self._check(r.prompt)
+        s = max(self._free, key=lambda q: common_prefix_len(q.cache, prompt))
+        sp = r.sampling or SamplingParams()
+        if r.stats is None:
+            r.stats = GenerationStats()
+        stats = r.stats
+        self._free.remove(s)
+        try:
+            self._begin(s, prompt, r.max_tokens, sp, stats,
+                        self.eog if r.stop_tokens is None else set(map(int, r.stop_tokens)), r.use_draft, index,
+                        defer=True)
+        except BaseException:
+            self._free.append(s)
+            raise
+        s.consumer, s.request = r.consumer, r
+        if s.todo is not None and s.max_tokens > 0:
+            self._filling.append(s)
+        elif self._finished(s, None):
+            self._end(s)
+            self._ended.append(s)
+        else:
+            self._active.append(s)
+        return True
+
+    def step(self) -> list[tuple[int, list[int], bool]]:
+        """One draft-verify step of every running request, in one drafter and one target decode:
+        ``(index, tokens, ended)`` for each (tokens: those kept this step; ended: its slot is free again)."""
+        out = [(s.index, [], True) for s in self._ended]
+        self._free.extend(self._ended)
+        self._ended = []
+        if self._filling:
+            s = self._filling[0]
+            try:
+                filled = self._prefill_chunk(s)
+            except Exception as e:   # this request fails (e.g. its context is full); the others go on
+                log.debug("prefill of request %d failed: %s", s.index, e)
+                self._filling.popleft()
+                if s.request is not None:
+                    s.request.error = e
+                s.stats.finish = "error"
+                self._end(s)
+                self._free.append(s)
+                out.append((s.index, [], True))
+                filled = False
+            if filled:
+                self._filling.popleft()
+                if self._finished(s, None):
+                    self._end(s)
+                    self._free.append(s)
+                    out.append((s.index, [], True))
+                else:
+                    self._active.append(s)
+        if not self._active:
+            return out
+        active, t_step = self._active, time.perf_counter()
+        steps, gate, choice = self._advance(active)
+        kept = []
+        for s, st in zip(active, steps):
+            want = s.consumer(st.commit) if s.consumer is not None else None
+            k = len(st.commit) if want is None else max(0, min(int(want), len(st.commit)))
+            self._settle(s, st, k)
+            s.produced += k
+            s.stats.n_generated += k
+            kept.append((k, want is not None))   # a number from the consumer ends the request
+        self._record(list(zip(active, steps)), gate, choice, time.perf_counter() - t_step)
+        self._active = []
+        for s, st, (k, ended) in zip(active, steps, kept):
+            if ended:
+                s.stats.finish = "stop"
+            ended = ended or self._finished(s, st)
+            if ended:
+                self._end(s)
+                self._free.append(s)
+            else:
+                self._active.append(s)
+            out.append((s.index, st.commit[:k], ended))
+        return out
+
+    def abandon(self) -> None:
+        """End every running request where it is (both caches keep what was kept)."""
+        for s in self._active + self._ended + list(self._filling):
+            self._end(s)
+            self._free.append(s)
+        self._active, self._ended = [], []
+        self._filling.clear()
+
+    def run(self, requests: Iterable[Request]) -> Iterator[tuple[int, list[int]]]:
+        """Run ``requests`` on every slot at once: yields ``(index, tokens)`` as each request's tokens are
+        kept (index: its position in ``requests``; a request's last item may have no tokens).
+
+        Each step drafts every running request's block in one drafter decode and verifies them all in
+        one target decode; the next request (read from ``requests`` only then) takes a slot as soon as
+        one is free, between steps, in order. Every request's tokens are the ones it would get alone
+        (greedy: token for token; sampled: the same distribution).
+        """
+        todo = iter(enumerate(requests))
+        try:
+            while True:
+                while self._free:
+                    nxt = next(todo, None)
+                    if nxt is None:
+                        break
+                    self.admit(nxt[1], nxt[0])
+                if not self.running:
+                    return
+                for i, toks, _ in self.step():
+                    yield i, toks
+        finally:
+            self.abandon()
+
+    def generate_batch(self, requests: Sequence[Request]) -> list[list[int]]:
+        """Every request's tokens (see :meth:`run`), in request order."""
+        out: list[list[int]] = [[] for _ in requests]
+        for i, toks in self.run(requests):
+            out[i].extend(toks)
+        return out
