@@ -150,3 +150,27 @@ def test_openai_client_against_the_slots(server, plain):
         if ch.usage is not None:
             usage = ch.usage
     assert "".join(parts) == want and usage is not None and usage.completion_tokens > 0
+
+
+def test_queue_limit_counts_requests_waiting_for_a_slot():
+    """--max-queue with slots: a request that would wait while max_queue others already wait gets a 503;
+    one that finds a free slot never does."""
+    llm = Llama(str(TARGET), draft_model_path=str(DRAFTER), **KW)
+    app = create_app(llm, "demo", parallel=1, max_queue=0)
+    dec = app.state.server.slots.decoder
+    step = dec.step
+    dec.step = lambda: (time.sleep(0.05), step())[1]   # slow steps: the slot stays busy while we look
+    try:
+        with serve(app) as url:
+            assert _complete(url, PROMPTS[0], max_tokens=4)["choices"][0]["text"] is not None   # a free slot: served
+            body = {"prompt": PROMPTS[1], "max_tokens": 480, "temperature": 0, "stream": True}
+            with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=60) as r:
+                for line in r.iter_lines():
+                    if line.startswith("data: "):
+                        break   # the one slot is busy now
+                busy = httpx.post(f"{url}/v1/completions", json={"prompt": "x", "max_tokens": 2}, timeout=60)
+            assert busy.status_code == 503 and busy.json()["error"]["code"] == "queue_full", busy.text
+            assert "a slot" in busy.json()["error"]["message"]
+    finally:
+        app.state.server.slots.close()
+        llm.close()

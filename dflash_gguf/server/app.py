@@ -148,13 +148,22 @@ class _Server:
     async def run(self, fn: Callable, *args):
         return await asyncio.wrap_future(self.worker.submit(fn, *args))
 
-    def admit(self) -> None:
-        """503 when ``max_queue`` requests already wait for the model."""
-        if self.max_queue is not None and self.lock.locked() and self.waiting >= self.max_queue:
+    def admit(self, busy: bool | None = None, waiting: int | None = None, what: str = "the model") -> None:
+        """503 when the request would wait (``busy``: the model is in use) and ``max_queue`` requests
+        already wait for it (the slots pass their own state)."""
+        busy = self.lock.locked() if busy is None else busy
+        waiting = self.waiting if waiting is None else waiting
+        if self.max_queue is not None and busy and waiting >= self.max_queue:
             self.metrics.rejected += 1
-            raise ServingError(503, f"server busy: {self.waiting} request(s) already waiting for the model "
+            raise ServingError(503, f"server busy: {waiting} request(s) already waiting for {what} "
                                     f"(--max-queue {self.max_queue}); retry later", "server_busy", "queue_full",
                                {"Retry-After": "1"})
+
+    def failed(self, endpoint: str, exc: BaseException) -> JSONResponse:
+        """The error response for ``exc``, counted in the metrics."""
+        resp = _error_response(exc)
+        self.metrics.request(endpoint, resp.status_code)
+        return resp
 
     def timed_out(self) -> ServingError:
         self.metrics.timeouts += 1
@@ -252,9 +261,7 @@ class _Server:
             self.metrics.request(endpoint, 200)
             return _SSEResponse(self._events(request, lease, first, deadline, include_usage), lease)
         except Exception as e:
-            resp = _error_response(e)
-            self.metrics.request(endpoint, resp.status_code)
-            return resp
+            return self.failed(endpoint, e)
         finally:
             if not leased:
                 self.metrics.in_flight -= 1

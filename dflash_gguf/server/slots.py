@@ -23,7 +23,7 @@ from typing import Any
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from dflash_gguf.batch import StopStrings
-from dflash_gguf.server.app import POLL_S, ServingError, _error_response, _usage_chunk, error_body
+from dflash_gguf.server.app import POLL_S, _error_response, _usage_chunk, error_body
 from dflash_gguf.engine import Context, ContextOptions, Model
 from dflash_gguf.sampling import SamplingParams
 from dflash_gguf.decoding.decoder import DFlashDecoder, SpecOptions
@@ -302,11 +302,8 @@ async def serve(srv, request, endpoint: str, job: Job, stream: bool, include_usa
     deadline = time.monotonic() + srv.request_timeout if srv.request_timeout else None
     drafting = srv.slots.drafter is not None
     try:
-        if srv.max_queue is not None and srv.slots.n_waiting >= srv.max_queue:
-            srv.metrics.rejected += 1
-            raise ServingError(503, f"server busy: {srv.slots.n_waiting} request(s) already waiting for a slot "
-                                    f"(--max-queue {srv.max_queue}); retry later", "server_busy", "queue_full",
-                               {"Retry-After": "1"})
+        sl = srv.slots
+        srv.admit(busy=sl.busy() + sl.n_waiting >= sl.n, waiting=sl.n_waiting, what="a slot")
         srv.slots.submit(job)
         if stream:
             streaming = True
@@ -330,9 +327,7 @@ async def serve(srv, request, endpoint: str, job: Job, stream: bool, include_usa
         srv.metrics.request(endpoint, 200)
         return JSONResponse(body)
     except Exception as e:
-        resp = _error_response(e)
-        srv.metrics.request(endpoint, resp.status_code)
-        return resp
+        return srv.failed(endpoint, e)
     finally:
         if not streaming:
             srv.metrics.in_flight -= 1
