@@ -74,6 +74,14 @@ class StopStrings:
         return None
 
 
+def formatted_prompt(fmt, messages: Sequence[dict], tokenize) -> tuple[list[int], list[str]]:
+    """The prompt ids and stop strings of a llama_cpp chat formatter for ``messages``, tokenized as
+    llama_cpp's chat handler does it (``tokenize``: a ``tokenize(text, add_bos=, special=)``)."""
+    r = fmt(messages=list(messages))
+    ids = tokenize(r.prompt.encode("utf-8"), add_bos=not r.added_special, special=True)
+    return ids, [r.stop] if isinstance(r.stop, str) else list(r.stop or [])
+
+
 class BatchLlama:
     """A target (and a drafter) run for many prompts at once. Close it (or use ``with``) to free both."""
 
@@ -142,9 +150,9 @@ class BatchLlama:
         prompts = []
         stops = list(kw.pop("stop", None) or [])
         for messages in conversations:
-            r = fmt(messages=list(messages))
-            prompts.append(self.model.tokenize(r.prompt.encode(), add_bos=not r.added_special, special=True))
-            for s in ([r.stop] if isinstance(r.stop, str) else (r.stop or [])):
+            ids, fmt_stops = formatted_prompt(fmt, messages, self.model.tokenize)
+            prompts.append(ids)
+            for s in fmt_stops:
                 if s not in stops:
                     stops.append(s)
         return self.generate(prompts, stop=stops, **kw)

@@ -256,10 +256,10 @@ class DFlashDecoder(Scheduling):
             ns.append(max(0, min(want, s.max_tokens - s.produced - 1, self.n_ctx - len(s.cache) - 1)))
         return ns, gate, choice
 
-    def _propose_all(self, seqs: list[Slot], ns: list[int]) -> tuple[int, list]:
-        """Draft into ``self._draft[i]`` for every sequence with ns[i] > 0: one drafter decode for those
-        the drafter proposes to, one per sequence drawing from a DFlash2 lattice. Returns the block
-        length of the batched draft and, per sequence, the lattice distributions (or None)."""
+    def _propose_all(self, seqs: list[Slot], ns: list[int]) -> list:
+        """Draft into ``self._draft[i]`` for every sequence with ns[i] > 0 (``ns`` becomes what each got):
+        one drafter decode for those the drafter proposes to, one per sequence drawing from a DFlash2
+        lattice. Returns, per sequence, the lattice distributions (or None)."""
         qs: list = [None] * len(seqs)
         batch = [i for i, s in enumerate(seqs) if ns[i] > 0 and not s.lattice]
         for i, s in enumerate(seqs):
@@ -268,7 +268,6 @@ class DFlashDecoder(Scheduling):
                 s.features.flush()          # rows kept on the host during plain steps
                 s.stats.t_inject += time.perf_counter() - t0
         t0 = time.perf_counter()
-        n_block = 0
         if batch:
             n_block = max(ns[i] for i in batch)
             slots = np.array([seqs[i].slot for i in batch], dtype=np.int32)
@@ -288,12 +287,12 @@ class DFlashDecoder(Scheduling):
         for i, s in enumerate(seqs):
             if ns[i] > 0:
                 s.stats.t_draft += dt
-        return n_block, qs
+        return qs
 
     def _advance(self, seqs: list[Slot]) -> tuple[list[Step], DraftLength | None, int]:
         """One draft-verify step of every sequence in ``seqs``: what each committed (nothing kept yet)."""
         ns, gate, choice = self._lengths(seqs)
-        _, qs = self._propose_all(seqs, ns) if any(ns) else (0, [None] * len(seqs))
+        qs = self._propose_all(seqs, ns) if any(ns) else [None] * len(seqs)
         saved = [s.rollback.save(n) for s, n in zip(seqs, ns)]
         # verify: every sequence's [pending, d1..dn] in one target decode
         lens = np.array([n + 1 for n in ns], dtype=np.int32)
@@ -307,11 +306,8 @@ class DFlashDecoder(Scheduling):
         greedy = any(s.greedy for s in seqs)
         argmax = self._argmax[:total] if greedy else None
         t0 = time.perf_counter()
-        if len(seqs) == 1:
-            self.target.decode(rows, len(seqs[0].cache), out_row0=0, argmax=argmax, seq=seqs[0].slot)
-        else:
-            self.target.decode_seqs(np.array([s.slot for s in seqs], dtype=np.int32),
-                                    np.array([len(s.cache) for s in seqs], dtype=np.int32), lens, rows, argmax)
+        self.target.decode_seqs(np.array([s.slot for s in seqs], dtype=np.int32),
+                                np.array([len(s.cache) for s in seqs], dtype=np.int32), lens, rows, argmax)
         dt = (time.perf_counter() - t0) / len(seqs)
         steps = []
         for i, s in enumerate(seqs):

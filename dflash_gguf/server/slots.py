@@ -22,7 +22,7 @@ from typing import Any
 
 from fastapi.responses import JSONResponse, StreamingResponse
 
-from dflash_gguf.batch import StopStrings
+from dflash_gguf.batch import StopStrings, formatted_prompt
 from dflash_gguf.server.app import POLL_S, _error_response, _usage_chunk, error_body
 from dflash_gguf.engine import Context, ContextOptions, Model
 from dflash_gguf.sampling import SamplingParams
@@ -223,10 +223,7 @@ def chat_prompt(llm, messages: list[dict]) -> tuple[list[int], list[str]] | None
                 break
     if fmt is None:
         return None
-    r = fmt(messages=messages)
-    ids = llm.tokenize(r.prompt.encode("utf-8"), add_bos=not r.added_special, special=True)
-    stops = [r.stop] if isinstance(r.stop, str) else list(r.stop or [])
-    return ids, stops
+    return formatted_prompt(fmt, messages, llm.tokenize)
 
 
 def make_job(slots: Slots, loop, prompt_ids: list[int], kw: dict, stops: list[str], chat: bool) -> Job:
