@@ -306,8 +306,11 @@ class DFlashDecoder(Scheduling):
         greedy = any(s.greedy for s in seqs)
         argmax = self._argmax[:total] if greedy else None
         t0 = time.perf_counter()
-        self.target.decode_seqs(np.array([s.slot for s in seqs], dtype=np.int32),
-                                np.array([len(s.cache) for s in seqs], dtype=np.int32), lens, rows, argmax)
+        if len(seqs) == 1:
+            self.target.decode(rows, len(seqs[0].cache), out_row0=0, argmax=argmax, seq=seqs[0].slot)
+        else:
+            self.target.decode_seqs(np.array([s.slot for s in seqs], dtype=np.int32),
+                                    np.array([len(s.cache) for s in seqs], dtype=np.int32), lens, rows, argmax)
         dt = (time.perf_counter() - t0) / len(seqs)
         steps = []
         for i, s in enumerate(seqs):
