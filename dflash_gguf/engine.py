@@ -202,7 +202,7 @@ class ContextOptions:
     n_ubatch: int = 512
     n_threads: int | None = None
     n_rs_seq: int = 0                 # recurrent-state snapshots for rollback (hybrid targets)
-    flash_attn: bool | None = None    # None: llama.cpp's auto (one sequence), off (several: see Context)
+    flash_attn: bool | None = None    # None: llama.cpp's auto (flash attention on the CPU)
     n_outputs_max: int = 0            # logits rows one ubatch may output (0: n_batch)
     draft_window: int | None = None   # drafter contexts only: None = DEFAULT_DRAFT_CACHE - block; 0 = whole context
 
@@ -258,15 +258,11 @@ class Context(_Handle):
         p.n_threads_batch = threads
         p.n_rs_seq = opts.n_rs_seq
         p.no_perf = True
-        flash = opts.flash_attn
-        if flash is None and opts.n_seq > 1:
-            # ggml's CPU flash attention accumulates V in fp16 in KV-cell order; with several sequences in
-            # one cache a sequence's cells interleave with the others' (rollbacks free cells the others
-            # take), so the order, hence its rounding, depends on the batch: measured, enough to flip a
-            # near-tie argmax (a logit gap of 0.05). The other attention path sums in fp32.
-            flash = False
-        if flash is not None:
-            p.flash_attn_type = 1 if flash else 0
+        # several sequences may take flash attention: its CPU kernel sums in fp32 (patch 0016; an fp16
+        # sum's rounding follows how a sequence's KV cells interleave with the others' and flipped a
+        # near-tie argmax between a sequence alone and in a batch)
+        if opts.flash_attn is not None:
+            p.flash_attn_type = 1 if opts.flash_attn else 0
         if other is not None:
             if model.arch == "dflash":
                 check_compatible(other.model, model)   # llama.cpp aborts on a mismatched pair: refuse first

@@ -38,6 +38,9 @@ FLAGS: dict[str, tuple[tuple[str, ...], dict]] = {
                      dict(dest="draft_window", type=int, default=None, metavar="N",
                           help="context positions the drafter attends to (default: 1024 minus the block size, a "
                                "1024-cell drafter cache; 0: the whole context). Output is exact either way")),
+    "flash_attn": (("-fa", "--flash-attn"),
+                   dict(dest="flash_attn", choices=("on", "off", "auto"), default="auto",
+                        help="flash attention (default auto, as llama.cpp: on; its CPU kernel sums in fp32)")),
     "low_memory": (("--low-memory",),
                    dict(dest="low_memory", action="store_true",
                         help="low-memory preset: weights read rather than mapped, small batches, flash attention, "
@@ -70,7 +73,7 @@ def add_model_args(ap: argparse.ArgumentParser) -> None:
     """The model-selection and context options shared by generate, chat and serve."""
     g = ap.add_argument_group("model")
     g.add_argument("--pair", metavar="DIR", help="converted pair directory (pair.json, target*.gguf, drafter*.gguf)")
-    for name in ("model", "draft", "ctx_size", "gpu_layers", "gpu_layers_draft", "threads", "draft_max",
+    for name in ("model", "draft", "ctx_size", "gpu_layers", "gpu_layers_draft", "threads", "flash_attn", "draft_max",
                  "draft_adaptive", "draft_window", "low_memory", "rollback_memory"):
         add_flag(g, name)
     g.add_argument("--no-dflash", action="store_true", help="load the drafter but decode plainly (for comparison)")
@@ -114,7 +117,8 @@ def load_llama(args: argparse.Namespace):
     kw = dict(n_ctx=resolve_n_ctx(args.n_ctx, target), n_gpu_layers=args.n_gpu_layers, draft_n_max=args.draft_n_max,
               draft_adaptive=args.draft_adaptive, draft_n_gpu_layers=args.draft_n_gpu_layers,
               dflash=not args.no_dflash, chat_format=args.chat_format, verbose=args.verbose,
-              draft_window=args.draft_window, low_memory=args.low_memory, rollback_memory_mb=args.rollback_memory_mb)
+              draft_window=args.draft_window, low_memory=args.low_memory, rollback_memory_mb=args.rollback_memory_mb,
+              flash_attn=getattr(args, "flash_attn", "auto") != "off")
     if args.threads:
         kw.update(n_threads=args.threads, n_threads_batch=args.threads)
     return Llama(str(target), draft_model_path=str(draft) if draft else None, **kw)

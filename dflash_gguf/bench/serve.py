@@ -147,28 +147,30 @@ def run_clients(url: str, n_clients: int, n_requests: int, n_tokens: int) -> dic
 
 
 def bench(pair: str, servers: list[str], clients: list[int], n_requests: int, n_tokens: int, threads: int,
-          ctx: int) -> list[dict]:
+          ctx: int, repeats: int = 1) -> list[dict]:
+    """Every server at every client count, ``repeats`` times over in turn (the servers alternate, so a
+    slow spell of the machine falls on all of them); one row per run (``run``: 0..repeats-1)."""
     target, drafter = pair_files(pair)
     rows = []
-    for c in clients:
-        for server in servers:
-            port = _free_port()
-            cmd = command(server, target, drafter, c, threads, ctx, port)
-            log.info("%s, %d client(s): %s", pair, c, server)
-            proc = start(cmd, port)
+    for c, rep, server in ((c, rep, server) for c in clients for rep in range(repeats) for server in servers):
+        port = _free_port()
+        cmd = command(server, target, drafter, c, threads, ctx, port)
+        log.info("%s, %d client(s): %s", pair, c, server)
+        proc = start(cmd, port)
+        try:
+            url = f"http://127.0.0.1:{port}"
+            one_request(url, PROMPTS[0], 4)   # warm-up (and the gate's calibration, ours)
+            r = run_clients(url, c, max(n_requests, c), n_tokens)
+        finally:
+            proc.terminate()
             try:
-                url = f"http://127.0.0.1:{port}"
-                one_request(url, PROMPTS[0], 4)   # warm-up (and the gate's calibration, ours)
-                r = run_clients(url, c, max(n_requests, c), n_tokens)
-            finally:
-                proc.terminate()
-                try:
-                    proc.wait(30)
-                except subprocess.TimeoutExpired:
-                    proc.kill()
-            rows.append({"pair": pair, "clients": c, "server": server, **{k: round(v, 4) for k, v in r.items()}})
-            log.info("  %.1f tok/s, ttft p50 %.0f ms, request p50 %.0f ms", r["tok_s"], 1e3 * r["ttft_p50"],
-                     1e3 * r["lat_p50"])
+                proc.wait(30)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+        rows.append({"pair": pair, "clients": c, "server": server, "run": rep,
+                     **{k: round(v, 4) for k, v in r.items()}})
+        log.info("  %.1f tok/s, ttft p50 %.0f ms, request p50 %.0f ms", r["tok_s"], 1e3 * r["ttft_p50"],
+                 1e3 * r["lat_p50"])
     return rows
 
 
@@ -209,6 +211,21 @@ def engine_only(pair: str, clients: list[int], n_tokens: int, threads: int, ctx:
     return rows
 
 
+def medians(rows: list[dict]) -> list[dict]:
+    """One row per pair, client count and server: the median of its runs, figure by figure."""
+    groups: dict[tuple, list[dict]] = {}
+    for r in rows:
+        groups.setdefault((r["pair"], r["clients"], r["server"]), []).append(r)
+    out = []
+    for (pair, c, server), rs in groups.items():
+        m = {"pair": pair, "clients": c, "server": server, "runs": len(rs)}
+        for k in rs[0]:
+            if k not in m and k != "run" and all(isinstance(x.get(k), (int, float)) for x in rs):
+                m[k] = statistics.median(x[k] for x in rs)
+        out.append(m)
+    return out
+
+
 def table(rows: list[dict], servers: list[str]) -> str:
     head = "| pair | clients | " + " | ".join(f"{s} tok/s" + ("" if s.startswith("engine") else " (ttft / request p50, ms)")
                                              for s in servers)
@@ -242,6 +259,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("-c", "--ctx-size", type=int, default=1024, help="context per slot")
     ap.add_argument("--out", type=Path, default=None, help="write TAG.json and TAG.md here")
     ap.add_argument("--tag", default="serve")
+    ap.add_argument("--repeats", type=int, default=1,
+                    help="runs of every server per client count, alternating; the table shows their medians")
     ap.add_argument("--engine", action="store_true",
                     help="also time the batched engine in this process (no HTTP): C sequences in one generate_batch")
     a = ap.parse_args(argv)
@@ -250,7 +269,7 @@ def main(argv: list[str] | None = None) -> int:
     rows = []
     servers = list(a.servers)
     for pair in a.pairs:
-        rows += bench(pair, a.servers, clients, a.requests, a.tokens, a.threads, a.ctx_size)
+        rows += bench(pair, a.servers, clients, a.requests, a.tokens, a.threads, a.ctx_size, a.repeats)
         if a.engine:
             rows += engine_only(pair, clients, 2 * a.tokens, a.threads, a.ctx_size)
     if a.engine:
@@ -262,7 +281,8 @@ def main(argv: list[str] | None = None) -> int:
         pass
     cmd = "python -m dflash_gguf.bench.serve " + " ".join(argv if argv is not None else sys.argv[1:])
     md = (f"Server benchmark. {cmd}\n\nMachine: {cpu}, {os.cpu_count()} cores; {a.threads} threads per server; "
-          f"{a.requests} greedy streamed requests of {a.tokens} tokens per run.\n\n{table(rows, servers)}\n")
+          f"{a.requests} greedy streamed requests of {a.tokens} tokens per run"
+          f"{f'; medians of {a.repeats} alternating runs' if a.repeats > 1 else ''}.\n\n{table(medians(rows), servers)}\n")
     print(md)
     if a.out:
         a.out.mkdir(parents=True, exist_ok=True)

@@ -63,10 +63,10 @@ class Slots:
         if n < 1:
             raise ValueError(f"--parallel must be >= 1, got {n}")
         self.llm, self.n = llm, n
-        # the Llama's attention kernel; several sequences take the fp32 one (see engine.Context)
+        # the Llama's attention kernel (a request served here or there gives the same logits)
         flash = getattr(llm.context_params, "flash_attn_type", None) == 1
         opts = ContextOptions(n_ctx=llm.n_ctx(), n_batch=llm.n_batch, n_ubatch=llm.context_params.n_ubatch,
-                              n_threads=llm.n_threads, n_seq=n, flash_attn=flash if n == 1 else None,
+                              n_threads=llm.n_threads, n_seq=n, flash_attn=flash,
                               draft_window=getattr(llm, "draft_window", None))
         self.model = Model.borrow(llm._model.model, llm.model_path)
         self.target = Context(self.model, opts)
