@@ -35,6 +35,7 @@ import llama_cpp._internals as internals
 import llama_cpp.llama_chat_format as llama_chat_format
 
 from dflash_gguf.calls import CallState, Request, check_grammar
+from dflash_gguf.constraints import Constraints, Grammar
 from dflash_gguf.constructors import PairConstructors
 from dflash_gguf.engine import Context, ContextOptions, DrafterInfo, Model, clamp_n_draft
 from dflash_gguf.pair import pair_files
@@ -90,7 +91,8 @@ class Llama(PairConstructors, llama_cpp.Llama):
             Arguments given explicitly win over the preset.
 
     After each generation ``self.last_dflash_stats`` holds its :class:`GenerationStats` (``None``
-    after a plain fallback) and responses carry the same numbers as a top-level ``"dflash"`` object.
+    after a plain fallback) and responses carry the same numbers as a top-level ``"dflash"`` object
+    (and a stream's last chunk its ``usage``). Without a drafter responses are llama_cpp's, key for key.
     """
 
     def __init__(self, model_path: str, *, draft_model_path: str | os.PathLike | None = None,
@@ -292,7 +294,8 @@ class Llama(PairConstructors, llama_cpp.Llama):
                 result = super().create_chat_completion(*args, **kwargs)
             req, self._call.created = self._call.created, None
         if isinstance(result, dict):
-            result["dflash"] = self._stats_dict(req)
+            if self._decoder is not None:   # without a drafter the answer is llama_cpp's, key for key
+                result["dflash"] = self._stats_dict(req)
             return result
         return self._chat_stream(result, req)
 
@@ -310,7 +313,8 @@ class Llama(PairConstructors, llama_cpp.Llama):
     def _chat_stream(self, chunks, req: Request | None):
         try:
             for chunk in chunks:
-                if chunk.get("choices") and chunk["choices"][0].get("finish_reason") is not None:
+                if self._decoder is not None and chunk.get("choices") and \
+                        chunk["choices"][0].get("finish_reason") is not None:
                     chunk["dflash"] = self._stats_dict(req)
                     if req is not None:
                         chunk.setdefault("usage", req.usage())
@@ -335,7 +339,7 @@ class Llama(PairConstructors, llama_cpp.Llama):
         try:
             for chunk in chunks:
                 finish = chunk["choices"][0]["finish_reason"]
-                if finish is not None:
+                if finish is not None and self._decoder is not None:
                     if req.stats is not None and req.stats.finish is None:
                         req.stats.finish = finish      # the consumer stopped the decoder (stop string, budget)
                     chunk["dflash"] = self._stats_dict(req)
@@ -347,8 +351,8 @@ class Llama(PairConstructors, llama_cpp.Llama):
             chunks.close()
 
     def _stats_dict(self, req: Request | None) -> dict | None:
-        """The response's ``dflash`` object: the statistics, or why plain decoding served it (None
-        without a drafter: then this class is llama_cpp.Llama)."""
+        """The response's ``dflash`` object (with a drafter): the statistics, or why plain decoding
+        served it."""
         if req is None or self._decoder is None:
             return None
         if req.served and req.stats is not None:
@@ -357,15 +361,14 @@ class Llama(PairConstructors, llama_cpp.Llama):
 
     # ------------------------------------------------------------------ generation
     def dflash_unsupported(self, *, sampling: SamplingParams, reset: bool = True, mirostat_mode: int = 0,
-                           logits_processor=None, stopping_criteria=None, grammar=None,
-                           request: Request | None = None) -> str | None:
+                           stopping_criteria=None, request: Request | None = None) -> str | None:
         """Why a generation must use the plain path (None when DFlash serves it exactly):
         :func:`dflash_gguf.fallback.plain_reason`."""
         want = self.dflash if request is None or request.dflash is None else request.dflash
         return plain_reason(Call(
             sampling=sampling, drafter=self._decoder is not None, want=bool(want), default=bool(self.dflash),
-            draft_model=self.draft_model is not None, reset=reset, grammar=grammar,
-            logits_processor=logits_processor, stopping_criteria=stopping_criteria, mirostat_mode=mirostat_mode,
+            draft_model=self.draft_model is not None, reset=reset, stopping_criteria=stopping_criteria,
+            mirostat_mode=mirostat_mode,
             logits_all=bool(self._logits_all), logprobs=request.logprobs if request is not None else None))
 
     def _check_free(self) -> None:
@@ -420,8 +423,7 @@ class Llama(PairConstructors, llama_cpp.Llama):
                             penalty_last_n=int(self.last_n_tokens_size), seed=seed,
                             repeatable=req.seeded if req is not None else self._seed_given)
         why = self.dflash_unsupported(sampling=sp, reset=reset, mirostat_mode=mirostat_mode,
-                                      logits_processor=logits_processor, stopping_criteria=stopping_criteria,
-                                      grammar=grammar, request=req)
+                                      stopping_criteria=stopping_criteria, request=req)
         if why is not None:
             if req is not None:
                 req.reason = why
@@ -438,7 +440,9 @@ class Llama(PairConstructors, llama_cpp.Llama):
         if req is not None:
             req.served, req.stats = True, stats
         self.last_dflash_stats = stats
-        gen = self._dflash_tokens(list(tokens), sp, stats, req, stop_token_ids(stopping_criteria) or set())
+        # processors (logit_bias among them) and the grammar judge every verify row, as llama_cpp's chain
+        limits = Constraints(logits_processor or (), Grammar.of(self, grammar) if grammar is not None else None, tokens)
+        gen = self._dflash_tokens(list(tokens), sp, stats, req, stop_token_ids(stopping_criteria) or set(), limits)
         self._call.live = weakref.ref(gen)
         return self._watched(req, len(tokens), gen)
 
@@ -466,13 +470,13 @@ class Llama(PairConstructors, llama_cpp.Llama):
             gen.close()
 
     def _dflash_tokens(self, prompt: list[int], sp: SamplingParams, stats: GenerationStats,
-                       req: Request | None, stop_ids: set[int]) -> Iterator[int]:
+                       req: Request | None, stop_ids: set[int], limits: Constraints) -> Iterator[int]:
         room = max(self._n_ctx - len(prompt), 0)
         want = req.max_tokens if req is not None else None
         # Draft no further than the request needs. llama_cpp reads on past max_tokens while a UTF-8
         # character is incomplete: +3 covers one character, and a greedy run without penalties can
         # resume exactly if it wants more. Otherwise the decoder runs unbounded and the consumer stops it.
-        resumable = sp.greedy and not sp.has_penalties
+        resumable = sp.greedy and not sp.has_penalties and not limits
         budget = min(want + 3, room) if (want is not None and want > 0 and resumable) else room
         dec = self._decoder
         stop = dec.eog | stop_ids   # stop ids of the criteria: the engine stops exactly after them
@@ -483,7 +487,7 @@ class Llama(PairConstructors, llama_cpp.Llama):
             if stop_ids and prompt[-1] in stop_ids:
                 stats.finish = "stop"   # llama_cpp's criterion fires before the first token
                 return
-            inner = dec.generate(prompt, budget, sampling=sp, stats=stats, stop_tokens=stop)
+            inner = dec.generate(prompt, budget, sampling=sp, stats=stats, stop_tokens=stop, constraints=limits)
             for tok in inner:
                 emitted.append(tok)
                 yield tok

@@ -1,7 +1,8 @@
 """When a generation must take llama_cpp's plain path: the one home of that rule.
 
 DFlash serves a generation only where its output is exactly what ``llama_cpp.Llama`` gives (the
-same tokens greedy, the same distribution sampled). Everything else falls back to the plain path,
+same tokens greedy, the same distribution sampled); grammars and logits processors (``logit_bias``)
+are applied on every verify row (:mod:`dflash_gguf.constraints`). Everything else falls back to the plain path,
 and the reason is reported (the ``"dflash"`` object of a response, ``Llama.last_dflash_stats``).
 """
 from __future__ import annotations
@@ -21,8 +22,6 @@ class Call:
     default: bool = True             # the Llama's dflash setting (tells the two "off" reasons apart)
     draft_model: bool = False        # a llama_cpp draft_model (prompt lookup, ...) is set
     reset: bool = True
-    grammar: object = None
-    logits_processor: object = None
     stopping_criteria: object = None
     mirostat_mode: int = 0
     logits_all: bool = False
@@ -39,10 +38,6 @@ def plain_reason(c: Call) -> str | None:
         return "a llama_cpp draft_model is set"
     if not c.reset:
         return "generate(reset=False) continues llama_cpp's own state"
-    if c.grammar is not None:
-        return "grammar-constrained sampling"
-    if c.logits_processor:
-        return "logits_processor / logit_bias"
     if c.stopping_criteria and stop_token_ids(c.stopping_criteria) is None:
         return "stopping_criteria that read more than token ids (use dflash_gguf.StopOnTokens)"
     if c.mirostat_mode:

@@ -1,19 +1,32 @@
 """Token selection that reproduces llama.cpp's sampler chain, and lossless speculative acceptance.
 
-The chain is the one llama-cpp-python builds for ``Llama.sample``: penalties over the tokens
-generated so far (last ``penalty_last_n``), then greedy at ``temperature == 0``; otherwise
-top-k -> typical -> top-p -> min-p -> temperature -> sample. ``temperature < 0`` samples from the
-raw distribution. Acceptance of a drafted token ``d`` drawn from a proposal ``q`` against the
-target distribution ``p`` is the standard rejection rule: accept with probability
-``min(1, p[d] / q[d])``; on rejection sample from ``max(0, p - q)``, renormalised. A deterministic
-proposal is q one-hot at ``d``: accept with ``p[d]``, else sample ``p`` without ``d``. The output
-distribution is then exactly ``p`` at every position.
+The chain is the one llama-cpp-python builds for ``Llama.sample``: logits processors (``logit_bias``
+is one), penalties over the tokens generated so far (last ``penalty_last_n``), a grammar, then greedy
+at ``temperature == 0``; otherwise top-k -> typical -> top-p -> min-p -> temperature -> sample.
+``temperature < 0`` samples from the raw distribution. Processors and grammar come from
+:class:`dflash_gguf.constraints.Constraints`; here a grammar is a test ``allowed(ids) -> bool per id``.
+
+Acceptance of a drafted token ``d`` drawn from a proposal ``q`` against the target distribution
+``p`` is the standard rejection rule: accept with probability ``min(1, p[d] / q[d])``; on rejection
+sample from ``max(0, p - q)``, renormalised. A deterministic proposal is q one-hot at ``d``: accept
+with ``p[d]``, else sample ``p`` without ``d``. The output distribution is then exactly ``p`` at
+every position.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable
 
 import numpy as np
+
+Allowed = Callable[[np.ndarray], np.ndarray]   # a grammar's test: which of these ids may come next
+
+# candidates a grammar is asked about at once, best first, before it judges the whole vocabulary
+GRAMMAR_WALK = 256
+
+
+class NoTokenAllowed(ValueError):
+    """The grammar allows no token of the vocabulary at this point."""
 
 
 @dataclass(frozen=True)
@@ -72,8 +85,57 @@ def _softmax(x: np.ndarray) -> np.ndarray:
     return e / e.sum()
 
 
-def distribution(logits: np.ndarray, sp: SamplingParams) -> tuple[np.ndarray, np.ndarray]:
-    """Candidate ids and their probabilities after the filter chain (sampling mode)."""
+def _best_first(logits: np.ndarray, m: int) -> np.ndarray:
+    """The ids of the ``m`` highest logits, best first, ties by lower id (as llama.cpp's samplers)."""
+    n = logits.shape[0]
+    ids = np.sort(np.argpartition(-logits, m - 1)[:m]) if m < n else np.arange(n)
+    return ids[np.argsort(-logits[ids], kind="stable")]
+
+
+def _all_allowed(logits: np.ndarray, allowed: Allowed) -> np.ndarray:
+    ok = allowed(np.arange(logits.shape[0]))
+    if not ok.any():
+        raise NoTokenAllowed("the grammar allows no token here")
+    return np.nonzero(ok)[0]
+
+
+def constrained_argmax(logits: np.ndarray, allowed: Allowed | None) -> int:
+    """The greedy choice among the tokens ``allowed`` lets through (lowest id on a tie): the row's argmax
+    when the grammar allows it (the usual case: one token asked), else the best allowed token among the
+    ``GRAMMAR_WALK`` best, else over the whole vocabulary."""
+    best = int(np.argmax(logits))
+    if allowed is None or allowed(np.array([best], dtype=np.int32))[0]:
+        return best
+    n = logits.shape[0]
+    if GRAMMAR_WALK < n:
+        ids = _best_first(logits, GRAMMAR_WALK)
+        ok = allowed(ids)
+        # exact unless the answer ties with the walk's last logit (a lower id outside it may tie too)
+        if ok.any() and logits[ids[np.argmax(ok)]] > logits[ids[-1]]:
+            return int(ids[np.argmax(ok)])
+    ids = _all_allowed(logits, allowed)
+    return int(ids[np.argmax(logits[ids])])
+
+
+def distribution(logits: np.ndarray, sp: SamplingParams, allowed: Allowed | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """Candidate ids and their probabilities after the filter chain (sampling mode); ``allowed``: a
+    grammar's test, applied before the filters (as llama.cpp's chain: the top-k are the k best tokens
+    the grammar allows)."""
+    if allowed is not None:
+        n = logits.shape[0]
+        k = sp.top_k if 0 < sp.top_k < n and sp.temperature >= 0 else n
+        ids = None
+        if k < n:
+            walk = _best_first(logits, min(max(GRAMMAR_WALK, 4 * k), n))
+            ok = allowed(walk)
+            if ok.sum() >= k:
+                ids = walk[ok][:k]
+                if logits[ids[-1]] == logits[walk[-1]]:
+                    ids = None   # a tie at the walk's edge: judge the whole vocabulary
+        if ids is None:
+            ids = _all_allowed(logits, allowed)
+        sub_ids, p = distribution(logits[ids], sp)
+        return ids[sub_ids], p
     if sp.temperature < 0:
         ids = np.argsort(-logits, kind="stable")
         return ids, _softmax(logits[ids].astype(np.float64))
@@ -98,24 +160,32 @@ def distribution(logits: np.ndarray, sp: SamplingParams) -> tuple[np.ndarray, np
 
 
 class TokenChooser:
-    """Picks target tokens for one generation call: greedy or sampled, with penalties."""
+    """Picks target tokens for one generation call: greedy or sampled, with penalties, and with a
+    request's logits processors and grammar (``constraints``, a :class:`dflash_gguf.constraints.Constraints`)."""
 
-    def __init__(self, sp: SamplingParams):
+    def __init__(self, sp: SamplingParams, constraints=None):
         self.sp = sp
         self.rng = np.random.default_rng(sp.seed)
         self.history: list[int] = []   # generated tokens (what llama.cpp's sampler has accepted)
+        self.constraints = constraints if constraints else None
 
     def _logits(self, logits: np.ndarray, extra: list[int]) -> np.ndarray:
+        c = self.constraints
+        if c is not None and c.processors:
+            logits = c.process(logits, self.history + extra)
         if not self.sp.has_penalties:
             return logits
         return apply_penalties(logits, self.history + extra, self.sp)
+
+    def _allowed(self, extra: list[int]) -> Allowed | None:
+        return None if self.constraints is None else self.constraints.allowed(extra)
 
     def pick(self, logits: np.ndarray, extra: list[int]) -> int:
         """The target's own choice at a position (extra: tokens committed earlier in the block)."""
         lg = self._logits(logits, extra)
         if self.sp.greedy:
-            return int(np.argmax(lg))
-        ids, p = distribution(lg, self.sp)
+            return constrained_argmax(lg, self._allowed(extra))
+        ids, p = distribution(lg, self.sp, self._allowed(extra))
         return int(ids[self.rng.choice(len(ids), p=p)])
 
     def verify(self, logits: np.ndarray, draft: int, extra: list[int],
@@ -126,9 +196,9 @@ class TokenChooser:
         """
         lg = self._logits(logits, extra)
         if self.sp.greedy:
-            best = int(np.argmax(lg))
+            best = constrained_argmax(lg, self._allowed(extra))
             return best == draft, best
-        ids, p = distribution(lg, self.sp)
+        ids, p = distribution(lg, self.sp, self._allowed(extra))
         hit = np.nonzero(ids == draft)[0]
         p_d = float(p[hit[0]]) if len(hit) else 0.0
         if q is not None:
@@ -152,4 +222,7 @@ class TokenChooser:
         return False, int(ids[self.rng.choice(len(ids), p=p)])
 
     def accept(self, tokens) -> None:
+        """The request kept ``tokens`` (the grammar advances by them)."""
+        if self.constraints is not None:
+            self.constraints.accept(tokens)
         self.history.extend(int(t) for t in tokens)

@@ -70,6 +70,18 @@ def pair(models):
     return models.pair("qwen3", "dflash", 8)
 
 
+def both(plain, fast, oracle, method: str, *args, **kwargs):
+    """``method`` on llama_cpp's Llama, then (the oracle having learnt its continuation) on ours."""
+    a = getattr(plain, method)(*args, **kwargs)
+    if kwargs.get("stream"):
+        a = list(a)
+    oracle.learn(plain)
+    b = getattr(fast, method)(*args, **kwargs)
+    if kwargs.get("stream"):
+        b = list(b)
+    return a, b
+
+
 @pytest.fixture(scope="module")
 def plain(pair):
     llm = llama_cpp.Llama(str(pair.target), **KW)

@@ -26,8 +26,6 @@ CASES = [
     (dict(want=False, default=False), "dflash=False"),
     (dict(draft_model=True), "a llama_cpp draft_model is set"),
     (dict(reset=False), "generate(reset=False) continues llama_cpp's own state"),
-    (dict(grammar=object()), "grammar-constrained sampling"),
-    (dict(logits_processor=[lambda ids, scores: scores]), "logits_processor / logit_bias"),
     (dict(stopping_criteria=[StopOnTokens([3]), other_criterion]),
      "stopping_criteria that read more than token ids (use dflash_gguf.StopOnTokens)"),
     (dict(mirostat_mode=2), "mirostat sampling"),
@@ -51,7 +49,7 @@ def test_the_first_reason_wins():
     every.update(drafter=False)
     expect = ["no drafter loaded (draft_model_path)", "dflash=False"] + [r for _, r in CASES[3:]]
     call, seen = replace(OK, **every), []
-    for field in ["drafter", "want", "draft_model", "reset", "grammar", "logits_processor", "stopping_criteria",
+    for field in ["drafter", "want", "draft_model", "reset", "stopping_criteria",
                   "mirostat_mode", "logits_all", "logprobs", "sampling"]:
         seen.append(plain_reason(call))
         call = replace(call, **{field: getattr(OK, field)})
@@ -60,10 +58,10 @@ def test_the_first_reason_wins():
 
 @pytest.mark.parametrize("served", [
     dict(), dict(sampling=SAMPLED), dict(stopping_criteria=[StopOnTokens([1, 2])]), dict(stopping_criteria=[]),
-    dict(logits_processor=[]), dict(mirostat_mode=0), dict(sampling=replace(GREEDY, typical_p=0.5)),
+    dict(mirostat_mode=0), dict(sampling=replace(GREEDY, typical_p=0.5)),
     dict(sampling=replace(SAMPLED, repeat_penalty=1.1, presence_penalty=0.5, frequency_penalty=0.2)),
     dict(sampling=replace(SAMPLED, temperature=-1.0, typical_p=0.5)), dict(logprobs=None),
-], ids=["greedy", "sampled", "stop-tokens", "no-criteria", "no-processors", "mirostat-0", "greedy-typical",
+], ids=["greedy", "sampled", "stop-tokens", "no-criteria", "mirostat-0", "greedy-typical",
         "penalties", "raw-distribution-typical", "no-logprobs"])
 def test_what_dflash_serves(served):
     """Penalties, seeds, top-k/p, min-p, token-id stops; typical_p only matters when sampling at

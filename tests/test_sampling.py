@@ -244,8 +244,8 @@ def test_unseeded_sampling_is_gated_and_keeps_the_target_distribution(monkeypatc
     numbered = itertools.count()
     init = TokenChooser.__init__
 
-    def numbered_init(self, sp):
-        init(self, sp)
+    def numbered_init(self, sp, constraints=None):
+        init(self, sp, constraints)
         if sp.seed is None:
             self.rng = np.random.default_rng(next(numbered))
     monkeypatch.setattr(TokenChooser, "__init__", numbered_init)

@@ -37,6 +37,7 @@ from typing import Iterator, Sequence
 import numpy as np
 
 from dflash_gguf import _bindings as B
+from dflash_gguf.constraints import Constraints
 from dflash_gguf.engine import Context, DrafterInfo, clamp_n_draft
 from dflash_gguf.errors import ContextOverflowError, DFlashError, InvalidArgumentError, UnsupportedError
 from dflash_gguf.gate import DraftLength
@@ -293,6 +294,11 @@ class DFlashDecoder(Scheduling):
         """One draft-verify step of every sequence in ``seqs``: what each committed (nothing kept yet)."""
         ns, gate, choice = self._lengths(seqs)
         qs = self._propose_all(seqs, ns) if any(ns) else [None] * len(seqs)
+        for i, s in enumerate(seqs):
+            c = s.chooser.constraints
+            if ns[i] and c is not None:
+                # a drafted token the grammar forbids is a sure rejection: verify no row after it
+                ns[i] = c.allowed_prefix(self._draft[s.slot, :ns[i]])
         saved = [s.rollback.save(n) for s, n in zip(seqs, ns)]
         # verify: every sequence's [pending, d1..dn] in one target decode
         lens = np.array([n + 1 for n in ns], dtype=np.int32)
@@ -369,13 +375,16 @@ class DFlashDecoder(Scheduling):
         return list(map(int, prompt))
 
     def _begin(self, s: Slot, prompt: list[int], max_tokens: int, sp: SamplingParams, stats: GenerationStats,
-               stop: set[int] | frozenset[int], use_draft: bool, index: int = -1, defer: bool = False) -> None:
+               stop: set[int] | frozenset[int], use_draft: bool, index: int = -1, defer: bool = False,
+               constraints: Constraints | None = None) -> None:
         """Start a request on slot ``s``: both caches to ``prompt[:-1]`` (reusing what they share); with
-        ``defer``, only the reuse: the rest of the prompt waits in ``s.todo`` (see :meth:`_prefill_chunk`)."""
+        ``defer``, only the reuse: the rest of the prompt waits in ``s.todo`` (see :meth:`_prefill_chunk`).
+        ``constraints``: the request's logits processors and grammar (closed when it ends)."""
         s.t_start = time.perf_counter()
         s.index, s.produced, s.max_tokens, s.stop, s.stats = index, 0, max_tokens, stop, stats
-        s.chooser = TokenChooser(sp)
-        s.greedy = sp.greedy and not sp.has_penalties
+        s.chooser = TokenChooser(sp, constraints)
+        # greedy rows read the target's argmax ids; penalties, processors and grammars judge the logits
+        s.greedy = sp.greedy and not sp.has_penalties and s.chooser.constraints is None
         s.n_draft = self.n_draft if (use_draft and self.drafter is not None) else 0
         # the gate's choices follow measured timings, which changes how a sampled request consumes its
         # random numbers: a repeatable (seeded) request keeps fixed drafting (the same text every time),
@@ -440,6 +449,8 @@ class DFlashDecoder(Scheduling):
         if s.done:
             return
         s.done = True
+        if s.chooser is not None and s.chooser.constraints is not None:
+            s.chooser.constraints.close()
         if s.features is not None and not self.closed and s.features.n:
             t0 = time.perf_counter()
             try:
@@ -452,22 +463,23 @@ class DFlashDecoder(Scheduling):
 
     def generate(self, prompt: Sequence[int], max_tokens: int, sampling: SamplingParams | None = None,
                  stats: GenerationStats | None = None, stop_tokens: Sequence[int] | None = None,
-                 use_draft: bool = True) -> Iterator[int]:
+                 use_draft: bool = True, constraints: Constraints | None = None) -> Iterator[int]:
         """Yield the target's tokens for ``prompt`` (exactly those plain decoding would give), on slot 0.
 
         Stops after an end-of-generation / stop token (which is yielded), after ``max_tokens``, or
-        when the context is full. ``stats`` (optional) is filled in as it goes.
+        when the context is full. ``stats`` (optional) is filled in as it goes. ``constraints``: logits
+        processors and a grammar, as llama_cpp applies them (the decoder closes it at the end).
         """
         sp = sampling or SamplingParams()
         stats = stats if stats is not None else GenerationStats()
         prompt = self._check(prompt)
         return self._run_one(prompt, max_tokens, sp, stats,
-                             self.eog if stop_tokens is None else set(map(int, stop_tokens)), use_draft)
+                             self.eog if stop_tokens is None else set(map(int, stop_tokens)), use_draft, constraints)
 
     def _run_one(self, prompt: list[int], max_tokens: int, sp: SamplingParams, stats: GenerationStats,
-                 stop: set[int] | frozenset[int], use_draft: bool) -> Iterator[int]:
+                 stop: set[int] | frozenset[int], use_draft: bool, constraints: Constraints | None) -> Iterator[int]:
         s = self.seqs[0]
-        self._begin(s, prompt, max_tokens, sp, stats, stop, use_draft)
+        self._begin(s, prompt, max_tokens, sp, stats, stop, use_draft, constraints=constraints)
         try:
             st = None
             while not self._finished(s, st):

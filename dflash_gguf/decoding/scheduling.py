@@ -60,7 +60,7 @@ class Scheduling:
         try:
             self._begin(s, prompt, r.max_tokens, sp, stats,
                         self.eog if r.stop_tokens is None else set(map(int, r.stop_tokens)), r.use_draft, index,
-                        defer=True)
+                        defer=True, constraints=r.constraints)
         except BaseException:
             self._free.append(s)
             raise

@@ -6,6 +6,7 @@ from typing import Callable, Sequence
 
 import numpy as np
 
+from dflash_gguf.constraints import Constraints
 from dflash_gguf.decoding.features import FeatureFeed
 from dflash_gguf.decoding.rollback import Rollback
 from dflash_gguf.decoding.stats import GenerationStats
@@ -26,6 +27,7 @@ class Request:
     # request (e.g. a stop string complete after them); both caches keep exactly what is kept
     consumer: Callable[[list[int]], int | None] | None = None
     error: BaseException | None = None         # set when the request failed (its prompt could not be decoded)
+    constraints: Constraints | None = None     # logits processors and a grammar (the decoder closes it at the end)
 
 
 @dataclass

@@ -1,0 +1,200 @@
+"""Grammars and logits processors (logit_bias) under DFlash: every verify row judged as llama_cpp judges
+the next token, the same text as ``llama_cpp.Llama`` with the same constraint, blocks cut at a token
+the grammar forbids, and the constrained sampler chain against a masked reference."""
+from __future__ import annotations
+
+import json
+import re
+from collections import Counter
+
+import llama_cpp
+import numpy as np
+import pytest
+from llama_cpp.llama_grammar import JSON_GBNF
+
+from dflash_gguf import sampling as S
+from dflash_gguf.constraints import Constraints, Grammar
+from dflash_gguf.errors import InvalidArgumentError
+from dflash_gguf.sampling import SamplingParams, TokenChooser, constrained_argmax, distribution
+
+from support import KW, assert_served, both, fast, oracle, pair, plain  # noqa: F401 (fixtures)
+
+LOWER = 'root ::= [a-z ]+'
+
+
+# ---------------------------------------------------------------------- the chain, as pure functions
+def _masked_reference(logits, ok, sp):
+    """llama.cpp's chain with the grammar first: the disallowed tokens' logits are -inf."""
+    ids = np.nonzero(ok)[0]
+    sub, p = distribution(logits[ids], sp)
+    return dict(zip(ids[sub].tolist(), p.tolist()))
+
+
+@pytest.mark.parametrize("walk", [4, 256], ids=["short-walk", "default-walk"])
+@pytest.mark.parametrize("density", [0.002, 0.05, 0.6])
+def test_constrained_choices_equal_a_masked_reference(monkeypatch, walk, density):
+    """Greedy: the best allowed token (lowest id on a tie); sampled: the distribution of the chain run
+    on the allowed tokens only - whether the answer is the argmax, in the walk, or past it."""
+    monkeypatch.setattr(S, "GRAMMAR_WALK", walk)
+    rng = np.random.default_rng(int(density * 1000) + walk)
+    n = 3000
+    for trial in range(30):
+        logits = rng.normal(size=n).astype(np.float32)
+        if trial % 3 == 0:
+            logits = np.round(logits, 1)            # many ties
+        ok = rng.random(n) < density
+        ok[rng.integers(n)] = True
+        allowed = lambda ids, ok=ok: ok[ids]   # noqa: E731
+        masked = np.where(ok, logits, -np.inf)
+        assert constrained_argmax(logits, allowed) == int(np.argmax(masked))
+        if trial % 3 == 0:
+            continue    # which of several tied tokens top-k keeps is not defined (llama.cpp's nor numpy's)
+        for sp in (SamplingParams(temperature=0.8, top_k=40, top_p=0.9, min_p=0.05),
+                   SamplingParams(temperature=1.0, top_k=0, top_p=1.0, min_p=0.0),
+                   SamplingParams(temperature=-1.0)):
+            ids, p = distribution(logits, sp, allowed)
+            got = dict(zip(ids.tolist(), p.tolist()))
+            ref = _masked_reference(logits, ok, sp)
+            assert got.keys() == ref.keys()
+            assert max(abs(got[k] - ref[k]) for k in ref) < 1e-9
+    argmax_allowed = np.zeros(n, bool)
+    argmax_allowed[int(np.argmax(logits))] = True
+    calls = []
+    constrained_argmax(logits, lambda ids: calls.append(len(ids)) or argmax_allowed[ids])
+    assert calls == [1], "an allowed argmax costs one question to the grammar"
+
+
+def test_a_grammar_that_allows_nothing_says_so():
+    with pytest.raises(S.NoTokenAllowed):
+        constrained_argmax(np.zeros(50, np.float32), lambda ids: np.zeros(len(ids), bool))
+
+
+# ---------------------------------------------------------------------- llama.cpp's grammar sampler
+def test_grammar_state_follows_the_kept_tokens(plain):
+    """allowed() answers for the state after the kept tokens plus a row's earlier tokens; rejected rows
+    leave nothing behind; allowed_prefix cuts a block at the first forbidden token."""
+    vocab = plain._model.vocab
+    a, b = (next(i for i in range(plain.n_vocab()) if plain.detokenize([i]) == t) for t in (b"a", b"b"))
+    c = Constraints(grammar=Grammar(vocab, 'root ::= "a" "b" "a"'))
+    ids = np.array([a, b], dtype=np.int32)
+    assert c.allowed([])(ids).tolist() == [True, False]
+    assert c.allowed([a])(ids).tolist() == [False, True]
+    assert c.allowed([a, b])(ids).tolist() == [True, False]
+    assert c.allowed_prefix(np.array([a, b, b, a], np.int32)) == 2
+    assert c.allowed_prefix(np.array([b], np.int32)) == 0
+    c.accept([a])                                      # a step kept one token of its rows
+    assert c.allowed([])(ids).tolist() == [False, True]
+    c.accept([b, a])
+    assert not c.allowed([])(ids).any()
+    c.close()
+    with pytest.raises(InvalidArgumentError, match="invalid grammar"):
+        Grammar(vocab, "root ::= (")
+
+
+def test_processors_see_the_ids_up_to_their_row():
+    seen = []
+
+    def proc(ids, scores):
+        seen.append(ids.tolist())
+        out = scores.copy()
+        out[ids[-1]] += 100.0           # favour repeating the last id
+        return out
+
+    ch = TokenChooser(SamplingParams(temperature=0.0), Constraints([proc], prompt=[7, 8]))
+    logits = np.zeros(20, np.float32)
+    assert ch.pick(logits, []) == 8 and ch.pick(logits, [3]) == 3
+    ch.accept([5])
+    assert ch.pick(logits, [4, 9]) == 9
+    assert seen == [[7, 8], [7, 8, 3], [7, 8, 5, 4, 9]]
+    assert logits.max() == 0, "the decoder's logits row is never written"
+
+
+# ---------------------------------------------------------------------- end to end, against llama_cpp
+def _grammar(text):
+    return llama_cpp.LlamaGrammar.from_string(text, verbose=False)
+
+
+@pytest.mark.parametrize("prompt", ["def main(", "import os\n", "x = "])
+def test_grammar_greedy_equals_llama_cpp(plain, fast, oracle, prompt):
+    a, b = both(plain, fast, oracle, "create_completion", prompt, max_tokens=24, temperature=0,
+                grammar=_grammar(LOWER))
+    text = b["choices"][0]["text"]
+    assert text == a["choices"][0]["text"] and re.fullmatch(r"[a-z ]*", text)
+    assert_served(b["dflash"])
+    assert b["dflash"]["accepted"] > 0, "blocks of the oracle's (grammar-valid) proposals are accepted"
+
+
+def test_json_grammar_and_chat_json_mode_equal_llama_cpp(plain, fast, oracle):
+    a, b = both(plain, fast, oracle, "create_completion", '{"name": ', max_tokens=30, temperature=0,
+                grammar=_grammar(JSON_GBNF))
+    assert b["choices"][0]["text"] == a["choices"][0]["text"]
+    assert_served(b["dflash"])
+    msgs = [{"role": "user", "content": "a JSON object, please"}]
+    a, b = both(plain, fast, oracle, "create_chat_completion", msgs, max_tokens=30, temperature=0,
+                response_format={"type": "json_object"})
+    assert b["choices"][0]["message"] == a["choices"][0]["message"]
+    assert_served(b["dflash"])
+
+
+def test_a_json_schema_equals_llama_cpp(plain, fast, oracle):
+    schema = {"type": "object", "properties": {"id": {"type": "integer"}, "tag": {"type": "string", "maxLength": 6}},
+              "required": ["id", "tag"]}
+    msgs = [{"role": "user", "content": "x"}]
+    a, b = both(plain, fast, oracle, "create_chat_completion", msgs, max_tokens=40, temperature=0,
+                response_format={"type": "json_object", "schema": schema})
+    assert b["choices"][0]["message"] == a["choices"][0]["message"]
+    assert_served(b["dflash"])
+    if b["choices"][0]["finish_reason"] == "stop":
+        assert set(json.loads(b["choices"][0]["message"]["content"])) == {"id", "tag"}
+
+
+def test_logit_bias_and_processors_equal_llama_cpp(plain, fast, oracle):
+    """logit_bias (which llama_cpp turns into a processor) and a processor of ids and scores change the
+    text; DFlash serves them with llama_cpp's output."""
+    out = plain.create_completion("def main(", max_tokens=12, temperature=0)
+    base, n_prompt = out["choices"][0]["text"], out["usage"]["prompt_tokens"]
+    toks = plain.input_ids[n_prompt:plain.n_tokens].tolist()     # the ids it generated
+    bias = {str(toks[2]): -100.0, str(toks[0]): 5.0}
+    a, b = both(plain, fast, oracle, "create_completion", "def main(", max_tokens=12, temperature=0, logit_bias=bias)
+    assert b["choices"][0]["text"] == a["choices"][0]["text"] != base
+    assert_served(b["dflash"])
+
+    def no_repeat(ids, scores):
+        out = scores.copy()
+        out[ids[-1]] = -np.inf
+        return out
+
+    procs = llama_cpp.LogitsProcessorList([no_repeat])
+    a, b = both(plain, fast, oracle, "create_completion", "import os\n", max_tokens=16, temperature=0,
+                logits_processor=procs)
+    assert b["choices"][0]["text"] == a["choices"][0]["text"]
+    assert_served(b["dflash"])
+
+
+def test_a_forbidden_draft_is_cut_before_the_verify(fast, plain, oracle):
+    """The oracle plants a wrong token now and then; under a grammar that forbids it the block is cut
+    there, so fewer rows are verified than drafted by the proposer."""
+    calls = Counter()
+    real = Constraints.allowed_prefix
+
+    def counting(self, draft):
+        k = real(self, draft)
+        calls["rows"] += len(draft)
+        calls["kept"] += k
+        return k
+
+    Constraints.allowed_prefix = counting
+    try:
+        a, b = both(plain, fast, oracle, "create_completion", "class Foo:\n", max_tokens=30, temperature=0,
+                    grammar=_grammar(LOWER))
+    finally:
+        Constraints.allowed_prefix = real
+    assert b["choices"][0]["text"] == a["choices"][0]["text"]
+    assert calls["rows"] > 0 and calls["kept"] < calls["rows"], calls
+    assert b["dflash"]["drafted"] == calls["kept"], "only the grammar-valid prefix is drafted and verified"
+
+
+def test_a_sampled_grammar_request_is_served_and_stays_in_the_grammar(fast):
+    out = fast.create_completion("def main(", max_tokens=20, temperature=0.9, seed=5, grammar=_grammar(LOWER))
+    assert re.fullmatch(r"[a-z ]*", out["choices"][0]["text"])
+    assert_served(out["dflash"])
