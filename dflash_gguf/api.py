@@ -35,7 +35,7 @@ import llama_cpp._internals as internals
 import llama_cpp.llama_chat_format as llama_chat_format
 
 from dflash_gguf.calls import CallState, Request, check_grammar
-from dflash_gguf.constraints import Constraints, Grammar
+from dflash_gguf.constraints import Constraints, request_constraints
 from dflash_gguf.constructors import PairConstructors
 from dflash_gguf.engine import Context, ContextOptions, DrafterInfo, Model, clamp_n_draft
 from dflash_gguf.pair import pair_files
@@ -441,7 +441,7 @@ class Llama(PairConstructors, llama_cpp.Llama):
             req.served, req.stats = True, stats
         self.last_dflash_stats = stats
         # processors (logit_bias among them) and the grammar judge every verify row, as llama_cpp's chain
-        limits = Constraints(logits_processor or (), Grammar.of(self, grammar) if grammar is not None else None, tokens)
+        limits = request_constraints(self, tokens, grammar, logits_processor=logits_processor)
         gen = self._dflash_tokens(list(tokens), sp, stats, req, stop_token_ids(stopping_criteria) or set(), limits)
         self._call.live = weakref.ref(gen)
         return self._watched(req, len(tokens), gen)
@@ -470,7 +470,7 @@ class Llama(PairConstructors, llama_cpp.Llama):
             gen.close()
 
     def _dflash_tokens(self, prompt: list[int], sp: SamplingParams, stats: GenerationStats,
-                       req: Request | None, stop_ids: set[int], limits: Constraints) -> Iterator[int]:
+                       req: Request | None, stop_ids: set[int], limits: Constraints | None) -> Iterator[int]:
         room = max(self._n_ctx - len(prompt), 0)
         want = req.max_tokens if req is not None else None
         # Draft no further than the request needs. llama_cpp reads on past max_tokens while a UTF-8

@@ -80,6 +80,35 @@ class Grammar:
             pass
 
 
+def logit_bias_processor(bias: dict) -> Callable:
+    """llama_cpp's ``logit_bias`` as a processor: ``{token id: added logit}`` (ids as str or int)."""
+    ids = np.array([int(k) for k in bias], dtype=np.int64)
+    add = np.array([float(v) for v in bias.values()], dtype=np.float32)
+
+    def processor(input_ids, scores):
+        out = np.array(scores, dtype=np.float32)
+        out[ids] = scores[ids] + add
+        return out
+    return processor
+
+
+def request_constraints(llm, prompt: Sequence[int], grammar=None, logit_bias: dict | None = None,
+                        response_format: dict | None = None, logits_processor=None) -> Constraints | None:
+    """A request's constraints as llama_cpp builds them: ``grammar`` (a :class:`llama_cpp.LlamaGrammar`),
+    or a chat ``response_format`` of type ``json_object`` (with an optional ``schema``; it replaces the
+    grammar, as in llama_cpp's chat handlers), then ``logits_processor`` and ``logit_bias``."""
+    if response_format is not None and response_format.get("type") == "json_object":
+        from llama_cpp.llama_chat_format import _grammar_for_response_format
+
+        grammar = _grammar_for_response_format(response_format)
+    procs = list(logits_processor or ())
+    if logit_bias:
+        procs.append(logit_bias_processor(logit_bias))
+    if grammar is None and not procs:
+        return None
+    return Constraints(procs, Grammar.of(llm, grammar) if grammar is not None else None, prompt)
+
+
 class Constraints:
     """One request's logits processors and grammar (either may be absent), for its TokenChooser."""
 

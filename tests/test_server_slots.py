@@ -100,6 +100,45 @@ def test_chat_equals_llama_cpp(server, plain):
     assert "".join(c["choices"][0]["delta"].get("content", "") for c in chunks) == want["message"]["content"]
 
 
+def test_constrained_requests_run_in_the_slots(server, plain):
+    """Grammars, logit_bias and chat JSON mode are batched like any request (each verify row judged under
+    its own request's grammar state): every response equals llama_cpp's alone."""
+    url, srv = server
+    g = 'root ::= [a-z ]+ | "(" [a-z, ]* ")" [a-z:\n ]*'
+    bias = {"13": 4.0, "30": -50.0}
+    cases = [("c", PROMPTS[i], dict(grammar=g)) for i in range(3)] + \
+        [("c", PROMPTS[3], dict(logit_bias=bias)), ("c", PROMPTS[4], dict(grammar=g, logit_bias=bias)),
+         ("chat", [{"role": "user", "content": "a JSON object, please"}], dict(response_format={"type": "json_object"}))]
+
+    def want(kind, prompt, extra):
+        kw = dict(extra, max_tokens=32, temperature=0)
+        if "grammar" in kw:
+            kw["grammar"] = llama_cpp.LlamaGrammar.from_string(kw["grammar"], verbose=False)
+        if kind == "chat":
+            return plain.create_chat_completion(prompt, **kw)["choices"][0]["message"]["content"]
+        return plain.create_completion(prompt, **kw)["choices"][0]["text"]
+
+    def got(case):
+        kind, prompt, extra = case
+        if kind == "chat":
+            r = httpx.post(f"{url}/v1/chat/completions", json={"messages": prompt, "max_tokens": 32, "temperature": 0,
+                                                              **extra}, timeout=120).json()
+            return r["choices"][0]["message"]["content"], r["dflash"]
+        r = _complete(url, prompt, max_tokens=32, **extra)
+        return r["choices"][0]["text"], r["dflash"]
+
+    wants = [want(*c) for c in cases]
+    before = srv.slots.sequences
+    with ThreadPoolExecutor(len(cases)) as pool:
+        results = list(pool.map(got, cases))
+    for case, w, (text, info) in zip(cases, wants, results):
+        assert text == w, case
+        assert info["enabled"] is True, (case, info)
+    # every target pass of theirs was a sequence of a batched step
+    assert srv.slots.sequences - before >= sum(info["passes"] for _, info in results), "they ran in the slots"
+    assert sum(info["accepted"] for _, info in results) > 0
+
+
 def test_requests_the_slots_do_not_serve_run_on_the_llama(server, plain):
     url, srv = server
     r = _complete(url, PROMPTS[0], max_tokens=8, echo=True)

@@ -464,7 +464,7 @@ def create_app(llm, model_id: str | None = None, *, max_queue: int | None = None
             kw["grammar"] = grammar
         prompt = body.prompt
         _check_prompt(llm, prompt)
-        if srv.slots is not None and grammar is None and body.logprobs is None and not body.echo \
+        if srv.slots is not None and body.logprobs is None and not body.echo \
                 and srv.slots.eligible(_set(kw)) and (body.typical_p in (None, 1.0)):
             from dflash_gguf.server import slots as S
 
@@ -490,9 +490,8 @@ def create_app(llm, model_id: str | None = None, *, max_queue: int | None = None
             if not hasattr(llm, "dflash_info"):
                 raise BadRequest("chat_template_kwargs needs a dflash_gguf.Llama", "chat_template_kwargs")
             kw["chat_template_kwargs"] = body.chat_template_kwargs
-        if srv.slots is not None and grammar is None and not body.logprobs and body.top_logprobs is None \
-                and body.response_format is None and not body.tools and body.tool_choice is None \
-                and srv.slots.eligible(_set(kw)) \
+        if srv.slots is not None and not body.logprobs and body.top_logprobs is None \
+                and not body.tools and body.tool_choice is None and srv.slots.eligible(_set(kw)) \
                 and body.typical_p in (None, 1.0):
             from dflash_gguf.server import slots as S
 

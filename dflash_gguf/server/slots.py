@@ -1,7 +1,7 @@
 """``--parallel N``: requests decoded together, N sequences per step, in one batched engine.
 
 Beside the server's :class:`dflash_gguf.Llama` (which keeps serving what the batched engine does not:
-grammars, JSON formats, tools, logprobs, logit_bias, echo, chat formats without a known formatter),
+tools, logprobs, echo, chat formats without a known formatter),
 :class:`Slots` runs a :class:`dflash_gguf.decoding.DFlashDecoder` of N sequences on the same models (its own
 target context of N x n_ctx positions and drafter context of N windows) in one thread. Each step drafts
 every running request's block in one drafter decode and verifies them all in one target decode; a
@@ -23,6 +23,7 @@ from typing import Any
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from dflash_gguf.batch import StopStrings, formatted_prompt
+from dflash_gguf.constraints import request_constraints
 from dflash_gguf.server.app import POLL_S, _error_response, _usage_chunk, error_body
 from dflash_gguf.engine import Context, ContextOptions, Model
 from dflash_gguf.sampling import SamplingParams
@@ -32,10 +33,11 @@ from dflash_gguf.decoding.stats import GenerationStats
 
 log = logging.getLogger("dflash_gguf.server")
 
-# request fields the batched engine serves; any other set field (grammar, logprobs, logit_bias, echo,
-# response_format, tools, mirostat, typical_p < 1, chat_template_kwargs) goes to the Llama
+# request fields the batched engine serves; any other set field (logprobs, echo, tools, tool_choice, mirostat,
+# typical_p < 1, chat_template_kwargs) goes to the Llama
 SERVED = frozenset({"temperature", "top_p", "top_k", "min_p", "repeat_penalty", "frequency_penalty",
-                    "presence_penalty", "seed", "stop", "dflash", "max_tokens", "stream", "model"})
+                    "presence_penalty", "seed", "stop", "dflash", "max_tokens", "stream", "model", "grammar",
+                    "logit_bias", "response_format"})
 
 
 class Job:
@@ -231,8 +233,11 @@ def make_job(slots: Slots, loop, prompt_ids: list[int], kw: dict, stops: list[st
     room = max(slots.target.n_ctx - len(prompt_ids), 0)
     if max_tokens is None or max_tokens <= 0:
         max_tokens = room
+    fmt = kw.get("response_format") if chat else None
+    limits = request_constraints(slots.llm, prompt_ids, kw.get("grammar"), kw.get("logit_bias"),
+                                 fmt if isinstance(fmt, dict) else None)
     request = Request(prompt_ids, min(max_tokens, room), sampling(kw, chat),
-                      use_draft=kw.get("dflash") is not False, stats=GenerationStats())
+                      use_draft=kw.get("dflash") is not False, stats=GenerationStats(), constraints=limits)
     return Job(loop, request, StopStrings(slots.model.token_bytes, stops))
 
 
