@@ -532,8 +532,10 @@ class Llama(PairConstructors, llama_cpp.Llama):
         """Make llama_cpp's view describe the target KV the decoder left behind."""
         cache = self._decoder.cache
         n = len(cache)
-        if n:
-            self.input_ids[:n] = cache
+        # llama_cpp sizes input_ids by the n_ctx asked for and stores no further (llama.cpp may pad
+        # the context past it, 1000 -> 1024, and generation runs to the padded end): so here
+        held = min(n, len(self.input_ids))
+        self.input_ids[:held] = cache[:held]
         self.n_tokens = n
         self._requires_eval = True
 

@@ -29,6 +29,20 @@ MAX_EXPERTS = 512          # LLAMA_MAX_EXPERTS (llama.cpp asserts above it)
 MAX_KEY = 65535
 MAX_TAPS = 64
 
+# The architectures llama.cpp gives recurrent layers (src/llama-arch.cpp of the pinned tree:
+# llm_arch_is_recurrent, llm_arch_is_hybrid; tests/test_gguf_check_archs.py keeps them in step).
+# Their converters write a head count of 0 for every layer without attention (mamba, mamba2 and
+# rwkv for all of them), and llama.cpp derives the head sizes only from a non-zero count.
+RECURRENT_ARCHS = frozenset({"mamba", "mamba2", "rwkv6", "rwkv6qwen2", "rwkv7", "arwkv7"})
+HYBRID_ARCHS = frozenset({"jamba", "falcon-h1", "plamo2", "granitehybrid", "lfm2", "lfm2moe", "nemotron_h",
+                          "nemotron_h_moe", "qwen3next", "kimi-linear", "bailingmoe3", "kimi-k3", "glm5-next",
+                          "qwen35", "qwen35moe", "qwen4exp", "deepseek4", "minimax-01"})
+
+
+def has_recurrent_layers(arch: str | None) -> bool:
+    """Whether llama.cpp runs ``arch`` with recurrent layers (which have no attention heads)."""
+    return arch in RECURRENT_ARCHS or arch in HYBRID_ARCHS
+
 # value types: id -> (name, struct format or None for variable size)
 T_UINT8, T_INT8, T_UINT16, T_INT16, T_UINT32, T_INT32, T_FLOAT32, T_BOOL, T_STRING, T_ARRAY, \
     T_UINT64, T_INT64, T_FLOAT64 = range(13)
@@ -343,8 +357,8 @@ def _check_model(h: GGUFHeader, r: _Reader) -> None:
                                        kv_heads if len(kv_heads) > 1 else kv_heads * n_layer)):
             if a and (not b or a % b):
                 r.fail(f"layer {i}: {a} attention heads are not a multiple of {b} KV heads")
-    if heads is not None and not any(heads) and "ssm" not in arch and "rwkv" not in arch:
-        r.fail(f"{arch}.attention.head_count is 0")
+    if heads is not None and not any(heads) and not has_recurrent_layers(arch):
+        r.fail(f"{arch}.attention.head_count is 0 (only architectures with recurrent layers have no heads)")
     if heads is not None and len(heads) == 1 and heads[0] and f"{arch}.attention.key_length" not in h.kv \
             and n_embd % heads[0]:
         r.fail(f"embedding length {n_embd} is not a multiple of the head count {heads[0]}")
