@@ -30,7 +30,7 @@ MAX_KEY = 65535
 MAX_TAPS = 64
 
 # The architectures llama.cpp gives recurrent layers (src/llama-arch.cpp of the pinned tree:
-# llm_arch_is_recurrent, llm_arch_is_hybrid; tests/test_gguf_check_archs.py keeps them in step).
+# llm_arch_is_recurrent, llm_arch_is_hybrid; tests/test_llama_parity.py keeps them in step).
 # Their converters write a head count of 0 for every layer without attention (mamba, mamba2 and
 # rwkv for all of them), and llama.cpp derives the head sizes only from a non-zero count.
 RECURRENT_ARCHS = frozenset({"mamba", "mamba2", "rwkv6", "rwkv6qwen2", "rwkv7", "arwkv7"})
