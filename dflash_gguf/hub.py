@@ -51,16 +51,20 @@ def looks_like_repo_id(value: str | os.PathLike) -> bool:
 
 
 def snapshot(repo_id: str, patterns: list[str], *, revision: str | None = None, cache_dir=None,
-             local_files_only: bool = False) -> Path:
-    """The local snapshot folder of ``repo_id`` holding (at least) the files matching ``patterns``."""
+             local_files_only: bool = False, local_dir=None, local_dir_use_symlinks="auto") -> Path:
+    """The local snapshot folder of ``repo_id`` holding (at least) the files matching ``patterns``
+    (``local_dir``: that folder instead of the cache, as huggingface_hub lays it out)."""
     hub = _hub()
     from huggingface_hub.utils import validate_repo_id
 
     validate_repo_id(repo_id)
-    where = cache_dir or os.environ.get("HF_HUB_CACHE") or "the Hugging Face cache"
+    where = local_dir or cache_dir or os.environ.get("HF_HUB_CACHE") or "the Hugging Face cache"
+    extra = {"local_dir": local_dir} if local_dir is not None else {}
+    if local_dir is not None and local_dir_use_symlinks != "auto":   # deprecated by huggingface_hub: only if asked
+        extra["local_dir_use_symlinks"] = local_dir_use_symlinks
     try:
         path = hub.snapshot_download(repo_id, revision=revision, allow_patterns=patterns, cache_dir=cache_dir,
-                                     local_files_only=local_files_only)
+                                     local_files_only=local_files_only, **extra)
     except Exception as e:   # LocalEntryNotFoundError, RepositoryNotFoundError, RevisionNotFoundError, HTTP errors
         if offline() or local_files_only or type(e).__name__ == "LocalEntryNotFoundError":
             raise HubFileNotFound(
@@ -71,22 +75,68 @@ def snapshot(repo_id: str, patterns: list[str], *, revision: str | None = None, 
     return Path(path)
 
 
-def hub_file(repo_id: str, filename: str, *, revision: str | None = None, cache_dir=None,
-             local_files_only: bool = False) -> Path:
-    """The one file of ``repo_id`` that ``filename`` (a name or a glob, e.g. ``*q8_0.gguf``) matches."""
-    root = snapshot(repo_id, [filename], revision=revision, cache_dir=cache_dir, local_files_only=local_files_only)
-    found = sorted(p for p in root.rglob("*") if p.is_file() and fnmatch.fnmatch(p.relative_to(root).as_posix(),
-                                                                                  filename))
+def _files(root: Path) -> list[str]:
+    """The repository's files under a snapshot folder (a local_dir's own ``.cache`` left out)."""
+    return sorted(rel for rel in (p.relative_to(root).as_posix() for p in root.rglob("*") if p.is_file())
+                  if not rel.startswith(".cache/"))
+
+
+def _match(repo_id: str, root: Path, filename: str, offline_mode: bool) -> str:
+    found = [rel for rel in _files(root) if fnmatch.fnmatch(rel, filename)]
     if not found:
-        mode = " (offline: only the cache was searched)" if offline() or local_files_only else ""
-        have = sorted(p.relative_to(root).as_posix() for p in root.rglob("*") if p.is_file())
+        mode = " (offline: only the cache was searched)" if offline_mode else ""
         raise HubFileNotFound(f"no file matching {filename!r} in {repo_id}{mode}; "
-                              f"have: {', '.join(have) or 'nothing'} (in {root})")
+                              f"have: {', '.join(_files(root)) or 'nothing'} (in {root})")
     if len(found) > 1:
-        raise ValueError(f"{len(found)} files of {repo_id} match {filename!r}: "
-                         f"{', '.join(p.relative_to(root).as_posix() for p in found)}; name one")
-    log.info("%s: %s", repo_id, found[0])
+        raise ValueError(f"{len(found)} files of {repo_id} match {filename!r}: {', '.join(found)}; name one")
     return found[0]
+
+
+def hub_file(repo_id: str, filename: str, *, revision: str | None = None, cache_dir=None,
+             local_files_only: bool = False, local_dir=None, local_dir_use_symlinks="auto") -> Path:
+    """The one file of ``repo_id`` that ``filename`` (a name or a glob, e.g. ``*q8_0.gguf``) matches."""
+    kw = dict(revision=revision, cache_dir=cache_dir, local_files_only=local_files_only, local_dir=local_dir,
+              local_dir_use_symlinks=local_dir_use_symlinks)
+    root = snapshot(repo_id, [filename], **kw)
+    rel = _match(repo_id, root, filename, offline() or local_files_only)
+    log.info("%s: %s", repo_id, root / rel)
+    return root / rel
+
+
+# llama.cpp's split GGUF names (gguf-split, llama_split_path): PREFIX-00001-of-00003.gguf
+_SHARD = re.compile(r"^(?P<prefix>.+)-(?P<no>\d{5})-of-(?P<n>\d{5})\.gguf$")
+
+
+def split_shards(path: str) -> list[str]:
+    """For the first shard of a split GGUF, the names of all its shards in order (llama.cpp opens the
+    others beside the first); [] for any other name."""
+    m = _SHARD.match(path)
+    if m is None or int(m["no"]) != 1:
+        return []
+    n = int(m["n"])
+    return [f"{m['prefix']}-{i:05d}-of-{n:05d}.gguf" for i in range(1, n + 1)]
+
+
+def hub_model(repo_id: str, filename: str, additional_files: list[str] | None = None, **kw) -> Path:
+    """A GGUF of ``repo_id`` as ``llama_cpp.Llama.from_pretrained`` fetches it: the file ``filename``
+    matches, then each of ``additional_files`` (a name or a glob matching one file each: the other
+    shards of a split GGUF, say) into the same folder. For the first shard of a split GGUF the shards
+    not named are fetched too. Returns the path of the file to open (the first shard)."""
+    quiet = offline() or bool(kw.get("local_files_only"))
+    root = snapshot(repo_id, [filename], **kw)
+    rel = _match(repo_id, root, filename, quiet)
+    for extra in additional_files or []:
+        root = snapshot(repo_id, [extra], **kw)   # the same snapshot folder: one revision
+        _match(repo_id, root, extra, quiet)
+    shards = split_shards(rel)
+    if shards:
+        root = snapshot(repo_id, shards, **kw)
+        missing = [s for s in shards if not (root / s).is_file()]
+        if missing:
+            where = "the cache (offline)" if quiet else repo_id
+            raise HubFileNotFound(f"{repo_id}: shard {', '.join(missing)} of the split GGUF {rel} is not in {where}")
+    log.info("%s: %s%s", repo_id, root / rel, f" ({len(shards)} shards)" if shards else "")
+    return root / rel
 
 
 def pair_snapshot(repo_id: str, *, revision: str | None = None, cache_dir=None, local_files_only: bool = False) -> Path:

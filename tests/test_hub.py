@@ -140,3 +140,75 @@ def test_convert_fetches_checkpoints_from_the_cache(cache, pair, offline):
     spec = validate_pair(t, d)
     assert spec.kind == "dflash" and spec.block_size == 8
     assert checkpoint(str(pair.target_hf)) == pair.target_hf      # a local folder stays itself
+
+
+# --------------------------------------------------------------------------- llama_cpp's from_pretrained
+def test_from_pretrained_signature_is_llama_cpp_s():
+    """The same positional parameters, names and defaults as llama_cpp.Llama.from_pretrained; the
+    drafter's are keyword-only."""
+    import inspect
+
+    import llama_cpp
+
+    ours = list(inspect.signature(Llama.from_pretrained).parameters.values())
+    theirs = [p for p in inspect.signature(llama_cpp.Llama.from_pretrained).parameters.values()
+              if p.kind is not inspect.Parameter.VAR_KEYWORD]
+    assert [(p.name, p.kind, p.default) for p in ours[: len(theirs)]] == \
+        [(p.name, p.kind, p.default) for p in theirs]
+    rest = {p.name: p.kind for p in ours[len(theirs):]}
+    assert {"draft_repo_id", "draft_filename"} <= set(rest)
+    assert set(rest.values()) <= {inspect.Parameter.KEYWORD_ONLY, inspect.Parameter.VAR_KEYWORD}
+
+
+@pytest.fixture(scope="module")
+def split_target(pair, models):
+    import peer_models
+
+    shards = peer_models.split_gguf(pair.target_hf, models.root / "split-target", max_tensors=16)
+    assert len(shards) >= 3 and shards[0].name.endswith("-00001-of-%05d.gguf" % len(shards))
+    return shards
+
+
+def test_from_pretrained_split_gguf_offline(offline, split_target, plain):
+    """A split GGUF as llama_cpp fetches it: the first shard by ``filename``, the others by
+    ``additional_files`` (positional, as llama_cpp takes them); shards not listed are fetched too."""
+    n = len(split_target)
+    put_repo(offline, "org/tiny-split-GGUF", {f"F32/{s.name}": s for s in split_target})
+    want = plain("def main(", max_tokens=16, temperature=0)["choices"][0]["text"]
+    others = [f"F32/*-{i:05d}-of-{n:05d}.gguf" for i in range(2, n + 1)]
+    for extra in (others, others[:1], None):
+        llm = Llama.from_pretrained("org/tiny-split-GGUF", "*-00001-of-*.gguf", extra, **KW)
+        try:
+            assert Path(llm.model_path).name == split_target[0].name
+            assert llm("def main(", max_tokens=16, temperature=0)["choices"][0]["text"] == want
+        finally:
+            llm.close()
+    llm = Llama.from_pretrained("org/tiny-split-GGUF", "*-00001-of-*.gguf", draft_repo_id="org/tiny-drafter-GGUF",
+                                draft_filename="drafter-*.gguf", **KW)
+    try:
+        out = llm("def main(", max_tokens=16, temperature=0)
+        assert out["choices"][0]["text"] == want and out["dflash"]["enabled"] is True
+    finally:
+        llm.close()
+    put_repo(offline, "org/tiny-split-incomplete", {s.name: s for s in split_target[:-1]})
+    with pytest.raises(HubFileNotFound, match=f"shard .*-{n:05d}-of-{n:05d}.gguf"):
+        Llama.from_pretrained("org/tiny-split-incomplete", "*-00001-of-*.gguf", **KW)
+    with pytest.raises(HubFileNotFound, match="no file matching"):
+        Llama.from_pretrained("org/tiny-split-GGUF", "*-00001-of-*.gguf", ["*-00009-of-*.gguf"], **KW)
+
+
+def test_from_pretrained_local_dir_offline(offline, pair, plain, tmp_path):
+    """``local_dir`` is where the files are (and go), not a keyword swallowed by the constructor."""
+    local = tmp_path / "local"
+    local.mkdir()
+    shutil.copyfile(pair.target, local / "tiny-target-f32.gguf")
+    shutil.copyfile(pair.drafter, local / "drafter-f32.gguf")
+    llm = Llama.from_pretrained("org/only-in-local-dir", "tiny-*.gguf", None, local, "auto",
+                                draft_filename="drafter-*.gguf", **KW)
+    try:
+        assert Path(llm.model_path).resolve() == (local / "tiny-target-f32.gguf").resolve()
+        assert Path(llm.draft_model_path).resolve() == (local / "drafter-f32.gguf").resolve()
+        out = llm("def main(", max_tokens=12, temperature=0)
+        assert out["choices"][0]["text"] == plain("def main(", max_tokens=12, temperature=0)["choices"][0]["text"]
+    finally:
+        llm.close()
