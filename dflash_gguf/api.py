@@ -368,8 +368,7 @@ class Llama(PairConstructors, llama_cpp.Llama):
         return plain_reason(Call(
             sampling=sampling, drafter=self._decoder is not None, want=bool(want), default=bool(self.dflash),
             draft_model=self.draft_model is not None, reset=reset, stopping_criteria=stopping_criteria,
-            mirostat_mode=mirostat_mode,
-            logits_all=bool(self._logits_all), logprobs=request.logprobs if request is not None else None))
+            mirostat_mode=mirostat_mode))
 
     def _check_free(self) -> None:
         """Raise BusyError when another thread has a generation in flight on this Llama."""
@@ -487,13 +486,15 @@ class Llama(PairConstructors, llama_cpp.Llama):
             if stop_ids and prompt[-1] in stop_ids:
                 stats.finish = "stop"   # llama_cpp's criterion fires before the first token
                 return
-            inner = dec.generate(prompt, budget, sampling=sp, stats=stats, stop_tokens=stop, constraints=limits)
+            inner = dec.generate(prompt, budget, sampling=sp, stats=stats, stop_tokens=stop, constraints=limits,
+                                 logits_sink=self._score_row if self._logits_all else None)
             for tok in inner:
                 emitted.append(tok)
                 yield tok
             if stats.finish == "length" and budget < room:
                 head = (stats.n_prompt, stats.n_reused)
-                inner = dec.generate(prompt + emitted, room - len(emitted), sampling=sp, stats=stats, stop_tokens=stop)
+                inner = dec.generate(prompt + emitted, room - len(emitted), sampling=sp, stats=stats, stop_tokens=stop,
+                                     logits_sink=self._score_row if self._logits_all else None)
                 for tok in inner:
                     emitted.append(tok)
                     yield tok
@@ -507,6 +508,13 @@ class Llama(PairConstructors, llama_cpp.Llama):
             if inner is not None:
                 inner.close()           # the decoder rolls both caches back to the consumed tokens
             self._publish_cache()
+
+    def _score_row(self, pos: int, row) -> None:
+        """logits_all: a row of llama_cpp's scores, as its eval would keep it (its logprobs read them,
+        streamed ones while the generation runs: n_tokens follows)."""
+        if pos < len(self.scores):
+            self.scores[pos, :] = row
+            self.n_tokens = pos + 1
 
     def _finish_live(self) -> None:
         """Close a DFlash generator that its consumer abandoned without closing it."""

@@ -2,8 +2,10 @@
 
 DFlash serves a generation only where its output is exactly what ``llama_cpp.Llama`` gives (the
 same tokens greedy, the same distribution sampled); grammars and logits processors (``logit_bias``)
-are applied on every verify row (:mod:`dflash_gguf.constraints`). Everything else falls back to the plain path,
-and the reason is reported (the ``"dflash"`` object of a response, ``Llama.last_dflash_stats``).
+are applied on every verify row (:mod:`dflash_gguf.constraints`), and with ``logits_all=True`` the
+prompt's and every kept token's logits rows fill llama_cpp's scores (its logprobs read them).
+Everything else falls back to the plain path, and the reason is reported (the ``"dflash"`` object of
+a response, ``Llama.last_dflash_stats``).
 """
 from __future__ import annotations
 
@@ -24,8 +26,6 @@ class Call:
     reset: bool = True
     stopping_criteria: object = None
     mirostat_mode: int = 0
-    logits_all: bool = False
-    logprobs: int | None = None
 
 
 def plain_reason(c: Call) -> str | None:
@@ -42,8 +42,4 @@ def plain_reason(c: Call) -> str | None:
         return "stopping_criteria that read more than token ids (use dflash_gguf.StopOnTokens)"
     if c.mirostat_mode:
         return "mirostat sampling"
-    if c.logits_all:
-        return "logits_all=True (per-token scores are only filled by the plain path)"
-    if c.logprobs is not None:
-        return "logprobs requested"
     return c.sampling.unsupported()

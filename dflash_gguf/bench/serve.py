@@ -211,6 +211,14 @@ def engine_only(pair: str, clients: list[int], n_tokens: int, threads: int, ctx:
     return rows
 
 
+def cpu_name() -> str:
+    """The CPU's model name (for every figure's label)."""
+    try:
+        return next(ln.split(":", 1)[1].strip() for ln in open("/proc/cpuinfo") if ln.startswith("model name"))
+    except (OSError, StopIteration):
+        return platform.processor() or "?"
+
+
 def medians(rows: list[dict]) -> list[dict]:
     """One row per pair, client count and server: the median of its runs, figure by figure."""
     groups: dict[tuple, list[dict]] = {}
@@ -274,11 +282,7 @@ def main(argv: list[str] | None = None) -> int:
             rows += engine_only(pair, clients, 2 * a.tokens, a.threads, a.ctx_size)
     if a.engine:
         servers += ["engine", "engine-plain"]
-    cpu = platform.processor() or "?"
-    try:
-        cpu = next(ln.split(":", 1)[1].strip() for ln in open("/proc/cpuinfo") if ln.startswith("model name"))
-    except (OSError, StopIteration):
-        pass
+    cpu = cpu_name()
     cmd = "python -m dflash_gguf.bench.serve " + " ".join(argv if argv is not None else sys.argv[1:])
     md = (f"Server benchmark. {cmd}\n\nMachine: {cpu}, {os.cpu_count()} cores; {a.threads} threads per server; "
           f"{a.requests} greedy streamed requests of {a.tokens} tokens per run"

@@ -225,15 +225,24 @@ class DFlashDecoder(Scheduling):
         elif feed is None:
             split = len(tokens)
         step = self.target.n_ubatch   # llama.cpp keeps n_ubatch <= n_batch
+        sink = s.logits_sink
         for off in range(0, split, step):
             chunk = tokens[off:min(off + step, split)]
-            self.target.decode(chunk, pos0 + off, out_row0=len(chunk), seq=s.slot)
+            self.target.decode(chunk, pos0 + off, out_row0=0 if sink else len(chunk), seq=s.slot)
+            self._sink_rows(s, pos0 + off, 0, len(chunk))
         step = min(self.tap_rows, TAP_ROWS)
         for off in range(split, len(tokens), step):
             chunk = tokens[off:off + step]
-            self.target.decode(chunk, pos0 + off, out_row0=len(chunk), seq=s.slot)
+            self.target.decode(chunk, pos0 + off, out_row0=0 if sink else len(chunk), seq=s.slot)
+            self._sink_rows(s, pos0 + off, 0, len(chunk))
             feed.inject(pos0 + off, len(chunk), "injecting prompt features into the drafter", end)
         stats.t_prefill += time.perf_counter() - t0
+
+    def _sink_rows(self, s: Slot, pos: int, row0: int, n: int) -> None:
+        """Hand rows ``row0..row0+n`` of the last decode (positions ``pos..``) to the request's sink."""
+        if s.logits_sink is not None:
+            for j in range(n):
+                s.logits_sink(pos + j, self.target.logits_row(row0 + j))
 
     def _lengths(self, seqs: list[Slot]) -> tuple[list[int], DraftLength | None, int]:
         """Tokens each sequence drafts this step, the gate that chose them (if any) and its choice."""
@@ -329,7 +338,9 @@ class DFlashDecoder(Scheduling):
                 commit = sampled_accept(draft, lambda j, r=r: self.target.logits_row(r + j), s.chooser, qs[i])
             a = len(commit) - 1
             s.stats.observe_step(n, a)
-            steps.append(Step(len(s.cache), n, a, cut_at_stop(commit, s.stop), rows[r:r + n + 1].copy(), r, saved[i]))
+            commit = cut_at_stop(commit, s.stop)
+            self._sink_rows(s, len(s.cache), r, len(commit))
+            steps.append(Step(len(s.cache), n, a, commit, rows[r:r + n + 1].copy(), r, saved[i]))
         return steps, gate, choice
 
     def _settle(self, s: Slot, st: Step, consumed: int) -> None:
@@ -376,11 +387,13 @@ class DFlashDecoder(Scheduling):
 
     def _begin(self, s: Slot, prompt: list[int], max_tokens: int, sp: SamplingParams, stats: GenerationStats,
                stop: set[int] | frozenset[int], use_draft: bool, index: int = -1, defer: bool = False,
-               constraints: Constraints | None = None) -> None:
+               constraints: Constraints | None = None, logits_sink=None) -> None:
         """Start a request on slot ``s``: both caches to ``prompt[:-1]`` (reusing what they share); with
         ``defer``, only the reuse: the rest of the prompt waits in ``s.todo`` (see :meth:`_prefill_chunk`).
-        ``constraints``: the request's logits processors and grammar (closed when it ends)."""
+        ``constraints``: the request's logits processors and grammar (closed when it ends); ``logits_sink``:
+        see :class:`~dflash_gguf.decoding.sequence.Request`."""
         s.t_start = time.perf_counter()
+        s.logits_sink = logits_sink
         s.index, s.produced, s.max_tokens, s.stop, s.stats = index, 0, max_tokens, stop, stats
         s.chooser = TokenChooser(sp, constraints)
         # greedy rows read the target's argmax ids; penalties, processors and grammars judge the logits
@@ -463,23 +476,28 @@ class DFlashDecoder(Scheduling):
 
     def generate(self, prompt: Sequence[int], max_tokens: int, sampling: SamplingParams | None = None,
                  stats: GenerationStats | None = None, stop_tokens: Sequence[int] | None = None,
-                 use_draft: bool = True, constraints: Constraints | None = None) -> Iterator[int]:
+                 use_draft: bool = True, constraints: Constraints | None = None,
+                 logits_sink=None) -> Iterator[int]:
         """Yield the target's tokens for ``prompt`` (exactly those plain decoding would give), on slot 0.
 
         Stops after an end-of-generation / stop token (which is yielded), after ``max_tokens``, or
         when the context is full. ``stats`` (optional) is filled in as it goes. ``constraints``: logits
-        processors and a grammar, as llama_cpp applies them (the decoder closes it at the end).
+        processors and a grammar, as llama_cpp applies them (the decoder closes it at the end);
+        ``logits_sink(position, row)``: every prompt row's and committed token's logits (logits_all).
         """
         sp = sampling or SamplingParams()
         stats = stats if stats is not None else GenerationStats()
         prompt = self._check(prompt)
         return self._run_one(prompt, max_tokens, sp, stats,
-                             self.eog if stop_tokens is None else set(map(int, stop_tokens)), use_draft, constraints)
+                             self.eog if stop_tokens is None else set(map(int, stop_tokens)), use_draft, constraints,
+                             logits_sink)
 
     def _run_one(self, prompt: list[int], max_tokens: int, sp: SamplingParams, stats: GenerationStats,
-                 stop: set[int] | frozenset[int], use_draft: bool, constraints: Constraints | None) -> Iterator[int]:
+                 stop: set[int] | frozenset[int], use_draft: bool, constraints: Constraints | None,
+                 logits_sink) -> Iterator[int]:
         s = self.seqs[0]
-        self._begin(s, prompt, max_tokens, sp, stats, stop, use_draft, constraints=constraints)
+        self._begin(s, prompt, max_tokens, sp, stats, stop, use_draft, constraints=constraints,
+                    logits_sink=logits_sink)
         try:
             st = None
             while not self._finished(s, st):

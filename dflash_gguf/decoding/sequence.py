@@ -28,6 +28,9 @@ class Request:
     consumer: Callable[[list[int]], int | None] | None = None
     error: BaseException | None = None         # set when the request failed (its prompt could not be decoded)
     constraints: Constraints | None = None     # logits processors and a grammar (the decoder closes it at the end)
+    # called with (position, logits row) for every prompt row and every committed token's row, before the
+    # tokens are handed over (what llama_cpp keeps with logits_all=True)
+    logits_sink: Callable[[int, np.ndarray], None] | None = None
 
 
 @dataclass
@@ -58,6 +61,7 @@ class Slot:
     max_tokens: int = 0
     stop: frozenset[int] | set[int] = frozenset()
     chooser: TokenChooser | None = None
+    logits_sink: Callable[[int, np.ndarray], None] | None = None
     greedy: bool = True
     n_draft: int = 0                  # most tokens this request drafts per step (0: plain)
     gate: DraftLength | None = None   # its speed gate alone (None: fixed length)
