@@ -148,6 +148,19 @@ def test_a_json_schema_equals_llama_cpp(plain, fast, oracle):
         assert set(json.loads(b["choices"][0]["message"]["content"])) == {"id", "tag"}
 
 
+def test_a_tool_call_equals_llama_cpp(plain, fast, oracle):
+    """tools + tool_choice: llama_cpp's chat handler constrains the reply with the function's schema."""
+    tool = {"type": "function", "function": {"name": "add", "parameters": {
+        "type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}}, "required": ["a", "b"]}}}
+    msgs = [{"role": "user", "content": "add 2 and 3"}]
+    a, b = both(plain, fast, oracle, "create_chat_completion", msgs, max_tokens=40, temperature=0, tools=[tool],
+                tool_choice={"type": "function", "function": {"name": "add"}})
+    ca, cb = a["choices"][0]["message"], b["choices"][0]["message"]
+    assert [c["function"] for c in cb["tool_calls"]] == [c["function"] for c in ca["tool_calls"]]
+    assert cb["tool_calls"][0]["function"]["name"] == "add"
+    assert_served(b["dflash"])
+
+
 def test_logit_bias_and_processors_equal_llama_cpp(plain, fast, oracle):
     """logit_bias (which llama_cpp turns into a processor) and a processor of ids and scores change the
     text; DFlash serves them with llama_cpp's output."""
