@@ -211,3 +211,90 @@ def test_a_sampled_grammar_request_is_served_and_stays_in_the_grammar(fast):
     out = fast.create_completion("def main(", max_tokens=20, temperature=0.9, seed=5, grammar=_grammar(LOWER))
     assert re.fullmatch(r"[a-z ]*", out["choices"][0]["text"])
     assert_served(out["dflash"])
+
+
+def test_sampling_under_a_grammar_keeps_the_target_distribution(models):
+    """DFlash at temperature 1 under a grammar: the first three tokens follow the exact distribution of
+    the constrained chain (computed one prefix at a time from the target's logits, the grammar advanced
+    along the prefix), with an oracle proposing the greedy constrained text (blocks accepted, rejected,
+    and cut where a planted token is forbidden); the same chain also matches llama_cpp's own sampler."""
+    import itertools
+
+    from dflash_gguf.decoding import DFlashDecoder, GenerationStats, OverrideProposer, SpecOptions
+    from dflash_gguf.engine import Context, ContextOptions, Model
+    from test_sampling import ALPHA, chi2_pvalue
+
+    sp = SamplingParams(temperature=1.0, top_k=2, top_p=1.0, min_p=0.0)
+    pair = models.pair("qwen3", "dflash", 8)
+    tm, dm = Model(pair.target), Model(pair.drafter)
+    opts = ContextOptions(n_ctx=256, n_batch=64, n_ubatch=64)
+    pc, tc = Context(tm, opts), Context(tm, opts)
+    dc = Context(dm, opts, other=tc)
+    prompt = tm.tokenize(b"def main(argv):\n    parser = ")
+    limits = lambda: Constraints(grammar=Grammar(tm.vocab, LOWER))   # noqa: E731
+    try:
+        def dist_after(gen):
+            prefix = prompt + list(gen)
+            pc.clear()
+            pc.decode(np.array(prefix, np.int32), 0, out_row0=len(prefix) - 1)
+            g = Grammar(tm.vocab, LOWER)
+            for t in gen:
+                g.accept(t)
+            ids, p = distribution(pc.logits_row(len(prefix) - 1).copy(), sp, g.allowed)
+            g.close()
+            return dict(zip(ids.tolist(), p.tolist()))
+
+        exact: dict = {}
+        for path in itertools.product(range(2), repeat=3):
+            prob, gen = 1.0, []
+            for j in path:
+                d = dist_after(gen)
+                if j >= len(d):
+                    break
+                tok = sorted(d, key=lambda t: -d[t])[j]
+                prob *= d[tok]
+                gen.append(tok)
+            else:
+                exact[tuple(gen)] = exact.get(tuple(gen), 0.0) + prob
+        assert abs(sum(exact.values()) - 1) < 1e-6 and len(exact) > 2
+
+        greedy = list(DFlashDecoder(pc, None).generate(prompt, 8, stop_tokens=[], constraints=limits()))
+        calls = [0]
+
+        def oracle_hook(ctx, n):
+            calls[0] += 1
+            out = greedy[len(ctx) - len(prompt):][:n]
+            if calls[0] % 4 == 0 and out:
+                out = [tm.tokenize(b"(", add_bos=False)[0]] + out[1:]   # forbidden by the grammar
+            return out
+
+        dec = DFlashDecoder(tc, dc, SpecOptions(), OverrideProposer(oracle_hook))
+        counts, st = Counter(), GenerationStats()
+        for seed in range(700):
+            run = SamplingParams(**{**sp.__dict__, "seed": seed})
+            counts[tuple(dec.generate(prompt, 3, sampling=run, stats=st, stop_tokens=[], constraints=limits()))] += 1
+        assert st.drafted > 0 and 0 < st.accepted < st.drafted
+        p = chi2_pvalue(counts, exact)
+        assert p > ALPHA, f"samples under the grammar do not follow the constrained distribution (p={p:.2e})"
+
+        llm = llama_cpp.Llama(model_path=str(pair.target), n_ctx=256, n_batch=64, verbose=False, seed=0,
+                              flash_attn=True)
+        ref = Counter()
+        for seed in range(400):
+            llm.set_seed(seed)
+            out = []
+            for t in llm.generate(prompt, temp=1.0, top_k=2, top_p=1.0, min_p=0.0, repeat_penalty=1.0,
+                                  grammar=_grammar(LOWER)):
+                out.append(t)
+                if len(out) == 3:
+                    break
+            ref[tuple(out)] += 1
+        llm.close()
+        p = chi2_pvalue(ref, exact)
+        assert p > ALPHA, f"llama_cpp's grammar sampler disagrees with the constrained chain (p={p:.2e})"
+    finally:
+        dc.close()
+        tc.close()
+        pc.close()
+        dm.close()
+        tm.close()
