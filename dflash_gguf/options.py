@@ -118,7 +118,7 @@ def load_llama(args: argparse.Namespace):
               draft_adaptive=args.draft_adaptive, draft_n_gpu_layers=args.draft_n_gpu_layers,
               dflash=not args.no_dflash, chat_format=args.chat_format, verbose=args.verbose,
               draft_window=args.draft_window, low_memory=args.low_memory, rollback_memory_mb=args.rollback_memory_mb,
-              flash_attn=getattr(args, "flash_attn", "auto") != "off")
+              flash_attn=getattr(args, "flash_attn", "auto") != "off", logits_all=getattr(args, "logits_all", False))
     if args.threads:
         kw.update(n_threads=args.threads, n_threads_batch=args.threads)
     return Llama(str(target), draft_model_path=str(draft) if draft else None, **kw)

@@ -91,3 +91,33 @@ def test_scores_rows_are_the_target_logits(plain, fast, oracle):
     assert (fast.input_ids[:n] == plain.input_ids[:n]).all()
     diff = abs(fast.scores[:n] - plain.scores[:n]).max()
     assert diff < TOL, diff
+
+
+def test_server_logprobs_with_logits_all(plain, fast, oracle):
+    """The server on a Llama with logits_all: completions' logprobs (streamed too) and chats'
+    top_logprobs through the openai client, with DFlash, numbers as JSON numbers."""
+    import openai
+
+    from dflash_gguf.server import create_app
+    from support import serve
+
+    want = plain.create_completion("def main(", max_tokens=12, temperature=0, logprobs=2)["choices"][0]
+    oracle.learn(plain)
+    wchat = plain.create_chat_completion([{"role": "user", "content": "x = "}], max_tokens=8, temperature=0,
+                                         logprobs=True, top_logprobs=2)["choices"][0]
+    oracle.learn(plain)
+    with serve(create_app(fast, "m")) as url:
+        client = openai.OpenAI(base_url=url + "/v1", api_key="none")
+        r = client.completions.create(model="m", prompt="def main(", max_tokens=12, temperature=0, logprobs=2)
+        assert r.choices[0].text == want["text"] and r.model_extra["dflash"]["enabled"] is True
+        assert r.choices[0].logprobs.tokens == want["logprobs"]["tokens"]
+        assert max(abs(x - y) for x, y in zip(r.choices[0].logprobs.token_logprobs,
+                                              want["logprobs"]["token_logprobs"])) < TOL
+        chunks = list(client.completions.create(model="m", prompt="def main(", max_tokens=12, temperature=0,
+                                                logprobs=2, stream=True))
+        assert [t for c in chunks if c.choices and c.choices[0].logprobs
+                for t in c.choices[0].logprobs.tokens] == want["logprobs"]["tokens"]
+        c = client.chat.completions.create(model="m", messages=[{"role": "user", "content": "x = "}], max_tokens=8,
+                                           temperature=0, logprobs=True, top_logprobs=2)
+        assert c.choices[0].message.content == wchat["message"]["content"]
+        assert [t.token for t in c.choices[0].logprobs.content] == [t["token"] for t in wchat["logprobs"]["content"]]

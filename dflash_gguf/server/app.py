@@ -33,7 +33,8 @@ OpenAI does.
 
 Not supported, with a 400: ``n`` or ``best_of`` > 1 (llama_cpp.server silently returns one choice),
 ``suffix`` (llama_cpp 0.3.36 builds fill-in-the-middle prompts with placeholder token id 0),
-``logprobs`` (the model runs without ``logits_all``). ``echo`` works as in llama_cpp.
+``logprobs`` / ``top_logprobs`` unless the model keeps every position's logits (``--logits-all``, as in
+llama_cpp: then they are served with DFlash). ``echo`` works as in llama_cpp.
 
 Errors are JSON ``{"error": {"message", "type", "param", "code"}}``: 400 for bad input (validation,
 context overflow, an unknown field), 404/405 for unknown routes, 408/503 as above, 500 only for
@@ -81,6 +82,15 @@ class ServingError(Exception):
 
 def error_body(message: str, type_: str, param: str | None = None, code: Any = None) -> dict:
     return {"error": {"message": message, "type": type_, "param": param, "code": code}}
+
+
+def plain_json(obj):
+    """``obj`` with numpy scalars as Python numbers (llama_cpp's logprobs are numpy floats)."""
+    if isinstance(obj, dict):
+        return {k: plain_json(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [plain_json(v) for v in obj]
+    return obj.item() if hasattr(obj, "item") and hasattr(obj, "dtype") else obj
 
 
 def _error_response(exc: BaseException) -> JSONResponse:
@@ -246,7 +256,7 @@ class _Server:
                     return self._stopped(endpoint, why)
                 self.metrics.generation(result.get("dflash"), result.get("usage"))
                 self.metrics.request(endpoint, 200)
-                return JSONResponse(result)
+                return JSONResponse(plain_json(result))
             it = None
             try:
                 it = await self.run(call)
@@ -286,7 +296,7 @@ class _Server:
                     last = (chunk, usage)
                 if include_usage:
                     chunk["usage"] = None
-                yield f"data: {json.dumps(chunk)}\n\n"
+                yield f"data: {json.dumps(plain_json(chunk))}\n\n"
                 if await request.is_disconnected():
                     why = "disconnect"
                 else:
