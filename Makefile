@@ -43,10 +43,10 @@ ggml-variants: venv
 	@if [ "$$(uname -m)" = x86_64 ]; then $(VPY) -m dflash_gguf.build --ggml-variant avx2 $(if $(FORCE),--force,); \
 	else echo "not x86-64: no ggml build variants"; fi
 
-# test dependencies: torch CPU (from this machine's disk where available), transformers, server + client
+# test dependencies: torch CPU (from this machine's disk where available), transformers, server + client; scipy (llama-cpp-python's own tests import it)
 $(VENV)/.test-deps: pyproject.toml | $(STAMP)
 	$(VPY) -m pip install -q torch==2.13.0
-	$(VPY) -m pip install -q "transformers==4.57.6" sentencepiece protobuf safetensors pytest httpx "openai>=1.0" "fastapi>=0.110" "uvicorn>=0.27" matplotlib "huggingface_hub>=0.23" "mutmut==3.8.1"
+	$(VPY) -m pip install -q "transformers==4.57.6" sentencepiece protobuf safetensors pytest httpx "openai>=1.0" "fastapi>=0.110" "uvicorn>=0.27" matplotlib "huggingface_hub>=0.23" "mutmut==3.8.1" "scipy>=1.10"
 	touch $@
 
 lint: venv

@@ -119,7 +119,7 @@ def bert_gguf(models_root: Path, *, hidden: int = 32, layers: int = 2, heads: in
     w.add_unk_token_id(scalar("tokenizer.ggml.unknown_token_id"))
     w.add_sep_token_id(scalar("tokenizer.ggml.seperator_token_id"))
     w.add_pad_token_id(scalar("tokenizer.ggml.padding_token_id"))
-    w.add_cls_token_id(scalar("tokenizer.ggml.cls_token_id"))
+    w.add_uint32("tokenizer.ggml.cls_token_id", scalar("tokenizer.ggml.cls_token_id"))
     w.add_mask_token_id(scalar("tokenizer.ggml.mask_token_id"))
     rng = np.random.default_rng(seed)
 

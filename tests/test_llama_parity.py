@@ -125,3 +125,28 @@ def test_with_a_drafter_responses_keep_the_dflash_object(pair):
         assert chat["dflash"]["enabled"] is True
     finally:
         llm.close()
+
+
+# --------------------------------------------------------------------------- signatures
+def test_public_signatures_are_llama_cpp_s():
+    """Every public method of llama_cpp.Llama (and the constructor, ``__call__``) takes the same
+    parameters here, in the same order, with the same kinds and defaults; what this class adds is
+    keyword-only (a positional call written for llama_cpp means the same here)."""
+    import inspect
+
+    P = inspect.Parameter
+    checked = []
+    for name in sorted(n for n in dir(llama_cpp.Llama) if not n.startswith("_") or n in ("__init__", "__call__")):
+        theirs = getattr(llama_cpp.Llama, name)
+        if not callable(theirs) or isinstance(theirs, type):
+            continue
+        try:
+            t = [p for p in inspect.signature(theirs).parameters.values() if p.kind is not P.VAR_KEYWORD]
+        except (TypeError, ValueError):   # a builtin without a signature
+            continue
+        o = list(inspect.signature(getattr(Llama, name)).parameters.values())
+        assert [(p.name, p.kind, p.default) for p in o[: len(t)]] == [(p.name, p.kind, p.default) for p in t], name
+        assert all(p.kind in (P.KEYWORD_ONLY, P.VAR_KEYWORD) for p in o[len(t):]), name
+        checked.append(name)
+    assert {"__init__", "__call__", "create_completion", "create_chat_completion", "generate",
+            "from_pretrained", "tokenize", "embed"} <= set(checked)
