@@ -28,8 +28,9 @@ CHECKPOINT_PATTERNS = ["*.json", "*.safetensors", "*.model", "*.txt", "*.tiktoke
 _REPO_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*/[A-Za-z0-9][A-Za-z0-9._-]*$")
 
 
-class HubFileNotFound(FileNotFoundError):
-    """A file that is neither in the local Hub cache nor downloadable (offline, or not in the repo)."""
+class HubFileNotFound(FileNotFoundError, ValueError):
+    """A file that is neither in the local Hub cache nor downloadable (offline, or not in the repo).
+    Also a ValueError: what ``llama_cpp.Llama.from_pretrained`` raises when no file matches."""
 
 
 def _hub():
