@@ -5,7 +5,8 @@ The suite's ``tests/test_llama*.py`` are read from the pinned sdist the build ke
 ``llama_cpp`` is llama_cpp itself except for ``Llama``: that is the class under test, in two
 variants, ``plain`` (``dflash_gguf.Llama`` without a drafter) and ``dflash`` (with the drafter
 converted for the target the test opens, so generations run the DFlash loop). Nothing else of
-llama_cpp is replaced, and the peer modules' own functions run unchanged.
+llama_cpp is replaced, and the peer modules' own functions run unchanged (but for their thread count:
+see ``THREADS``).
 
 The suite downloads five models from the Hugging Face Hub; here its model fixtures are replaced by
 local ones of the same kind (``tests/tiny.py``, ``tests/peer_models.py``): Qwen3.5 -> the tiny
@@ -138,21 +139,24 @@ for _name, _mod in PEER.items():
 # --------------------------------------------------------------------------- the class under test
 class DraftedLlama(Llama):
     """``dflash_gguf.Llama`` opened with the drafter of the target it is given (the peer tests name
-    only the target). Counts the generations the DFlash loop served."""
+    only the target), the speed gate off: the random drafters are rarely right, and the gate would soon
+    decode plainly, so every step drafts a full block that the target verifies and rolls back. Keeps
+    the statistics of the generations the DFlash loop served."""
 
     drafters: dict[str, str] = {}
-    served = 0
+    served: list = []     # the GenerationStats of the generations the DFlash loop served
 
     def __init__(self, model_path, *args, **kwargs):
         drafter = self.drafters.get(str(model_path))
         assert drafter is not None, f"no drafter for {model_path}: the dflash variant must skip this model"
         kwargs.setdefault("draft_model_path", drafter)
+        kwargs.setdefault("draft_adaptive", False)   # full blocks every step: drafting, verifying, rolling back
         super().__init__(model_path, *args, **kwargs)
 
     def generate(self, *args, **kwargs):
         gen = super().generate(*args, **kwargs)
         if self.last_dflash_stats is not None:
-            DraftedLlama.served += 1
+            DraftedLlama.served.append(self.last_dflash_stats)
         return gen
 
 
@@ -178,19 +182,19 @@ def _model_of(request) -> str | None:
 @pytest.fixture(autouse=True)
 def peer_llama(request):
     """The variant of the class under test that the peer modules' ``llama_cpp.Llama`` is during a test.
-    The dflash variant must have run at least one generation through the DFlash loop."""
+    The dflash variant must have drafted in at least one generation of the DFlash loop."""
     variant = getattr(request, "param", "plain")
     model = _model_of(request)
     if variant == "dflash" and model in NO_DRAFTER:
         pytest.skip(NO_DRAFTER[model])
     PEER_LLAMA_CPP.Llama = VARIANTS[variant]
-    DraftedLlama.served = 0
+    DraftedLlama.served = []
     try:
         yield variant
     finally:
         PEER_LLAMA_CPP.Llama = Llama
     if variant == "dflash":
-        assert DraftedLlama.served > 0, "the dflash variant ran no generation through the DFlash loop"
+        assert any(st.drafted for st in DraftedLlama.served), "the dflash variant drafted nothing"
 
 
 # --------------------------------------------------------------------------- local models
