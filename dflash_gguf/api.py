@@ -34,7 +34,7 @@ import llama_cpp
 import llama_cpp._internals as internals
 import llama_cpp.llama_chat_format as llama_chat_format
 
-from dflash_gguf.calls import CallState, Request, check_grammar
+from dflash_gguf.calls import CallState, Request, check_grammar, extended_signature as _signature
 from dflash_gguf.constraints import Constraints, request_constraints
 from dflash_gguf.constructors import PairConstructors
 from dflash_gguf.engine import Context, ContextOptions, DrafterInfo, Model, clamp_n_draft
@@ -94,6 +94,8 @@ class Llama(PairConstructors, llama_cpp.Llama):
     after a plain fallback) and responses carry the same numbers as a top-level ``"dflash"`` object
     (and a stream's last chunk its ``usage``). Without a drafter responses are llama_cpp's, key for key.
     """
+
+    last_usage: dict | None = None   # the last completion's usage (streams without a drafter carry none)
 
     def __init__(self, model_path: str, *, draft_model_path: str | os.PathLike | None = None,
                  draft_n_max: int | None = None, draft_adaptive: bool = True, dflash: bool = True,
@@ -339,6 +341,8 @@ class Llama(PairConstructors, llama_cpp.Llama):
         try:
             for chunk in chunks:
                 finish = chunk["choices"][0]["finish_reason"]
+                if finish is not None:
+                    self.last_usage = req.usage()   # streams carry none without a drafter (as llama_cpp's)
                 if finish is not None and self._decoder is not None:
                     if req.stats is not None and req.stats.finish is None:
                         req.stats.finish = finish      # the consumer stopped the decoder (stop string, budget)
@@ -576,14 +580,6 @@ class Llama(PairConstructors, llama_cpp.Llama):
             self.close()
         except Exception:   # interpreter shutdown: the library may already be gone
             pass
-
-
-def _signature(base, **extra) -> inspect.Signature:
-    """``base``'s signature plus keyword-only ``extra`` parameters (for help() and IDEs)."""
-    sig = inspect.signature(base)
-    params = [p for p in sig.parameters.values() if p.kind is not inspect.Parameter.VAR_KEYWORD]
-    params += [inspect.Parameter(k, inspect.Parameter.KEYWORD_ONLY, default=v) for k, v in extra.items()]
-    return sig.replace(parameters=params)
 
 
 Llama.generate.__signature__ = inspect.signature(Llama._generate)

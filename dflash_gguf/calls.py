@@ -1,6 +1,7 @@
 """Per-call state of :class:`dflash_gguf.Llama`: what one request carries through llama_cpp's entry points."""
 from __future__ import annotations
 
+import inspect
 import weakref
 from dataclasses import dataclass
 
@@ -50,3 +51,11 @@ def check_grammar(llm: llama_cpp.Llama, grammar) -> None:
     if not sampler:
         raise ValueError("invalid grammar: llama.cpp could not parse it (its log says where)")
     llama_cpp.llama_sampler_free(sampler)
+
+
+def extended_signature(base, **extra) -> inspect.Signature:
+    """``base``'s signature plus keyword-only ``extra`` parameters (for help() and IDEs)."""
+    sig = inspect.signature(base)
+    params = [p for p in sig.parameters.values() if p.kind is not inspect.Parameter.VAR_KEYWORD]
+    params += [inspect.Parameter(k, inspect.Parameter.KEYWORD_ONLY, default=v) for k, v in extra.items()]
+    return sig.replace(parameters=params)

@@ -94,6 +94,29 @@ def test_completion_stream_include_usage(url, plain, oracle):
     assert all(c.choices for c in chunks) and all(c.usage is None for c in chunks)
 
 
+def test_stream_usage_without_a_drafter(pair, plain):
+    """A dflash_gguf.Llama without a drafter streams llama_cpp's chunks (no usage on them): the server
+    still sends the right usage chunk, from the Llama's last_usage."""
+    llm = Llama(str(pair.target), **KW)
+    ref = plain("def main(", max_tokens=12, temperature=0)["usage"]
+    try:
+        with serve(create_app(llm, MODEL_ID)) as base:
+            client = openai.OpenAI(base_url=base + "/v1", api_key="x", max_retries=0, timeout=60)
+            for stream in (client.completions.create(model=MODEL_ID, prompt="def main(", max_tokens=12, temperature=0,
+                                                     stream=True, stream_options={"include_usage": True}),
+                           client.chat.completions.create(model=MODEL_ID, messages=[{"role": "user", "content": "x"}],
+                                                          max_tokens=12, temperature=0, stream=True,
+                                                          stream_options={"include_usage": True})):
+                last = list(stream)[-1]
+                assert last.choices == [] and last.usage is not None and last.usage.completion_tokens > 0
+            assert last.usage.completion_tokens <= 12
+            chunks = list(client.completions.create(model=MODEL_ID, prompt="def main(", max_tokens=12, temperature=0,
+                                                    stream=True, stream_options={"include_usage": True}))
+            assert {k: getattr(chunks[-1].usage, k) for k in ref} == ref
+    finally:
+        llm.close()
+
+
 def test_chat_stream_include_usage_raw(url, plain, oracle):
     msgs = [{"role": "user", "content": "def add(a, b):"}]
     ref = plain.create_chat_completion(msgs, max_tokens=20, temperature=0)

@@ -292,6 +292,7 @@ class _Server:
             while chunk is not _END:
                 usage = chunk.pop("usage", None)     # dflash_gguf.Llama puts it on a stream's finish chunk
                 if chunk.get("choices") and chunk["choices"][0].get("finish_reason") is not None:
+                    usage = usage or getattr(self.llm, "last_usage", None)   # ... or, without a drafter, here
                     self.metrics.generation(chunk.get("dflash"), usage)
                     last = (chunk, usage)
                 if include_usage:
