@@ -22,6 +22,20 @@ from __future__ import annotations
 import numpy as np
 
 
+def batch_prior(costs: np.ndarray, b: int) -> np.ndarray:
+    """A cost prior per sequence for steps of ``b`` sequences, from one sequence's step costs
+    (``costs[n]``: a step drafting n tokens, n + 1 verify rows): a step of b sequences drafting n each
+    verifies R = b (n + 1) rows, costed as one sequence's step of that many rows where the calibration
+    measured one (R <= n_max + 1), else as its full block's, growing with the rows (a CPU verify is
+    compute-bound there); each sequence is charged a b-th. Drafting then looks costlier as the batch
+    grows, as it is on a CPU; the batch's gate refines each cost it uses from its own steps."""
+    costs = np.asarray(costs, dtype=float)
+    n_max = len(costs) - 1
+    rows = b * (np.arange(n_max + 1) + 1)
+    whole = np.where(rows <= n_max + 1, costs[np.minimum(rows, n_max + 1) - 1], costs[n_max] * rows / (n_max + 1))
+    return whole / b
+
+
 class DraftLength:
     WARMUP = (None, 0, None, "half", None)                  # None = n_max; costs of n_max, half and 0
     WARMUP_GIVE_UP = 2                                       # drafted blocks with not one token right: warm-up ends

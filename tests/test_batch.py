@@ -210,6 +210,27 @@ def test_attention_kernel_follows_the_options(models, monkeypatch):
     assert seen == [(2, default), (2, 1), (2, 0), (1, default)]
 
 
+def test_batch_gates_start_from_a_prior_and_the_known_acceptance(models):
+    """A drafter that is never right, batches of every size as requests come and go: each batch size's
+    gate starts from a cost prior scaled from one sequence's calibration and from the acceptance already
+    seen, so it never warms up with whole blocks (it used to, at every batch size)."""
+    pair = models.pair("qwen3", "dflash", 8)
+    rig = BatchRig(pair, 4, adaptive=True)
+    try:
+        prompts = [rig.tm.tokenize(t) for t in TEXTS]
+        reqs = [Request(prompts[i % len(prompts)], 8 + 5 * (i % 4), stop_tokens=[]) for i in range(14)]
+        got = rig.dec.generate_batch(reqs)
+        assert got == [rig.alone(r) for r in reqs]
+        gates = rig.dec._batch_gates
+        assert set(gates) >= {2, 3, 4}, "the run had steps of several batch sizes"
+        n_max = rig.dec.n_draft
+        for b, g in gates.items():
+            assert not np.isnan(g.cost).any(), f"batch size {b}: no cost prior"
+            assert n_max in g._prior, f"batch size {b}: a whole block was drafted by a never-right drafter"
+    finally:
+        rig.close()
+
+
 def test_mismatched_sequence_counts_are_refused(models):
     pair = models.pair("qwen3", "dflash", 8)
     tm, dm = Model(pair.target), Model(pair.drafter)

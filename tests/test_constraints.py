@@ -213,18 +213,51 @@ def test_a_sampled_grammar_request_is_served_and_stays_in_the_grammar(fast):
     assert_served(out["dflash"])
 
 
-def test_sampling_under_a_grammar_keeps_the_target_distribution(models):
-    """DFlash at temperature 1 under a grammar: the first three tokens follow the exact distribution of
-    the constrained chain (computed one prefix at a time from the target's logits, the grammar advanced
-    along the prefix), with an oracle proposing the greedy constrained text (blocks accepted, rejected,
-    and cut where a planted token is forbidden); the same chain also matches llama_cpp's own sampler."""
+def _exact_constrained(pc, vocab, prompt, sp) -> dict:
+    """P(t1, t2, t3) of the chain under the LOWER grammar, one prefix at a time from the target's logits
+    (the grammar advanced along the prefix)."""
     import itertools
 
+    def dist_after(gen):
+        prefix = prompt + list(gen)
+        pc.clear()
+        pc.decode(np.array(prefix, np.int32), 0, out_row0=len(prefix) - 1)
+        g = Grammar(vocab, LOWER)
+        for t in gen:
+            g.accept(t)
+        ids, p = distribution(pc.logits_row(len(prefix) - 1).copy(), sp, g.allowed)
+        g.close()
+        return dict(zip(ids.tolist(), p.tolist()))
+
+    exact: dict = {}
+    for path in itertools.product(range(sp.top_k), repeat=3):
+        prob, gen = 1.0, []
+        for j in path:
+            d = dist_after(gen)
+            if j >= len(d):
+                break
+            tok = sorted(d, key=lambda t: -d[t])[j]
+            prob *= d[tok]
+            gen.append(tok)
+        else:
+            exact[tuple(gen)] = exact.get(tuple(gen), 0.0) + prob
+    assert abs(sum(exact.values()) - 1) < 1e-6 and len(exact) > 2
+    return exact
+
+
+SAMPLED = SamplingParams(temperature=1.0, top_k=2, top_p=1.0, min_p=0.0)
+
+
+def test_sampling_under_a_grammar_keeps_the_target_distribution(models):
+    """DFlash at temperature 1 under a grammar: the first three tokens follow the exact distribution of
+    the constrained chain, with an oracle proposing the greedy constrained text (blocks accepted,
+    rejected, and cut where a planted token is forbidden); the same chain also matches llama_cpp's own
+    sampler with that grammar."""
     from dflash_gguf.decoding import DFlashDecoder, GenerationStats, OverrideProposer, SpecOptions
     from dflash_gguf.engine import Context, ContextOptions, Model
     from test_sampling import ALPHA, chi2_pvalue
 
-    sp = SamplingParams(temperature=1.0, top_k=2, top_p=1.0, min_p=0.0)
+    sp = SAMPLED
     pair = models.pair("qwen3", "dflash", 8)
     tm, dm = Model(pair.target), Model(pair.drafter)
     opts = ContextOptions(n_ctx=256, n_batch=64, n_ubatch=64)
@@ -233,31 +266,7 @@ def test_sampling_under_a_grammar_keeps_the_target_distribution(models):
     prompt = tm.tokenize(b"def main(argv):\n    parser = ")
     limits = lambda: Constraints(grammar=Grammar(tm.vocab, LOWER))   # noqa: E731
     try:
-        def dist_after(gen):
-            prefix = prompt + list(gen)
-            pc.clear()
-            pc.decode(np.array(prefix, np.int32), 0, out_row0=len(prefix) - 1)
-            g = Grammar(tm.vocab, LOWER)
-            for t in gen:
-                g.accept(t)
-            ids, p = distribution(pc.logits_row(len(prefix) - 1).copy(), sp, g.allowed)
-            g.close()
-            return dict(zip(ids.tolist(), p.tolist()))
-
-        exact: dict = {}
-        for path in itertools.product(range(2), repeat=3):
-            prob, gen = 1.0, []
-            for j in path:
-                d = dist_after(gen)
-                if j >= len(d):
-                    break
-                tok = sorted(d, key=lambda t: -d[t])[j]
-                prob *= d[tok]
-                gen.append(tok)
-            else:
-                exact[tuple(gen)] = exact.get(tuple(gen), 0.0) + prob
-        assert abs(sum(exact.values()) - 1) < 1e-6 and len(exact) > 2
-
+        exact = _exact_constrained(pc, tm.vocab, prompt, sp)
         greedy = list(DFlashDecoder(pc, None).generate(prompt, 8, stop_tokens=[], constraints=limits()))
         calls = [0]
 
@@ -298,3 +307,29 @@ def test_sampling_under_a_grammar_keeps_the_target_distribution(models):
         pc.close()
         dm.close()
         tm.close()
+
+
+def test_dflash2_lattice_under_a_grammar_keeps_the_target_distribution():
+    """DFlash2 at temperature 1 under a grammar (the trained demo target and DFlash2 drafter): each
+    lattice row draws only among the candidates the grammar allows after the tokens drawn before it, and
+    the samples keep the exact constrained distribution."""
+    from dflash_gguf.decoding import GenerationStats
+    from test_sampling import ALPHA, TRAINED_DFLASH2, TRAINED_TARGET, chi2_pvalue, dflash2_decoder
+    from dflash_gguf.decoding import SpecOptions
+
+    if not TRAINED_DFLASH2.is_file():
+        pytest.skip(f"the trained DFlash2 demo drafter is not built here ({TRAINED_DFLASH2})")
+    with dflash2_decoder(TRAINED_TARGET, TRAINED_DFLASH2, SpecOptions()) as (dec, _prompt, _exact):
+        vocab = dec.target.model.vocab
+        prompt = dec.target.model.tokenize(b"def main(argv):\n    parser = ")
+        pc = dec.target    # the decoder is idle between generations: its context serves the reference too
+        exact = _exact_constrained(pc, vocab, prompt, SAMPLED)
+        dec.reset()
+        counts, st = Counter(), GenerationStats()
+        for seed in range(500):
+            run = SamplingParams(**{**SAMPLED.__dict__, "seed": seed})
+            limits = Constraints(grammar=Grammar(vocab, LOWER))
+            counts[tuple(dec.generate(prompt, 3, sampling=run, stats=st, stop_tokens=[], constraints=limits))] += 1
+        assert st.drafted > 0 and st.accepted > 0, st.as_dict()
+        p = chi2_pvalue(counts, exact)
+        assert p > ALPHA, f"DFlash2 lattice samples under the grammar are off the constrained distribution (p={p:.2e})"

@@ -366,3 +366,20 @@ def test_a_gate_can_start_from_anothers_acceptance():
     assert c.choose() == 7 and c.hits.tolist() == right.hits.tolist()
     with pytest.raises(ValueError, match="gates of 3 and 7 drafted tokens"):
         DraftLength(3).learn_acceptance(never)
+
+
+def test_batch_prior_scales_one_sequences_costs_by_the_rows():
+    """A step of b sequences drafting n each verifies b (n + 1) rows: costed as one sequence's step of
+    that many rows (within the calibrated block), beyond it as the full block's per row, a b-th each."""
+    from dflash_gguf.gate import batch_prior
+
+    c = np.array([10.0, 12.0, 13.0, 15.0, 16.0, 18.0, 19.0, 21.0])    # n = 0..7: 1..8 rows
+    assert np.allclose(batch_prior(c, 1), c)
+    two = batch_prior(c, 2)
+    assert np.allclose(two[:4], [c[1] / 2, c[3] / 2, c[5] / 2, c[7] / 2])        # 2, 4, 6, 8 rows
+    assert np.allclose(two[4:], c[7] * np.array([10, 12, 14, 16]) / 8 / 2)       # past the block: per row
+    eight = batch_prior(c, 8)
+    assert np.allclose(eight[0], c[7] / 8) and (np.diff(eight) > 0).all()
+    # drafting looks dearer, per sequence, the larger the batch (as on a CPU); plain steps cheaper
+    assert eight[7] / eight[0] > two[7] / two[0] > c[7] / c[0]
+    assert eight[0] < two[0] < c[0]

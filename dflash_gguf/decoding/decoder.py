@@ -40,7 +40,7 @@ from dflash_gguf import _bindings as B
 from dflash_gguf.constraints import Constraints
 from dflash_gguf.engine import Context, DrafterInfo, clamp_n_draft
 from dflash_gguf.errors import ContextOverflowError, DFlashError, InvalidArgumentError, UnsupportedError
-from dflash_gguf.gate import DraftLength
+from dflash_gguf.gate import DraftLength, batch_prior
 from dflash_gguf.decoding import calibration
 from dflash_gguf.sampling import SamplingParams, TokenChooser
 from dflash_gguf.decoding.acceptance import cut_at_stop, greedy_accept, sampled_accept
@@ -140,6 +140,7 @@ class DFlashDecoder(Scheduling):
         self.eog = frozenset(int(t) for t in target.model.eog_tokens)   # default stop tokens
         self.reset()   # the decoder owns both caches from here on
         costs = calibration.step_costs(self) if self._gated and self.opts.calibrate else None   # cached per pair and machine
+        self._costs = costs          # one sequence's step costs: the batch gates' priors come from them
         if costs is not None:
             self.gate = DraftLength(self.n_draft, costs)
             self.gate_sampled = DraftLength(self.n_draft, costs)
@@ -253,12 +254,17 @@ class DFlashDecoder(Scheduling):
         elif gated:
             # a step of several sequences: one gate per batch size, measured on such steps (the rows of a
             # step, hence its cost and what drafting buys, grow with the sequences in it)
-            gate = self._batch_gates.get(len(seqs))
+            b = len(seqs)
+            gate = self._batch_gates.get(b)
             if gate is None:
-                # its costs are this batch size's to measure; the drafter's acceptance is known already
-                gate = self._batch_gates[len(seqs)] = DraftLength(self.n_draft)
-                if self.gate is not None:
-                    gate.learn_acceptance(self.gate)
+                # its costs are this batch size's to measure, from a prior scaled by the rows of such a step
+                # (no warm-up of full blocks at every batch size); the drafter's acceptance is known already:
+                # from the gate that has seen the most of it
+                gate = self._batch_gates[b] = DraftLength(
+                    self.n_draft, batch_prior(self._costs, b) if self._costs is not None else None)
+                seen = [g for g in (self.gate, *self._batch_gates.values()) if g is not None and g is not gate]
+                if seen:
+                    gate.learn_acceptance(max(seen, key=lambda g: g.tries.sum()))
         choice = gate.choose() if gate is not None else 0
         ns = []
         for s in seqs:
@@ -292,7 +298,8 @@ class DFlashDecoder(Scheduling):
         for i, s in enumerate(seqs):
             if ns[i] > 0 and s.lattice:
                 ns[i], qs[i] = self.lattice.propose(self.drafter, s.slot, len(s.cache), s.pending, ns[i],
-                                                    self._draft[s.slot], s.chooser.rng, s.chooser.sp.temperature)
+                                                    self._draft[s.slot], s.chooser.rng, s.chooser.sp.temperature,
+                                                    s.chooser.constraints)
         dt = (time.perf_counter() - t0) / max(sum(1 for n in ns if n > 0), 1)
         for i, s in enumerate(seqs):
             if ns[i] > 0:

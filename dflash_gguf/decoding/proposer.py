@@ -68,19 +68,28 @@ class LatticeProposer:
         self.buf = np.zeros((max(n_max, 1), self.width), dtype=np.float32)
 
     def propose(self, drafter: Context, seq: int, pos: int, pending: int, n: int, out: np.ndarray,
-                rng: np.random.Generator, temperature: float) -> tuple[int, list[tuple[np.ndarray, np.ndarray]]]:
+                rng: np.random.Generator, temperature: float,
+                limits=None) -> tuple[int, list[tuple[np.ndarray, np.ndarray]]]:
+        """``limits``: the request's :class:`~dflash_gguf.constraints.Constraints`; with a grammar, each row
+        draws only among the candidates it allows after the tokens drawn before (the block ends at a row
+        where it allows none), and that masked distribution is the row's q."""
         got = B.check(B.lib.llama_dflash_draft_lattice(drafter.cptr, seq, pos, pending, n,
                                                        B.ffi.from_buffer("float[]", self.buf), self.buf.size),
                       "drafting a block (DFlash2 lattice)")
         k, t = self.k, temperature if temperature > 0 else 1.0
+        grammar = limits is not None and limits.grammar is not None
         qs, pred = [], 0
         for i in range(got):
             row = self.buf[i]
             scores = row[k + pred * k:k + (pred + 1) * k].astype(np.float64) / t
             q = np.exp(scores - scores.max())
+            ids = row[:k].astype(np.int64)
+            if grammar:
+                q = q * limits.allowed(out[:i].tolist())(ids.astype(np.int32))
+                if q.sum() <= 0:
+                    return i, qs
             q /= q.sum()
             pred = int(rng.choice(k, p=q))
-            ids = row[:k].astype(np.int64)
             out[i] = ids[pred]
             uniq, inv = np.unique(ids, return_inverse=True)      # a token listed twice: its q is the sum
             qs.append((uniq, np.bincount(inv, weights=q, minlength=len(uniq))))

@@ -49,6 +49,7 @@ class Job:
         self.queue: asyncio.Queue = asyncio.Queue()
         self.cancelled = False      # set by the event loop (client gone, timeout): ends at the next step
         self.n_tokens = 0
+        self.why_plain: str | None = None   # why it decodes plainly (dflash off for it or for the server)
         request.consumer = self._consume
 
     def _consume(self, tokens: list[int]) -> int | None:
@@ -236,9 +237,13 @@ def make_job(slots: Slots, loop, prompt_ids: list[int], kw: dict, stops: list[st
     fmt = kw.get("response_format") if chat else None
     limits = request_constraints(slots.llm, prompt_ids, kw.get("grammar"), kw.get("logit_bias"),
                                  fmt if isinstance(fmt, dict) else None)
+    want = kw.get("dflash")     # the request's own say, else the server's (--no-dflash)
+    use = bool(getattr(slots.llm, "dflash", True) if want is None else want)
     request = Request(prompt_ids, min(max_tokens, room), sampling(kw, chat),
-                      use_draft=kw.get("dflash") is not False, stats=GenerationStats(), constraints=limits)
-    return Job(loop, request, StopStrings(slots.model.token_bytes, stops))
+                      use_draft=use, stats=GenerationStats(), constraints=limits)
+    job = Job(loop, request, StopStrings(slots.model.token_bytes, stops))
+    job.why_plain = None if use else "dflash=false in the request" if want is False else "dflash=False"
+    return job
 
 
 def finish_reason(job: Job) -> str:
@@ -250,7 +255,7 @@ def dflash_object(job: Job, drafting: bool) -> dict | None:
         return None
     if job.request.use_draft:
         return {"enabled": True, **job.request.stats.as_dict()}
-    return {"enabled": False, "reason": "dflash=false in the request"}
+    return {"enabled": False, "reason": job.why_plain}
 
 
 def usage(job: Job) -> dict:
