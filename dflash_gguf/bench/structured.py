@@ -7,9 +7,11 @@ Two parts:
   the argmax is allowed), about the 256 best tokens, and about the whole vocabulary; for llama.cpp's
   JSON grammar at a few states.
 * **requests** - on the demo pair, greedy, each constraint of the prompt set (JSON mode, a JSON schema,
-  a tool call, a GBNF grammar) through ``llama_cpp.Llama`` (plain), ``dflash_gguf.Llama`` and
-  ``dflash_gguf.Llama`` without cutting a block at a drafted token the grammar forbids: tokens per
-  second (median of ``--repeats``), acceptance length, drafted tokens, and whether the texts are equal.
+  a tool call, a GBNF grammar) through ``llama_cpp.Llama`` (plain), ``dflash_gguf.Llama`` with its
+  defaults (the speed gate), with fixed full blocks (``draft_adaptive=False``: what the drafter gets
+  right under the grammar), and fixed blocks without cutting a block at a drafted token the grammar
+  forbids: tokens per second (median of ``--repeats``), acceptance length, tokens verified after the
+  cut, and whether the texts are equal.
 """
 from __future__ import annotations
 
@@ -91,15 +93,16 @@ def requests(n_tokens: int, repeats: int, threads: int) -> list[dict]:
     kw = dict(n_ctx=1024, n_threads=threads, n_threads_batch=threads, seed=0, verbose=False)
     plain = llama_cpp.Llama(str(target), **kw)
     fast = Llama(str(target), draft_model_path=str(drafter), **kw)
+    fixed = Llama(str(target), draft_model_path=str(drafter), draft_adaptive=False, **kw)
+    llms = {"plain": plain, "dflash": fast, "fixed": fixed, "fixed-no-cut": fixed}
     rows = []
     try:
         for name, case in CASES.items():
             for i in range(len(PROMPTS)):
                 res: dict = {}
                 for _ in range(repeats):      # interleaved, so a slow spell falls on every mode
-                    for mode in ("plain", "dflash", "dflash-no-cut"):
-                        llm = plain if mode == "plain" else fast
-                        with _no_cut() if mode == "dflash-no-cut" else contextlib.nullcontext():
+                    for mode, llm in llms.items():
+                        with _no_cut() if mode == "fixed-no-cut" else contextlib.nullcontext():
                             res.setdefault(mode, []).append(_run(llm, case, i, n_tokens))
                 ref = res["plain"][0][1]
                 row = {"case": name, "prompt": i}
@@ -113,6 +116,7 @@ def requests(n_tokens: int, repeats: int, threads: int) -> list[dict]:
                 rows.append(row)
                 log.info("%s #%d: %s", name, i, {m: row[m]["tok_s"] for m in res})
     finally:
+        fixed.close()
         fast.close()
         plain.close()
     return rows
@@ -168,14 +172,15 @@ def report(cost_rows: list[dict], req_rows: list[dict], cmd: str, cpu: str) -> s
                        f"{m['walk (256 ids)']} | {m['whole vocabulary']} |")
         out.append("")
     if req_rows:
-        out += ["Demo pair, greedy (tok/s; tau: acceptance length; drafted: tokens verified after the grammar's cut):\n",
-                "| constraint | prompt | plain tok/s | DFlash tok/s (tau, drafted) | DFlash, no cut (tau, drafted) "
-                "| DFlash / plain | same text |", "|---|---|---|---|---|---|---|"]
+        out += ["Demo pair, greedy: tok/s (tau: acceptance length; rows: tokens verified after the grammar's cut)\n",
+                "| constraint | prompt | plain | DFlash, defaults | fixed blocks (tau, rows) | fixed, no cut (tau, rows) "
+                "| defaults / plain | same text |", "|---|---|---|---|---|---|---|---|"]
         for r in req_rows:
-            p, d, n = r["plain"], r["dflash"], r["dflash-no-cut"]
-            same = d["same_text"] and n["same_text"]
-            out.append(f"| {r['case']} | {r['prompt']} | {p['tok_s']} | {d['tok_s']} ({d['tau']}, {d['drafted']}) | "
-                       f"{n['tok_s']} ({n['tau']}, {n['drafted']}) | {d['tok_s'] / p['tok_s']:.2f}x | {same} |")
+            p, d, f, n = r["plain"], r["dflash"], r["fixed"], r["fixed-no-cut"]
+            same = all(r[m]["same_text"] for m in ("dflash", "fixed", "fixed-no-cut"))
+            out.append(f"| {r['case']} | {r['prompt']} | {p['tok_s']} | {d['tok_s']} | {f['tok_s']} ({f['tau']}, "
+                       f"{f['drafted']}) | {n['tok_s']} ({n['tau']}, {n['drafted']}) | {d['tok_s'] / p['tok_s']:.2f}x "
+                       f"| {same} |")
     return "\n".join(out) + "\n"
 
 
