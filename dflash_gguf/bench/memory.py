@@ -38,6 +38,11 @@ CONFIGS: dict[str, tuple[str, dict | str]] = {
     "plain flash_attn + KV q8_0": ("plain", {"flash_attn": True, "type_k": 8, "type_v": 8}),
     "plain + LOW_MEMORY settings": ("plain", "LOW_MEMORY"),
     "dflash low_memory=True": ("dflash", {"low_memory": True}),
+    # the batched engine (BatchLlama, the server's --parallel slots): N sequences of n_ctx positions each
+    "batch n_parallel=1": ("batch", {"n_parallel": 1}),
+    "batch n_parallel=2": ("batch", {"n_parallel": 2}),
+    "batch n_parallel=4": ("batch", {"n_parallel": 4}),
+    "batch n_parallel=8": ("batch", {"n_parallel": 8}),
 }
 DEFAULT_CONFIGS = ("plain", "dflash", "dflash draft_window=0", "plain + LOW_MEMORY settings", "dflash low_memory=True")
 
@@ -79,6 +84,8 @@ def child(spec: dict) -> dict:
         kwargs = dict(spec["kwargs"])
     common = dict(n_ctx=spec["n_ctx"], n_threads=spec.get("threads"), verbose=True)
     t0 = time.perf_counter()
+    if spec["kind"] == "batch":
+        return _batch_child(spec, kwargs["n_parallel"], lines, base)
     if spec["kind"] == "plain":
         llm = llama_cpp.Llama(spec["target"], **common, **kwargs)
     else:
@@ -105,6 +112,32 @@ def child(spec: dict) -> dict:
     return {"base": base, "loaded": loaded, "after": after, "buffers": bufs, "t_load": t_load,
             "t_prompt": (first or end) - t0, "tps": (n - 1) / (end - first) if first and n > 1 else 0.0,
             "n": n}
+
+
+def _batch_child(spec: dict, n: int, lines: list[str], base: dict) -> dict:
+    """N prompts of ``prompt_tokens`` tokens (each its own: no prefix is shared) in one BatchLlama."""
+    from dflash_gguf.batch import BatchLlama
+
+    t0 = time.perf_counter()
+    llm = BatchLlama(spec["target"], spec["drafter"], n_parallel=n, n_ctx=spec["n_ctx"], n_threads=spec.get("threads"))
+    t_load = time.perf_counter() - t0
+    loaded = _status()
+    filler = llm.model.tokenize(b"The quick brown fox jumps over the lazy dog. ", add_bos=False)
+    prompts = []
+    for i in range(n):
+        p = llm.model.tokenize(f"{i} ".encode(), add_bos=True)
+        while len(p) < spec["prompt_tokens"]:
+            p += filler
+        prompts.append(p[:spec["prompt_tokens"]])
+    t0 = time.perf_counter()
+    out = llm.generate(prompts, max_tokens=spec["tokens"])
+    end = time.perf_counter()
+    after = _status()
+    llm.close()
+    bufs = [m.groups() for m in map(_BUF.match, lines) if m]
+    n_tok = sum(len(c.tokens) for c in out)
+    return {"base": base, "loaded": loaded, "after": after, "buffers": bufs, "t_load": t_load,
+            "t_prompt": 0.0, "tps": n_tok / (end - t0), "n": n_tok, "n_parallel": n}
 
 
 # --------------------------------------------------------------------------- parent
@@ -160,7 +193,28 @@ def table(results: dict[str, dict], target_mb: float, drafter_mb: float) -> str:
             lines.append(f"- low_memory=True peak RSS: {got:.0f} MiB; budget with {what} (weights "
                          f"{target_mb + drafter_mb:.0f} + KV {kv_t:.0f}, + 25%): {budget:.0f} MiB -> "
                          f"{'within' if got <= budget else 'OVER'}")
+    lines += _batch_lines(results)
     return "\n".join(lines)
+
+
+def _batch_lines(results: dict[str, dict]) -> list[str]:
+    """Memory at N slots: predicted from one slot's run (its KV buffers, llama.cpp's own figures, x N;
+    the rest as one slot's) beside the measured peak."""
+    one = results.get("batch n_parallel=1")
+    if one is None:
+        return []
+    kv1 = sum(summarize(one)["kv"])
+    out = []
+    for name, r in results.items():
+        n = r.get("n_parallel")
+        if not n or n == 1:
+            continue
+        kv = sum(summarize(r)["kv"])
+        pred = one["after"]["VmHWM"] + (n - 1) * kv1
+        got = r["after"]["VmHWM"]
+        out.append(f"- {name}: KV buffers {kv:.0f} MiB (one slot's x {n}: {kv1 * n:.0f}); peak RSS {got:.0f} MiB, "
+                   f"predicted {pred:.0f} (one slot's peak + {n - 1} x its KV), {got / pred:.2f}x")
+    return out
 
 
 def main(argv: list[str] | None = None) -> int:
