@@ -120,6 +120,31 @@ def test_grammar_is_served_by_dflash_and_mirostat_falls_back(client, plain):
     assert r.model_extra["dflash"] == {"enabled": False, "reason": "mirostat sampling"}
 
 
+def test_structured_chat_requests_are_served_by_dflash(client, plain, oracle):
+    """response_format (JSON mode, a schema), tools + tool_choice and logit_bias through the openai client:
+    llama_cpp's answers, with DFlash (the dflash object says so)."""
+    msgs = [{"role": "user", "content": "add 2 and 3"}]
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}}, "required": ["a", "b"]}
+    tool = {"type": "function", "function": {"name": "add", "parameters": schema}}
+    cases = [dict(response_format={"type": "json_object"}),
+             dict(response_format={"type": "json_object", "schema": schema}),
+             dict(tools=[tool], tool_choice={"type": "function", "function": {"name": "add"}}),
+             dict(logit_bias={"13": 3.0})]
+    for kw in cases:
+        want = plain.create_chat_completion(msgs, max_tokens=24, temperature=0, **kw)["choices"][0]["message"]
+        oracle.learn(plain)
+        extra = {"response_format": kw.pop("response_format")} if "response_format" in kw else {}
+        r = client.chat.completions.create(model=MODEL_ID, messages=msgs, max_tokens=24, temperature=0,
+                                           extra_body=extra, **kw)
+        got = r.choices[0].message
+        if "tools" in kw:
+            assert [c.function.name for c in got.tool_calls] == ["add"]
+            assert got.tool_calls[0].function.arguments == want["tool_calls"][0]["function"]["arguments"]
+        else:
+            assert got.content == want["content"], kw
+        assert r.model_extra["dflash"]["enabled"] is True, (kw, r.model_extra["dflash"])
+
+
 def test_per_request_dflash_off_and_template_kwargs(client, plain, oracle):
     msgs = [{"role": "user", "content": "import sys"}]
     want = plain_chat(plain, oracle, msgs, max_tokens=10)
