@@ -165,6 +165,10 @@ BAD = [
     ("/v1/completions", {"prompt": [1, 2, 99999]}, "prompt"),
     ("/v1/completions", {"prompt": "x", "n": 2}, "n"),
     ("/v1/completions", {"prompt": "x", "grammar": "root ::= ("}, "grammar"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}],
+                              "response_format": {"type": "json_object", "schema": {"type": "bogus"}}}, "response_format"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "tools": [
+        {"type": "function", "function": {"name": "f", "parameters": {"type": "array", "items": 5}}}]}, "tools"),
     ("/v1/completions", {"prompt": "x", "stop": [""]}, "stop"),
     ("/v1/completions", {"prompt": "word " * 700, "max_tokens": 4}, None),     # context overflow
     ("/v1/completions", {"prompt": "x", "logprobs": 2}, None),                  # needs logits_all

@@ -497,6 +497,7 @@ def create_app(llm, model_id: str | None = None, *, max_queue: int | None = None
         grammar = _grammar(llm, body.grammar)
         if grammar is not None:
             kw["grammar"] = grammar
+        _check_schemas(body.response_format, body.tools)
         if body.chat_template_kwargs:
             if not hasattr(llm, "dflash_info"):
                 raise BadRequest("chat_template_kwargs needs a dflash_gguf.Llama", "chat_template_kwargs")
@@ -518,6 +519,25 @@ def create_app(llm, model_id: str | None = None, *, max_queue: int | None = None
                                   body.include_usage())
 
     return app
+
+
+def _check_schemas(response_format: dict | None, tools: list | None) -> None:
+    """A JSON schema that cannot become a grammar is a 400 (llama_cpp would quietly constrain the reply to
+    any JSON instead)."""
+    from llama_cpp.llama_grammar import json_schema_to_gbnf
+
+    found = []
+    if isinstance(response_format, dict) and "schema" in response_format:
+        found.append(("response_format", response_format["schema"]))
+    for t in tools or []:
+        fn = t.get("function") if isinstance(t, dict) else None
+        if isinstance(fn, dict) and "parameters" in fn:
+            found.append(("tools", fn["parameters"]))
+    for param, schema in found:
+        try:
+            json_schema_to_gbnf(json.dumps(schema))
+        except Exception as e:   # the converter raises assertion, attribute and key errors alike
+            raise BadRequest(f"invalid JSON schema in {param}: {e}", param) from e
 
 
 def _set(kw: dict) -> dict:
