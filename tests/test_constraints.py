@@ -333,3 +333,37 @@ def test_dflash2_lattice_under_a_grammar_keeps_the_target_distribution():
         assert st.drafted > 0 and st.accepted > 0, st.as_dict()
         p = chi2_pvalue(counts, exact)
         assert p > ALPHA, f"DFlash2 lattice samples under the grammar are off the constrained distribution (p={p:.2e})"
+
+
+def test_structured_chat_with_a_released_chat_template(pair, tmp_path):
+    """JSON mode and a tool call through the Qwen3 chat template a released GGUF carries (the chat
+    handler llama_cpp builds from it): the same replies as llama_cpp.Llama, served by DFlash."""
+    from chat_templates import QWEN3, with_chat_template
+
+    from dflash_gguf import Llama
+    from dflash_gguf.decoding import OverrideProposer
+    from support import Oracle
+
+    target = with_chat_template(pair.target, tmp_path / "qwen3-chat.gguf", QWEN3)
+    kw = {**KW, "chat_format": None}
+    plain_llm = llama_cpp.Llama(str(target), **kw)
+    orc = Oracle()
+    fast_llm = Llama(str(target), draft_model_path=str(pair.drafter), draft_adaptive=False, **kw)
+    fast_llm.decoder.proposer = OverrideProposer(orc)
+    tool = {"type": "function", "function": {"name": "add", "parameters": {
+        "type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}}}
+    msgs = [{"role": "user", "content": "add one"}]
+    try:
+        for extra in (dict(response_format={"type": "json_object"}),
+                      dict(tools=[tool], tool_choice={"type": "function", "function": {"name": "add"}})):
+            a, b = both(plain_llm, fast_llm, orc, "create_chat_completion", msgs, max_tokens=30, temperature=0, **extra)
+            ma, mb = a["choices"][0]["message"], b["choices"][0]["message"]
+            if "tools" in extra:
+                assert [c["function"] for c in mb["tool_calls"]] == [c["function"] for c in ma["tool_calls"]]
+            else:
+                assert mb == ma
+            assert_served(b["dflash"])
+            assert b["usage"]["prompt_tokens"] > 10, "the GGUF's template formatted the prompt"
+    finally:
+        fast_llm.close()
+        plain_llm.close()
