@@ -388,7 +388,7 @@ def create_app(llm, model_id: str | None = None, *, max_queue: int | None = None
     otherwise, with an OpenAI-style error); None or empty: no key.
     ``parallel``: sequences decoded together (:mod:`dflash_gguf.server.slots`; needs a
     :class:`dflash_gguf.Llama`): requests the batched engine serves run there, N per step, the rest
-    (grammars, JSON formats, tools, logprobs, logit_bias, echo) on ``llm`` one at a time. None: every
+    (tools, logprobs, echo) on ``llm`` one at a time. None: every
     request on ``llm``, one at a time.
     With a plain ``llama_cpp.Llama`` a timed-out or abandoned generation runs to its end unseen.
     """

@@ -42,8 +42,8 @@ def parser(prog: str = "python -m dflash_gguf.server") -> argparse.ArgumentParse
     g.add_argument("-np", "--parallel", type=int, default=None, metavar="N",
                    help="requests decoded together, up to N sequences per step in one batched engine (llama.cpp's "
                         "flag). Its contexts come beside the model's own: N x the KV cache and the drafter window; "
-                        "grammars, JSON formats, tools, logprobs, logit_bias and echo still run one at a time on "
-                        "the model's own context (default: off, every request one at a time)")
+                        "tools, logprobs and echo still run one at a time on the model's own context "
+                        "(default: off, every request one at a time)")
     g.add_argument("--logits-all", action="store_true",
                    help="keep every position's logits, as llama_cpp's logits_all: completions' logprobs and chats' "
                         "top_logprobs then work (with DFlash), at n_ctx x vocabulary x 4 bytes of memory "
