@@ -29,7 +29,7 @@ def batch_prior(costs: np.ndarray, b: int) -> np.ndarray:
     measured one (R <= n_max + 1), else as its full block's, growing with the rows (a CPU verify is
     compute-bound there); each sequence is charged a b-th. Drafting then looks costlier as the batch
     grows, as it is on a CPU; the batch's gate refines each cost it uses from its own steps."""
-    costs = np.asarray(costs, dtype=float)
+    costs = np.asarray(costs)
     n_max = len(costs) - 1
     rows = b * (np.arange(n_max + 1) + 1)
     whole = np.where(rows <= n_max + 1, costs[np.minimum(rows, n_max + 1) - 1], costs[n_max] * rows / (n_max + 1))

@@ -378,6 +378,9 @@ def test_batch_prior_scales_one_sequences_costs_by_the_rows():
     two = batch_prior(c, 2)
     assert np.allclose(two[:4], [c[1] / 2, c[3] / 2, c[5] / 2, c[7] / 2])        # 2, 4, 6, 8 rows
     assert np.allclose(two[4:], c[7] * np.array([10, 12, 14, 16]) / 8 / 2)       # past the block: per row
+    three = batch_prior(c, 3)                                                    # 3, 6, 9, 12 ... rows
+    assert np.allclose(three[:2], [c[2] / 3, c[5] / 3]) and np.allclose(three[2], c[7] * 9 / 8 / 3)
+    assert np.allclose(batch_prior([10, 12, 13, 15, 16, 18, 19, 21], 3), three)  # integer costs alike
     eight = batch_prior(c, 8)
     assert np.allclose(eight[0], c[7] / 8) and (np.diff(eight) > 0).all()
     # drafting looks dearer, per sequence, the larger the batch (as on a CPU); plain steps cheaper
