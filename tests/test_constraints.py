@@ -1,6 +1,6 @@
 """Grammars and logits processors (logit_bias) under DFlash: every verify row judged as llama_cpp judges
 the next token, the same text as ``llama_cpp.Llama`` with the same constraint, blocks cut at a token
-the grammar forbids, and the constrained sampler chain against a masked reference."""
+the grammar forbids (the constrained chain as pure functions: tests/test_sampling_rules.py)."""
 from __future__ import annotations
 
 import json
@@ -12,61 +12,13 @@ import numpy as np
 import pytest
 from llama_cpp.llama_grammar import JSON_GBNF
 
-from dflash_gguf import sampling as S
 from dflash_gguf.constraints import Constraints, Grammar
 from dflash_gguf.errors import InvalidArgumentError
-from dflash_gguf.sampling import SamplingParams, TokenChooser, constrained_argmax, distribution
+from dflash_gguf.sampling import SamplingParams, distribution
 
 from support import KW, assert_served, both, fast, oracle, pair, plain  # noqa: F401 (fixtures)
 
 LOWER = 'root ::= [a-z ]+'
-
-
-# ---------------------------------------------------------------------- the chain, as pure functions
-def _masked_reference(logits, ok, sp):
-    """llama.cpp's chain with the grammar first: the disallowed tokens' logits are -inf."""
-    ids = np.nonzero(ok)[0]
-    sub, p = distribution(logits[ids], sp)
-    return dict(zip(ids[sub].tolist(), p.tolist()))
-
-
-@pytest.mark.parametrize("walk", [4, 256], ids=["short-walk", "default-walk"])
-@pytest.mark.parametrize("density", [0.002, 0.05, 0.6])
-def test_constrained_choices_equal_a_masked_reference(monkeypatch, walk, density):
-    """Greedy: the best allowed token (lowest id on a tie); sampled: the distribution of the chain run
-    on the allowed tokens only - whether the answer is the argmax, in the walk, or past it."""
-    monkeypatch.setattr(S, "GRAMMAR_WALK", walk)
-    rng = np.random.default_rng(int(density * 1000) + walk)
-    n = 3000
-    for trial in range(30):
-        logits = rng.normal(size=n).astype(np.float32)
-        if trial % 3 == 0:
-            logits = np.round(logits, 1)            # many ties
-        ok = rng.random(n) < density
-        ok[rng.integers(n)] = True
-        allowed = lambda ids, ok=ok: ok[ids]   # noqa: E731
-        masked = np.where(ok, logits, -np.inf)
-        assert constrained_argmax(logits, allowed) == int(np.argmax(masked))
-        if trial % 3 == 0:
-            continue    # which of several tied tokens top-k keeps is not defined (llama.cpp's nor numpy's)
-        for sp in (SamplingParams(temperature=0.8, top_k=40, top_p=0.9, min_p=0.05),
-                   SamplingParams(temperature=1.0, top_k=0, top_p=1.0, min_p=0.0),
-                   SamplingParams(temperature=-1.0)):
-            ids, p = distribution(logits, sp, allowed)
-            got = dict(zip(ids.tolist(), p.tolist()))
-            ref = _masked_reference(logits, ok, sp)
-            assert got.keys() == ref.keys()
-            assert max(abs(got[k] - ref[k]) for k in ref) < 1e-9
-    argmax_allowed = np.zeros(n, bool)
-    argmax_allowed[int(np.argmax(logits))] = True
-    calls = []
-    constrained_argmax(logits, lambda ids: calls.append(len(ids)) or argmax_allowed[ids])
-    assert calls == [1], "an allowed argmax costs one question to the grammar"
-
-
-def test_a_grammar_that_allows_nothing_says_so():
-    with pytest.raises(S.NoTokenAllowed):
-        constrained_argmax(np.zeros(50, np.float32), lambda ids: np.zeros(len(ids), bool))
 
 
 # ---------------------------------------------------------------------- llama.cpp's grammar sampler
@@ -89,24 +41,6 @@ def test_grammar_state_follows_the_kept_tokens(plain):
     c.close()
     with pytest.raises(InvalidArgumentError, match="invalid grammar"):
         Grammar(vocab, "root ::= (")
-
-
-def test_processors_see_the_ids_up_to_their_row():
-    seen = []
-
-    def proc(ids, scores):
-        seen.append(ids.tolist())
-        out = scores.copy()
-        out[ids[-1]] += 100.0           # favour repeating the last id
-        return out
-
-    ch = TokenChooser(SamplingParams(temperature=0.0), Constraints([proc], prompt=[7, 8]))
-    logits = np.zeros(20, np.float32)
-    assert ch.pick(logits, []) == 8 and ch.pick(logits, [3]) == 3
-    ch.accept([5])
-    assert ch.pick(logits, [4, 9]) == 9
-    assert seen == [[7, 8], [7, 8, 3], [7, 8, 5, 4, 9]]
-    assert logits.max() == 0, "the decoder's logits row is never written"
 
 
 # ---------------------------------------------------------------------- end to end, against llama_cpp

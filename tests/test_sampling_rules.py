@@ -6,7 +6,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from dflash_gguf.sampling import SamplingParams, TokenChooser, apply_penalties, distribution
+from dflash_gguf import sampling as S
+from dflash_gguf.constraints import Constraints
+from dflash_gguf.sampling import SamplingParams, TokenChooser, apply_penalties, constrained_argmax, distribution
 
 LOGITS = np.array([2.0, -1.0, 0.5, 3.0, -2.0, 1.0], dtype=np.float32)
 
@@ -225,3 +227,217 @@ def test_a_residual_of_zero_falls_back_to_p():
     ok, tok = c.verify(LOGITS, 5, [], (q_ids, P * np.array([1.0, 1.0, 2.0])))   # q >= p: residual 0
     assert not ok
     np.testing.assert_allclose(c.rng.seen[0], P)
+
+
+# ---------------------------------------------------------------------- the chain, as pure functions
+def _masked_reference(logits, ok, sp):
+    """llama.cpp's chain with the grammar first: the disallowed tokens' logits are -inf."""
+    ids = np.nonzero(ok)[0]
+    sub, p = distribution(logits[ids], sp)
+    return dict(zip(ids[sub].tolist(), p.tolist()))
+
+
+@pytest.mark.parametrize("walk", [4, 256], ids=["short-walk", "default-walk"])
+@pytest.mark.parametrize("density", [0.002, 0.05, 0.6])
+def test_constrained_choices_equal_a_masked_reference(monkeypatch, walk, density):
+    """Greedy: the best allowed token (lowest id on a tie); sampled: the distribution of the chain run
+    on the allowed tokens only - whether the answer is the argmax, in the walk, or past it."""
+    monkeypatch.setattr(S, "GRAMMAR_WALK", walk)
+    rng = np.random.default_rng(int(density * 1000) + walk)
+    n = 3000
+    for trial in range(30):
+        logits = rng.normal(size=n).astype(np.float32)
+        if trial % 3 == 0:
+            logits = np.round(logits, 1)            # many ties
+        ok = rng.random(n) < density
+        ok[rng.integers(n)] = True
+        allowed = lambda ids, ok=ok: ok[ids]   # noqa: E731
+        masked = np.where(ok, logits, -np.inf)
+        assert constrained_argmax(logits, allowed) == int(np.argmax(masked))
+        if trial % 3 == 0:
+            continue    # which of several tied tokens top-k keeps is not defined (llama.cpp's nor numpy's)
+        for sp in (SamplingParams(temperature=0.8, top_k=40, top_p=0.9, min_p=0.05),
+                   SamplingParams(temperature=1.0, top_k=0, top_p=1.0, min_p=0.0),
+                   SamplingParams(temperature=-1.0)):
+            ids, p = distribution(logits, sp, allowed)
+            got = dict(zip(ids.tolist(), p.tolist()))
+            ref = _masked_reference(logits, ok, sp)
+            assert got.keys() == ref.keys()
+            assert max(abs(got[k] - ref[k]) for k in ref) < 1e-9
+    argmax_allowed = np.zeros(n, bool)
+    argmax_allowed[int(np.argmax(logits))] = True
+    calls = []
+    constrained_argmax(logits, lambda ids: calls.append(len(ids)) or argmax_allowed[ids])
+    assert calls == [1], "an allowed argmax costs one question to the grammar"
+
+
+def test_a_grammar_that_allows_nothing_says_so():
+    with pytest.raises(S.NoTokenAllowed):
+        constrained_argmax(np.zeros(50, np.float32), lambda ids: np.zeros(len(ids), bool))
+
+
+def test_processors_see_the_ids_up_to_their_row():
+    seen = []
+
+    def proc(ids, scores):
+        seen.append(ids.tolist())
+        out = scores.copy()
+        out[ids[-1]] += 100.0           # favour repeating the last id
+        return out
+
+    ch = TokenChooser(SamplingParams(temperature=0.0), Constraints([proc], prompt=[7, 8]))
+    logits = np.zeros(20, np.float32)
+    assert ch.pick(logits, []) == 8 and ch.pick(logits, [3]) == 3
+    ch.accept([5])
+    assert ch.pick(logits, [4, 9]) == 9
+    assert seen == [[7, 8], [7, 8, 3], [7, 8, 5, 4, 9]]
+    assert logits.max() == 0, "the decoder's logits row is never written"
+
+
+def _asked(ok):
+    """A grammar test over a fixed mask that records the sizes of the questions it was asked."""
+    sizes = []
+
+    def allowed(ids):
+        assert ids.dtype.kind == "i"
+        sizes.append(len(ids))
+        return ok[ids]
+    return allowed, sizes
+
+
+def test_the_grammar_is_asked_the_argmax_then_the_walk_then_everything(monkeypatch):
+    """What a constrained greedy row asks: the argmax alone; if refused, the GRAMMAR_WALK best; the whole
+    vocabulary only when none of them is allowed or the answer ties the walk's last logit."""
+    monkeypatch.setattr(S, "GRAMMAR_WALK", 8)
+    logits = np.arange(100, dtype=np.float32)[::-1].copy()        # token i has logit 99 - i
+    ok = np.zeros(100, bool)
+    ok[3] = True
+    allowed, sizes = _asked(ok)
+    assert constrained_argmax(logits, allowed) == 3 and sizes == [1, 8]
+    ok[:] = False
+    ok[50] = True
+    allowed, sizes = _asked(ok)
+    assert constrained_argmax(logits, allowed) == 50 and sizes == [1, 8, 100]
+    tie = logits.copy()
+    tie[8] = tie[7]                               # the walk's last (id 7) ties id 8, just outside it
+    ok[:] = False
+    ok[7] = ok[8] = True
+    allowed, sizes = _asked(ok)
+    assert constrained_argmax(tie, allowed) == 7 and sizes == [1, 8, 100]   # judged over everything
+    ok[:] = False
+    ok[6] = True                                   # second to last in the walk, above its edge: found there
+    allowed, sizes = _asked(ok)
+    assert constrained_argmax(logits, allowed) == 6 and sizes == [1, 8]
+    assert constrained_argmax(logits, None) == 0
+    small = np.array([1.0, 3.0, 2.0], np.float32)  # a vocabulary smaller than the walk: asked about all of it
+    allowed, sizes = _asked(np.array([True, False, True]))
+    assert constrained_argmax(small, allowed) == 2 and sizes == [1, 3]
+    with pytest.raises(S.NoTokenAllowed, match="^the grammar allows no token here$"):
+        constrained_argmax(small, lambda ids: np.zeros(len(ids), bool))
+    exact = np.linspace(1, 0, 8).astype(np.float32)   # a vocabulary the size of the walk: asked about all of it
+    allowed, sizes = _asked(np.array([False] * 7 + [True]))
+    assert constrained_argmax(exact, allowed) == 7 and sizes == [1, 8]
+
+
+def test_a_sampled_row_asks_the_walk_for_the_top_k_allowed(monkeypatch):
+    """Sampling (top-k): the best max(GRAMMAR_WALK, 4 k) are asked at once; they give the k best allowed
+    tokens unless fewer than k are allowed there or the k-th ties the walk's edge (then everything)."""
+    monkeypatch.setattr(S, "GRAMMAR_WALK", 8)
+    logits = np.linspace(5, -5, 200).astype(np.float32)
+    sp = SamplingParams(temperature=1.0, top_k=3, top_p=1.0, min_p=0.0)
+    ok = np.zeros(200, bool)
+    ok[[1, 4, 6, 9, 30]] = True
+    allowed, sizes = _asked(ok)
+    ids, p = distribution(logits, sp, allowed)
+    assert ids.tolist() == [1, 4, 6] and sizes == [12]             # 4 x top_k = 12 > GRAMMAR_WALK
+    assert abs(p.sum() - 1) < 1e-12 and (np.diff(p) < 0).all()
+    ok[:] = False
+    ok[[1, 4, 6, 30]] = True                                        # exactly top_k allowed within the walk
+    for t_ in (1.0, 0.5):
+        allowed, sizes = _asked(ok)
+        ids, _ = distribution(logits, SamplingParams(temperature=t_, top_k=3, top_p=1.0, min_p=0.0), allowed)
+        assert ids.tolist() == [1, 4, 6] and sizes == [12], t_
+    ok[:] = False
+    ok[[1, 4, 30]] = True                                           # only two allowed within the walk
+    allowed, sizes = _asked(ok)
+    ids, _ = distribution(logits, sp, allowed)
+    assert ids.tolist() == [1, 4, 30] and sizes == [12, 200]
+    ok[:] = False
+    ok[[1, 2, 11]] = True
+    edge = logits.copy()
+    edge[12] = edge[11]                                             # the 3rd allowed (the walk's last) ties id 12
+    allowed, sizes = _asked(ok)
+    ids, _ = distribution(edge, sp, allowed)
+    assert ids.tolist() == [1, 2, 11] and sizes == [12, 200]
+    one = SamplingParams(temperature=1.0, top_k=1, top_p=1.0, min_p=0.0)
+    ok[:] = False
+    ok[[0, 5]] = True
+    allowed, sizes = _asked(ok)
+    assert distribution(logits, one, allowed)[0].tolist() == [0] and sizes == [8]   # the walk is at least 8
+    for whole in (SamplingParams(temperature=1.0, top_k=0, top_p=1.0, min_p=0.0),
+                  SamplingParams(temperature=-1.0, top_k=3),
+                  SamplingParams(temperature=1.0, top_k=200, top_p=1.0, min_p=0.0)):
+        allowed, sizes = _asked(ok)
+        assert sorted(distribution(logits, whole, allowed)[0].tolist()) == [0, 5] and sizes == [200], whole
+
+
+class _FakeConstraints:
+    """Constraints with a grammar of fixed masks per number of earlier tokens, recording what it saw."""
+
+    processors: list = []
+
+    def __init__(self, masks):
+        self.masks, self.asked, self.kept = masks, [], []
+
+    def __bool__(self):
+        return True
+
+    def allowed(self, extra):
+        self.asked.append(list(extra))
+        mask = self.masks[len(extra)]
+        return lambda ids: mask[ids]
+
+    def accept(self, tokens):
+        self.kept.append(list(tokens))
+
+
+def test_the_chooser_judges_each_row_under_its_own_grammar_state():
+    logits = np.array([5.0, 4.0, 3.0, 2.0, 1.0], np.float32)
+    masks = [np.array([False, True, True, True, True]), np.array([False, False, True, True, True]),
+             np.array([True, True, True, True, True])]
+    c = _FakeConstraints(masks)
+    greedy = TokenChooser(SamplingParams(temperature=0.0), c)
+    assert greedy.constraints is c
+    assert greedy.pick(logits, []) == 1 and greedy.verify(logits, 2, [1]) == (True, 2)
+    assert greedy.verify(logits, 3, [1, 2]) == (False, 0)
+    assert c.asked == [[], [1], [1, 2]]
+    greedy.accept([1, 2, 0])
+    assert c.kept == [[1, 2, 0]] and greedy.history == [1, 2, 0]
+    c2 = _FakeConstraints(masks)
+    sampled = TokenChooser(SamplingParams(temperature=1.0, top_k=2, top_p=1.0, min_p=0.0, seed=3), c2)
+    picks = {sampled.pick(logits, [5]) for _ in range(40)}
+    assert picks == {2, 3} and c2.asked[0] == [5]                   # the two best the grammar allows
+    for _ in range(30):                                              # a forbidden draft is always replaced
+        ok, tok = sampled.verify(logits, 0, [])
+        assert not ok and tok in (1, 2)
+    assert TokenChooser(SamplingParams(), None).constraints is None
+    assert TokenChooser(SamplingParams(), Constraints()).constraints is None, "nothing to constrain: the fast path"
+
+
+def test_best_first_is_the_m_best_ids_lowest_id_first_on_ties():
+    rng = np.random.default_rng(7)
+    for trial in range(200):
+        n = int(rng.integers(2, 60))
+        logits = rng.normal(size=n).astype(np.float32)
+        if trial % 2:
+            logits = np.round(logits, 1)
+        m = int(rng.integers(1, n + 1))
+        want = np.argsort(-logits, kind="stable")[:m]
+        got = S._best_first(logits, m)
+        assert got.tolist()[:m - 1] == want.tolist()[:m - 1] or logits[got[-1]] == logits[want[-1]]
+        assert sorted(logits[got].tolist(), reverse=True) == logits[want].tolist()
+        if trial % 2 == 0:
+            assert got.tolist() == want.tolist()
+    for n, m in ((5000, 256), (151_936, 256), (3000, 1000)):    # sizes where numpy's selection partitions
+        logits = rng.normal(size=n).astype(np.float32)
+        assert S._best_first(logits, m).tolist() == np.argsort(-logits, kind="stable")[:m].tolist()
