@@ -45,12 +45,11 @@ class CallState:
 
 
 def check_grammar(llm: llama_cpp.Llama, grammar) -> None:
-    """Raise ValueError for a grammar llama.cpp cannot parse (llama_cpp would crash on it)."""
-    sampler = llama_cpp.llama_sampler_init_grammar(llm._model.vocab, grammar._grammar.encode("utf-8"),
-                                                   grammar._root.encode("utf-8"))
-    if not sampler:
-        raise ValueError("invalid grammar: llama.cpp could not parse it (its log says where)")
-    llama_cpp.llama_sampler_free(sampler)
+    """Raise ValueError (InvalidArgumentError) for a grammar llama.cpp cannot parse (llama_cpp would crash
+    on it)."""
+    from dflash_gguf.constraints import Grammar
+
+    Grammar.of(llm, grammar).close()
 
 
 def extended_signature(base, **extra) -> inspect.Signature:

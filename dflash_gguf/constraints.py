@@ -21,15 +21,12 @@ than under plain decoding.
 from __future__ import annotations
 
 import ctypes
-import logging
 from typing import Callable, Sequence
 
 import llama_cpp
 import numpy as np
 
 from dflash_gguf.errors import InvalidArgumentError
-
-log = logging.getLogger("dflash_gguf.constraints")
 
 # llama_token_data {id, logit, p} as llama.h lays it out
 TOKEN_DATA = np.dtype([("id", "<i4"), ("logit", "<f4"), ("p", "<f4")], align=True)
