@@ -13,7 +13,7 @@ import cffi
 from dflash_gguf import paths
 from dflash_gguf.errors import BuildMismatchError, raise_for_status
 
-API_VERSION = 2
+API_VERSION = 3
 _FIX = "run `python -m dflash_gguf.build` (or `make build`) to build and install the patched llama-cpp-python"
 
 ffi = cffi.FFI()
@@ -45,6 +45,15 @@ def _open():
 
 
 lib, LIBRARY_PATH, BUILD_STAMP = _open()
+
+
+def tappable_archs() -> tuple[str, ...]:
+    """The target architectures (GGUF names) whose layers a drafter can tap: the library's one list."""
+    names, i = [], 0
+    while (p := lib.llama_dflash_tappable_arch(i)) != ffi.NULL:
+        names.append(ffi.string(p).decode())
+        i += 1
+    return tuple(names)
 
 
 def status_str(code: int) -> str:

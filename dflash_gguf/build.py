@@ -42,10 +42,11 @@ SDIST_NAME = "llama-cpp-python"
 SDIST_VERSION = "0.3.36"
 SDIST_FILE = f"llama_cpp_python-{SDIST_VERSION}.tar.gz"
 SDIST_SHA256 = "832db0699007f1be95a7e41ef12e88926b02ba836461e36a36372db2760c1a2e"
-TOOLS = ("llama-speculative-simple", "llama-completion", "llama-server")
+TOOLS = ("llama-speculative-simple", "llama-completion", "llama-server", "rpc-server")
 STAMP_HEADER = "vendor/llama.cpp/src/llama-dflash-stamp.h"
-# llava/mtmd is not needed by DFlash and costs ~2 of the ~10 build minutes on 2 cores
-DEFAULT_CMAKE_ARGS = ("-DLLAVA_BUILD=OFF",)
+# llava/mtmd is not needed by DFlash and costs ~2 of the ~10 build minutes on 2 cores; RPC: a target's
+# layers on other hosts' rpc-server processes (ggml-rpc, a few seconds of build time)
+DEFAULT_CMAKE_ARGS = ("-DLLAVA_BUILD=OFF", "-DGGML_RPC=ON")
 # ggml libraries built from the patched tree with fixed x86 flags instead of GGML_NATIVE, for
 # testing code paths this CPU would not take: "avx2" has no AVX-512 and no AVX-VNNI, so the kernels
 # of patches/0014 take their 256-bit VPMADDUBSW path (any AVX2 CPU runs it)

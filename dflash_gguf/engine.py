@@ -127,7 +127,6 @@ class Model(_Handle):
         C.llama_model_free(ptr)
 
 
-TAPPABLE_ARCHS = ("llama", "qwen3", "qwen3moe", "qwen3next", "qwen35", "qwen35moe")
 KIND_NAMES = {1: "dflash", 2: "dflash2", 3: "dspark"}
 
 
@@ -175,9 +174,10 @@ def check_compatible(target: Model, drafter: Model) -> None:
     """Refuse a target/drafter pair llama.cpp cannot run together (before any context exists)."""
     info = DrafterInfo.read(drafter)
     fix = "convert the drafter against this target: python -m dflash_gguf.convert TARGET_DIR DRAFTER_DIR -o OUT"
-    if target.arch not in TAPPABLE_ARCHS:
+    tappable = B.tappable_archs()
+    if target.arch not in tappable:
         raise UnsupportedError(f"target architecture {target.arch!r} exposes no layer taps; "
-                               f"supported: {', '.join(TAPPABLE_ARCHS)}")
+                               f"supported: {', '.join(tappable)}")
     if info.n_embd != target.n_embd:
         raise PairMismatchError(f"drafter {drafter.path.name} has hidden size {info.n_embd}, target "
                                 f"{target.path.name} has {target.n_embd}; {fix}")
