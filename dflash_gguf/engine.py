@@ -141,6 +141,7 @@ class DrafterInfo:
     target_layers: list[int]
     n_embd: int
     n_vocab: int
+    sliding_window: int = 0     # the drafter's trained attention window (GGUF dflash.attention.sliding_window), 0: none
 
     @classmethod
     def from_c(cls, info) -> "DrafterInfo":
@@ -153,7 +154,10 @@ class DrafterInfo:
     def read(cls, drafter: Model) -> "DrafterInfo":
         info = B.ffi.new("struct llama_dflash_drafter_info *")
         B.check(B.lib.llama_dflash_get_drafter_info(drafter.cptr, info), f"reading drafter {drafter.path.name}")
-        return cls.from_c(info)
+        out = cls.from_c(info)
+        swa = drafter.meta(f"{drafter.arch}.attention.sliding_window")
+        out.sliding_window = int(swa) if swa and swa.strip().isdigit() else 0
+        return out
 
 
 def clamp_n_draft(info: DrafterInfo, want: int | None, *, n_batch: int, n_ubatch: int, hybrid: bool = False) -> int:
@@ -204,7 +208,8 @@ class ContextOptions:
     n_rs_seq: int = 0                 # recurrent-state snapshots for rollback (hybrid targets)
     flash_attn: bool | None = None    # None: llama.cpp's auto (flash attention on the CPU)
     n_outputs_max: int = 0            # logits rows one ubatch may output (0: n_batch)
-    draft_window: int | None = None   # drafter contexts only: None = DEFAULT_DRAFT_CACHE - block; 0 = whole context
+    draft_window: int | None = None   # drafter contexts only: None = the drafter's sliding window if it has one,
+                                      # else DEFAULT_DRAFT_CACHE - block; 0 = whole context
 
 
 def drafter_options(opts: ContextOptions, info: DrafterInfo) -> ContextOptions:
@@ -218,8 +223,8 @@ def drafter_options(opts: ContextOptions, info: DrafterInfo) -> ContextOptions:
     the target's.
     """
     window = opts.draft_window
-    if window is None:
-        window = max(DEFAULT_DRAFT_CACHE - info.block_size, 1)
+    if window is None:   # the drafter's own sliding window when its GGUF has one (what it was trained with)
+        window = info.sliding_window or max(DEFAULT_DRAFT_CACHE - info.block_size, 1)
     if window < 0:
         raise InvalidArgumentError(f"draft_window must be >= 0 (0: the whole context), got {window}")
     n_ctx = opts.n_ctx

@@ -36,8 +36,9 @@ FLAGS: dict[str, tuple[tuple[str, ...], dict]] = {
                                  "tokens every step")),
     "draft_window": (("--draft-window",),
                      dict(dest="draft_window", type=int, default=None, metavar="N",
-                          help="context positions the drafter attends to (default: 1024 minus the block size, a "
-                               "1024-cell drafter cache; 0: the whole context). Output is exact either way")),
+                          help="context positions the drafter attends to (default: the drafter's own sliding window "
+                               "when its GGUF has one, else 1024 minus the block size, a 1024-cell drafter cache; "
+                               "0: the whole context). Output is exact either way")),
     "flash_attn": (("-fa", "--flash-attn"),
                    dict(dest="flash_attn", choices=("on", "off", "auto"), default="auto",
                         help="flash attention (default auto, as llama.cpp: on; its CPU kernel sums in fp32)")),

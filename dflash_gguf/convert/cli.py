@@ -52,6 +52,10 @@ def parser() -> argparse.ArgumentParser:
                          % (AUTO_SIZE, AUTO_MIN_VOCAB))
     ap.add_argument("--vocab-corpus", nargs="+", metavar="FILE", help="choose the --draft-vocab tokens by their "
                     "frequency in these text files (default: the tokenizer's merge order)")
+    ap.add_argument("--drafter-sliding-window", choices=["auto", "on", "off"], default="auto",
+                    help="a drafter config with 'sliding_attention' layers but no use_sliding_window: auto (default) "
+                         "converts as transformers reads it (no window) and warns; on applies its sliding_window; "
+                         "off converts any window away")
     ap.add_argument("--threads", type=int, default=None, help="threads for quantization and --check")
     ap.add_argument("--force", action="store_true", help="replace an existing pair in OUT_DIR")
     ap.add_argument("--check", metavar="OUT_DIR", help="check a converted pair: load it and verify that "
@@ -111,10 +115,11 @@ def main(argv: list[str] | None = None) -> int:
             from dflash_gguf.convert.recipes import check_against
             from dflash_gguf.convert.validate import validate_pair
 
-            check_against(recipe, validate_pair(target, drafter))
+            check_against(recipe, validate_pair(target, drafter, sliding_window=args.drafter_sliding_window))
         convert_pair(target, drafter, args.out, outtype=args.outtype, quantize=args.quantize,
                      drafter_outtype=args.drafter_outtype, threads=args.threads, force=args.force,
-                     draft_vocab=args.draft_vocab, vocab_corpus=args.vocab_corpus)
+                     draft_vocab=args.draft_vocab, vocab_corpus=args.vocab_corpus,
+                     sliding_window=args.drafter_sliding_window)
     except (PairError, OutputError, ConvertError, ManifestError, FileNotFoundError, ImportError) as e:
         return _fail(e)
     except ValueError as e:          # a contradictory option combination

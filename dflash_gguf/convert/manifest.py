@@ -41,7 +41,9 @@ def build_manifest(spec, target_file: Path, target_type: str, drafter_file: Path
                              n_layer=spec.n_layer, hidden_size=spec.hidden_size, vocab_size=spec.vocab_size,
                              source=str(t.path)),
         "drafter": file_entry(drafter_file, drafter_type, arch="dflash", hf_architecture=d.architecture,
-                              n_layer=d.get("num_hidden_layers"), source=str(d.path)),
+                              n_layer=d.get("num_hidden_layers"), source=str(d.path),
+                              sliding_window=spec.attention.sliding_window, causal=spec.attention.causal),
+        "notes": list(spec.attention.notes),
         "converter": converter_version(),
     }
 

@@ -7,11 +7,13 @@ existing pair is replaced only with ``force=True``, and it stays intact if the n
 from __future__ import annotations
 
 import errno
+import json
 import logging
 import os
 import re
 import secrets
 import shutil
+import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -66,7 +68,7 @@ def plan(outtype: str, quantize: str | None, drafter_outtype: str | None) -> tup
 def convert_pair(target_dir: str | os.PathLike, drafter_dir: str | os.PathLike, out_dir: str | os.PathLike, *,
                  outtype: str = "f16", quantize: str | None = None, drafter_outtype: str | None = None,
                  threads: int | None = None, force: bool = False, draft_vocab: str | int | None = "auto",
-                 vocab_corpus: list[str] | None = None) -> mf.PairManifest:
+                 vocab_corpus: list[str] | None = None, sliding_window: str = "auto") -> mf.PairManifest:
     """Convert a Hugging Face target + DFlash drafter into a validated GGUF pair directory.
 
     Raises :class:`PairError` (bad inputs, checked before any heavy work), :class:`OutputError`
@@ -75,7 +77,7 @@ def convert_pair(target_dir: str | os.PathLike, drafter_dir: str | os.PathLike, 
     t0 = time.perf_counter()
     t_recipe, d_recipe = plan(outtype, quantize, drafter_outtype)
     log.info("checking the pair: target %s, drafter %s", target_dir, drafter_dir)
-    spec = validate_pair(target_dir, drafter_dir)
+    spec = validate_pair(target_dir, drafter_dir, sliding_window=sliding_window)
     log.info("pair OK: %s target %s (%d layers, hidden %d, vocab %d) + %s drafter (block %d, HF taps %s -> "
              "GGUF target_layers %s, mask token %d)", spec.target_arch, spec.target.architecture, spec.n_layer,
              spec.hidden_size, spec.vocab_size, spec.kind, spec.block_size, spec.target_layer_ids,
@@ -92,7 +94,8 @@ def convert_pair(target_dir: str | os.PathLike, drafter_dir: str | os.PathLike, 
     try:
         t_name, d_name = _file_names(spec, t_recipe.final_type, d_recipe.final_type)
         t_file = _produce(spec.target.path, staging / t_name, t_recipe, None, threads, "target")
-        d_file = _produce(spec.drafter.path, staging / d_name, d_recipe, spec.target.path, threads, "drafter")
+        with _config_overlay(spec.drafter.path, spec.attention.overlay) as d_src:
+            d_file = _produce(d_src, staging / d_name, d_recipe, spec.target.path, threads, "drafter")
         dv = dvocab.apply(d_file, t_file, dvocab.parse_size(draft_vocab), vocab_corpus)
         log.info("writing %s (sha256 of both files)", mf.MANIFEST)
         doc = mf.build_manifest(spec, t_file, t_recipe.final_type, d_file, d_recipe.final_type)
@@ -120,6 +123,33 @@ def summary(m: mf.PairManifest, seconds: float) -> str:
 
 
 # ------------------------------------------------------------------ steps
+class _config_overlay:
+    """``src`` itself, or (with ``overlay``) a temporary folder of links to its files whose config.json has
+    those keys set: what the upstream converter reads when a config must be read differently (a window)."""
+
+    def __init__(self, src: Path, overlay: dict):
+        self.src, self.overlay, self.tmp = Path(src), overlay, None
+
+    def __enter__(self) -> Path:
+        if not self.overlay:
+            return self.src
+        self.tmp = tempfile.TemporaryDirectory(prefix="dflash-drafter-config-")
+        d = Path(self.tmp.name)
+        for f in self.src.iterdir():
+            if f.name != "config.json":
+                (d / f.name).symlink_to(f.resolve())
+        cfg = json.loads((self.src / "config.json").read_text(encoding="utf-8"))
+        cfg.update(self.overlay)
+        (d / "config.json").write_text(json.dumps(cfg, indent=2), encoding="utf-8")
+        log.info("drafter config read with %s", ", ".join(f"{k}={v!r}" for k, v in self.overlay.items()
+                                                          if k != "dflash_config"))
+        return d
+
+    def __exit__(self, *exc) -> None:
+        if self.tmp is not None:
+            self.tmp.cleanup()
+
+
 def _produce(hf_dir: Path, final: Path, recipe: Recipe, target_dir: Path | None, threads: int | None,
              what: str) -> Path:
     t0 = time.perf_counter()

@@ -12,9 +12,10 @@ layer after it), hence ``0 <= t <= n_layer - 2``.
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
+from dflash_gguf.convert.attention import DrafterAttention, read_attention
 from dflash_gguf.convert.errors import PairError
 from dflash_gguf.convert.hf import Checkpoint, has_tokenizer, read_checkpoint
 
@@ -57,6 +58,7 @@ class PairSpec:
     block_size: int
     mask_token_id: int
     target_layer_ids: list[int]  # HF convention (output of layer t)
+    attention: DrafterAttention = field(default_factory=DrafterAttention)   # window, causality, config overlay
 
     @property
     def gguf_target_layers(self) -> list[int]:
@@ -64,8 +66,11 @@ class PairSpec:
         return [t + 1 for t in self.target_layer_ids]
 
 
-def validate_pair(target_dir: str | Path, drafter_dir: str | Path) -> PairSpec:
-    """Check a target + drafter pair; raise :class:`PairError` naming the problem and the fix."""
+def validate_pair(target_dir: str | Path, drafter_dir: str | Path, *, sliding_window: str = "auto") -> PairSpec:
+    """Check a target + drafter pair; raise :class:`PairError` naming the problem and the fix.
+
+    ``sliding_window`` (auto | on | off): how a drafter config with sliding layers is converted
+    (:mod:`dflash_gguf.convert.attention`)."""
     target = read_checkpoint(target_dir, "target")
     drafter = read_checkpoint(drafter_dir, "drafter")
     target_arch = _check_target(target)
@@ -94,7 +99,7 @@ def validate_pair(target_dir: str | Path, drafter_dir: str | Path) -> PairSpec:
     _check_drafter_tensors(drafter, kind, hidden, len(ids) * hidden, vocab, dcfg)
     return PairSpec(target=target, drafter=drafter, target_arch=target_arch, kind=kind, n_layer=n_layer,
                     hidden_size=hidden, vocab_size=vocab, block_size=block, mask_token_id=mask,
-                    target_layer_ids=ids)
+                    target_layer_ids=ids, attention=read_attention(drafter, dcfg, sliding_window))
 
 
 def _int(ck: Checkpoint, key: str) -> int:
