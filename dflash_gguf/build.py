@@ -42,7 +42,7 @@ SDIST_NAME = "llama-cpp-python"
 SDIST_VERSION = "0.3.36"
 SDIST_FILE = f"llama_cpp_python-{SDIST_VERSION}.tar.gz"
 SDIST_SHA256 = "832db0699007f1be95a7e41ef12e88926b02ba836461e36a36372db2760c1a2e"
-TOOLS = ("llama-speculative-simple", "llama-completion", "llama-server", "rpc-server")
+TOOLS = ("llama-speculative-simple", "llama-completion", "llama-server", "ggml-rpc-server")
 STAMP_HEADER = "vendor/llama.cpp/src/llama-dflash-stamp.h"
 # llava/mtmd is not needed by DFlash and costs ~2 of the ~10 build minutes on 2 cores; RPC: a target's
 # layers on other hosts' rpc-server processes (ggml-rpc, a few seconds of build time)
@@ -304,16 +304,20 @@ def build_tools(tree: Path, key: str, opts: BuildOptions) -> Path:
         log.info("reference tools cached in %s", bindir)
         return bindir
     build = out / "build"
-    shutil.rmtree(out, ignore_errors=True)
-    build.mkdir(parents=True)
     src = tree / "vendor" / "llama.cpp"
     logfile = paths.cache_dir() / "logs" / f"tools-{key}.log"
     env = dict(os.environ)
-    cfg = ["cmake", "-S", str(src), "-B", str(build), "-DCMAKE_BUILD_TYPE=Release",
-           "-DLLAMA_BUILD_EXAMPLES=ON", "-DLLAMA_BUILD_TOOLS=ON", "-DLLAMA_BUILD_SERVER=ON",
-           "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_USE_PREBUILT_UI=OFF", "-DLLAMA_CURL=OFF",
-           *opts.all_cmake_args()]
-    _run_logged(cfg, None, env, logfile.with_suffix(".configure.log"), "configuring reference tools")
+    # an interrupted build of this key (same tree, same flags) resumes where it stopped; --force starts over
+    if opts.force or not (build / "CMakeCache.txt").is_file():
+        shutil.rmtree(out, ignore_errors=True)
+        build.mkdir(parents=True)
+        cfg = ["cmake", "-S", str(src), "-B", str(build), "-DCMAKE_BUILD_TYPE=Release",
+               "-DLLAMA_BUILD_EXAMPLES=ON", "-DLLAMA_BUILD_TOOLS=ON", "-DLLAMA_BUILD_SERVER=ON",
+               "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_USE_PREBUILT_UI=OFF", "-DLLAMA_CURL=OFF",
+               *opts.all_cmake_args()]
+        _run_logged(cfg, None, env, logfile.with_suffix(".configure.log"), "configuring reference tools")
+    else:
+        log.info("resuming the reference tools' build in %s", build)
     _run_logged(["cmake", "--build", str(build), "--config", "Release", "-j", str(opts.jobs),
                  "--target", *targets], None, env, logfile,
                 f"building {', '.join(targets)} (about 3-6 minutes on 2 cores)")
