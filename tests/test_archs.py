@@ -19,7 +19,7 @@ from dflash_gguf import _bindings as B
 from dflash_gguf import gguf_check, paths
 from dflash_gguf.decoding import DFlashDecoder, GenerationStats, OverrideProposer, SpecOptions
 from dflash_gguf.engine import Context, ContextOptions, Model, check_compatible
-from dflash_gguf.errors import UnsupportedError
+from dflash_gguf.errors import RowRangeError, UnsupportedError
 from support import llama_cpp_greedy
 from test_hybrid import PATTERN, oracle
 
@@ -43,13 +43,13 @@ def _pinned_tappable() -> tuple[set[str], set[str]]:
     for f in sorted((src / "models").glob("*.cpp")):
         text = f.read_text()
         if "res->t_layer_inp[" in text:
-            classes |= set(re.findall(r"\b(llama_model_\w+)::graph\w*::", text))
+            classes |= set(re.findall(r"\b(llama_model_\w+)::graph(?:<\w+>)?::", text))
     header = (src / "models" / "models.h").read_text()
     reusing = set()
     for sub, base in re.findall(r"struct (llama_model_\w+) : public (llama_model_\w+) \{", header):
         body = header[header.index(f"struct {sub} :"):]
         body = body[:body.index("\n};")]
-        if base in classes and f"using graph = {base}::graph;" in body:
+        if base in classes and re.search(rf"using graph = {base}::graph\b", body):
             reusing.add(sub)
     factory = (src / "llama-model.cpp").read_text()
     by_class: dict[str, list[str]] = {}
@@ -77,24 +77,28 @@ def test_library_list_is_what_the_pinned_graphs_record():
     assert set(TESTED) | set(ELSEWHERE) == set(lib)
 
 
+def _arch_set(fn: str) -> set[str]:
+    """The architectures a ``bool fn(const llm_arch & arch)`` switch of llama-arch.cpp returns true for."""
+    text = (paths.upstream_tree() / "src" / "llama-arch.cpp").read_text()
+    names = dict(re.findall(r"\{\s*(LLM_ARCH_\w+)\s*,\s*\"([^\"]+)\"\s*\}", text))
+    body = text[text.index(f"bool {fn}(const llm_arch & arch)"):]
+    body = body[:body.index("\n}\n")]
+    return {names[a] for a in re.findall(r"case (LLM_ARCH_\w+):", body)}
+
+
 def test_rollback_kind_per_architecture():
     """The pre-load table of architectures with recurrent layers is llama.cpp's, so the tappable
     hybrids (qwen3next, qwen35, qwen35moe, qwen4exp, lfm2, nemotron_h, bailingmoe3, deepseek4,
     minimax-01) are told apart from the attention-only ones before a file is loaded; after loading
     the decoder asks the model (llama_model_is_recurrent / is_hybrid, checked per arch below)."""
-    text = (paths.upstream_tree() / "src" / "llama-arch.cpp").read_text()
-    names = dict(re.findall(r"\{\s*(LLM_ARCH_\w+)\s*,\s*\"([^\"]+)\"\s*\}", text))
-
-    def arch_set(fn):
-        body = text[text.index(f"bool {fn}(const llm_arch & arch)"):]
-        body = body[:body.index("\n}\n")]
-        return {names[a] for a in re.findall(r"case (LLM_ARCH_\w+):", body)}
-    hybrid = arch_set("llm_arch_is_hybrid") & set(B.tappable_archs())
+    hybrid = _arch_set("llm_arch_is_hybrid") & set(B.tappable_archs())
     assert hybrid == {"qwen3next", "qwen35", "qwen35moe", "qwen4exp", "lfm2", "nemotron_h", "bailingmoe3",
                       "deepseek4", "minimax-01"}
-    assert not arch_set("llm_arch_is_recurrent") & set(B.tappable_archs())
+    assert not _arch_set("llm_arch_is_recurrent") & set(B.tappable_archs())
     assert all(gguf_check.has_recurrent_layers(a) for a in hybrid)
     assert not any(gguf_check.has_recurrent_layers(a) for a in set(B.tappable_archs()) - hybrid)
+    # recurrent-state snapshots (rollback in place) where llama.cpp keeps them; host checkpoints otherwise
+    assert hybrid - _arch_set("llm_arch_supports_rs_rollback") == {"minimax-01"}
 
 
 # --------------------------------------------------------------------------- tiny pairs
@@ -116,7 +120,14 @@ def _run(dec, prompt, n):
     return list(dec.generate(prompt, n, stop_tokens=[], stats=st)), st
 
 
-@pytest.mark.parametrize("arch", TESTED)
+QWEN4EXP_WIDE_TAP = pytest.mark.xfail(
+    strict=True, raises=RowRangeError,
+    reason="src/models/qwen4exp.cpp records the hyper-connection residual res_hc ([n_embd, hc, n_tokens]) as "
+           "t_layer_inp, not a [n_embd, n_tokens] hidden state (deepseek4.cpp records build_hc_mean(inpL)); "
+           "llama_dflash_inject refuses its rows")
+
+
+@pytest.mark.parametrize("arch", [pytest.param(a, marks=QWEN4EXP_WIDE_TAP) if a == "qwen4exp" else a for a in TESTED])
 def test_greedy_dflash_equals_plain(models, drafter, arch):
     path = _target(models, drafter, arch)
     tm, dm = Model(path), Model(drafter.drafter)
@@ -135,9 +146,15 @@ def test_greedy_dflash_equals_plain(models, drafter, arch):
         assert len(set(ref)) >= 8, f"random {arch} target collapsed into repetition: {ref}"
         assert llama_cpp_greedy(path, prompt, N_GEN) == ref[:N_GEN]
         full = prompt + ref
-        modes = [("snapshot", BLOCK - 1), ("checkpoint", 0)] if hybrid else [("seq_rm", 0)]
+        if not hybrid:
+            modes = [("seq_rm", 0)]
+        elif arch in _arch_set("llm_arch_supports_rs_rollback"):
+            modes = [("snapshot", BLOCK - 1), ("checkpoint", 0)]
+        else:   # llama.cpp keeps no snapshots for it (n_rs_seq clamped to 0): checkpoints only
+            modes = [("checkpoint", BLOCK - 1)]
         for mode, n_rs in modes:
             tc = ctx(_opts(n_rs))
+            assert tc.n_rs_seq == (n_rs if mode == "snapshot" else 0) or mode == "seq_rm"
             dc = ctx(_opts(), dm, other=tc)
             dec = DFlashDecoder(tc, dc, SpecOptions(rollback=mode))
             assert dec.rollback == mode and DFlashDecoder(tc, dc).rollback == mode   # also the automatic choice
