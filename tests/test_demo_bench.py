@@ -60,7 +60,8 @@ def test_shipped_pair_dflash_equals_plain(demo_contexts):
 
 
 def test_demo_cli_prints_stats():
-    r = subprocess.run([sys.executable, "-m", "dflash_gguf.demo", "--max-tokens", "32", "--trials", "1", "-t", "2"],
+    r = subprocess.run([sys.executable, "-m", "dflash_gguf.demo", "--max-tokens", "32", "--trials", "1", "-t", "2",
+                        "--no-scale"],
                        capture_output=True, text=True, timeout=300, env=_env(), cwd=REPO)
     assert r.returncode == 0, r.stderr[-2000:]
     out = r.stdout
@@ -68,6 +69,20 @@ def test_demo_cli_prints_stats():
     for needle in ("plain decoding", "DFlash decoding", "speed-up", "acceptance length",
                    "same output as plain decoding: yes"):
         assert needle in out, f"{needle!r} missing from the demo output:\n{out}"
+
+
+def test_headline_measures_a_kept_gate_against_plain(models):
+    """The demo's realistic-size line (bench.scale.headline), on a tiny pair: one gated decoder for every
+    trial, the replayed profile, the same tokens as plain in every run, and a labelled line."""
+    from dflash_gguf.bench.scale import headline
+
+    p = models.pair("qwen3", "dflash", 8)
+    r = headline.measure(p.target, p.drafter, tokens=24, trials=2, threads=2)
+    assert r["exact"] is True and r["trials"] == 2 and r["profile"] == "demo"
+    assert r["plain_tps"] > 0 and r["dflash_tps"] > 0 and r["x_plain"] > 0 and r["tau"] >= 1.0
+    line = headline.line(r, "0.6b", "q4_0")
+    assert "Qwen3-0.6B-shaped Q4_0 pair, random weights" in line and "same tokens as plain: yes" in line
+    assert f"{r['x_plain']:.2f}x" in line
 
 
 def test_prompt_sets_parse():

@@ -8,6 +8,7 @@ drafters written in the z-lab checkpoint layout (bare tensor names, no embedding
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import sysconfig
@@ -187,13 +188,20 @@ def upstream_convert(hf_dir: Path, out_file: Path, target_dir: Path | None = Non
     if out_file.exists():
         return out_file
     tree = paths.upstream_tree()
-    cmd = [sys.executable, str(tree / "convert_hf_to_gguf.py"), str(hf_dir), "--outfile", str(out_file),
+    # written under a private name and renamed into place: an interrupted or concurrent run never
+    # leaves a partial file that a later run would take for a finished one
+    part = out_file.with_name(f".{out_file.name}.{os.getpid()}.part")
+    cmd = [sys.executable, str(tree / "convert_hf_to_gguf.py"), str(hf_dir), "--outfile", str(part),
            "--outtype", outtype]
     if target_dir is not None:
         cmd += ["--target-model-dir", str(target_dir)]
-    r = subprocess.run(cmd, capture_output=True, text=True)
-    if r.returncode != 0:
-        raise RuntimeError(f"conversion of {hf_dir} failed:\n{r.stderr[-3000:]}")
+    try:
+        r = subprocess.run(cmd, capture_output=True, text=True)
+        if r.returncode != 0:
+            raise RuntimeError(f"conversion of {hf_dir} failed:\n{r.stderr[-3000:]}")
+        os.replace(part, out_file)
+    finally:
+        part.unlink(missing_ok=True)
     return out_file
 
 
