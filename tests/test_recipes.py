@@ -15,7 +15,8 @@ import pytest
 
 from dflash_gguf.convert.errors import PairError
 from dflash_gguf.convert.recipes import DRAFTER_ARCHS, SCHEMAS, Recipe, catalogue, catalogue_dir, check_against, load
-from dflash_gguf.convert.validate import TARGETS, validate_pair
+from dflash_gguf.convert.targets import supported_targets
+from dflash_gguf.convert.validate import validate_pair
 from support import pair  # noqa: F401 (fixture)
 
 CATALOGUE = catalogue()
@@ -117,15 +118,18 @@ READY_GGUF = sorted(n for n, r in CATALOGUE.items() if r.download_only)
 
 
 def _entry_param(name: str):
-    """An entry whose target class the converter's target list does not accept yet is an expected failure
-    (strict: it must fail, naming the architecture, and starts passing when the list accepts it)."""
+    """An entry whose target class the converter does not accept (not a tappable architecture of the pinned
+    tree) is an expected failure: strict, so it must fail, and it starts passing when the class is accepted."""
     arch = CATALOGUE[name].target.architecture
-    if arch is not None and arch not in TARGETS:
+    if arch is not None and arch not in SUPPORTED:
         return pytest.param(name, marks=pytest.mark.xfail(
             strict=True, raises=PairError,
-            reason=f"convert/validate.py TARGETS does not accept {arch} yet: the converter's target list is "
-                   "replaced by the library's list of tappable architectures (gpt-oss, gemma4, minimax-m2, ...)"))
+            reason=f"the converter does not accept target class {arch}: its llama.cpp architecture is not "
+                   "among the tappable ones"))
     return name
+
+
+SUPPORTED = supported_targets()
 
 
 def test_catalogue_has_entries_with_sources():
@@ -137,6 +141,8 @@ def test_catalogue_has_entries_with_sources():
         assert r.schema in SCHEMAS + (None,)
         assert f"`{r.name}`" in readme, f"{r.name} missing from convert/README.md's table"
     assert {r.schema for r in CATALOGUE.values()} >= {"legacy", "dflash2"}
+    # every target class an entry names is one the pinned converter converts to a tappable architecture
+    assert {r.target.architecture for r in CATALOGUE.values()} - {None} <= set(SUPPORTED)
 
 
 @pytest.mark.parametrize("name", [_entry_param(n) for n in CONVERTED])

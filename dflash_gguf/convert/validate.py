@@ -15,23 +15,13 @@ import logging
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from dflash_gguf.convert import targets
 from dflash_gguf.convert.attention import DrafterAttention, read_attention
 from dflash_gguf.convert.errors import PairError
 from dflash_gguf.convert.hf import Checkpoint, has_tokenizer, read_checkpoint
 
 log = logging.getLogger("dflash_gguf.convert")
 
-# HF architecture -> llama.cpp architecture, for targets whose graphs expose the layer taps
-TARGETS = {
-    "Qwen3ForCausalLM": "qwen3",
-    "Qwen3MoeForCausalLM": "qwen3moe",
-    "Qwen3NextForCausalLM": "qwen3next",
-    "Qwen3_5ForCausalLM": "qwen35",
-    "Qwen3_5ForConditionalGeneration": "qwen35",
-    "Qwen3_5MoeForCausalLM": "qwen35moe",
-    "Qwen3_5MoeForConditionalGeneration": "qwen35moe",
-    "LlamaForCausalLM": "llama",
-}
 DRAFTERS = {"DFlashDraftModel": "dflash", "DFlash2DraftModel": "dflash2"}
 DSPARK = {"Qwen3DSparkModel", "DSparkDraftModel", "DSparkSpeculator", "Lfm2DSparkDraftModel", "LingDSparkModel",
           "Gemma4DSparkModel", "DeepseekV4DSparkModel"}
@@ -115,13 +105,20 @@ def _check_target(t: Checkpoint) -> str:
     if arch in DRAFTERS or arch in DSPARK:
         raise PairError(f"the target folder {t.path} holds a drafter ({arch}): pass the target model first, "
                         "then the drafter")
-    if arch not in TARGETS:
-        raise PairError(f"target architecture {arch or '(none)'!r} cannot feed a DFlash drafter in this build: "
-                        f"supported targets are {', '.join(sorted(TARGETS))}")
+    target_arch = targets.gguf_arch(arch) if arch else None
+    if target_arch is None:
+        raise PairError(f"target architecture {arch or '(none)'!r} is not one the pinned llama.cpp converter "
+                        f"knows, so it cannot feed a DFlash drafter in this build: supported targets are "
+                        f"{targets.describe_supported()}")
+    if target_arch not in targets.tappable():
+        raise PairError(f"target architecture {arch!r} converts to llama.cpp's {target_arch!r}, whose graph "
+                        f"records no layer inputs for a drafter to tap, so it cannot feed a DFlash drafter: "
+                        f"supported targets are "
+                        f"{targets.describe_supported()}")
     if not has_tokenizer(t):
         raise PairError(f"target folder {t.path} has no tokenizer (tokenizer.json or tokenizer.model): the "
                         "drafter GGUF takes its vocabulary from the target. Download the tokenizer files too")
-    return TARGETS[arch]
+    return target_arch
 
 
 def _check_drafter_arch(d: Checkpoint) -> str:
@@ -130,7 +127,7 @@ def _check_drafter_arch(d: Checkpoint) -> str:
         raise PairError(f"drafter architecture {arch} is a DSpark drafter, which dflash-gguf does not run "
                         "(only DFlashDraftModel and DFlash2DraftModel). Use llama.cpp's own "
                         "`--spec-type draft-dflash` for DSpark")
-    if arch in TARGETS:
+    if arch not in DRAFTERS and arch and targets.gguf_arch(arch) in targets.tappable():
         raise PairError(f"the drafter folder {d.path} holds a target model ({arch}), not a drafter: pass the "
                         "target first, then a DFlash drafter (architectures: DFlashDraftModel)")
     if arch not in DRAFTERS:
