@@ -99,15 +99,17 @@ class Recipe:
         """The fields this recipe could not confirm."""
         out = [k for k in ("schema", "block_size", "target_layer_ids", "mask_token_id", "reported_acceptance")
                if getattr(self, k) is None]
+        if self.download_only:          # the GGUFs carry their own shapes: only what loading them needs
+            if self.target.gguf is not None and self.target.gguf.filename is None:
+                out.append("target.gguf.filename")
+            return [k for k in out if k not in ("block_size", "target_layer_ids", "mask_token_id")]
         out += [f"target.{k}" for k in ("architecture", "num_hidden_layers", "hidden_size", "vocab_size")
                 if getattr(self.target, k) is None]
         out += [f"drafter.{k}" for k in ("num_hidden_layers", "license") if getattr(self.drafter, k) is None]
-        if self.download_only and self.target.gguf is not None and self.target.gguf.filename is None:
-            out.append("target.gguf.filename")
         return out
 
     def line(self) -> str:
-        block = self.block_size if self.block_size is not None else "?"
+        block = self.block_size if self.block_size is not None else "-" if self.download_only else "?"
         schema = self.schema or "?"
         if self.download_only:
             how = "ready GGUF, download only"
