@@ -65,7 +65,8 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--drafter-revision", metavar="REV", help="hub revision of a hub DRAFTER")
     ap.add_argument("--list", action="store_true", help="list the known public pairs (recipes) and exit")
     ap.add_argument("--recipe", metavar="NAME", help="convert a known pair (see --list); TARGET and DRAFTER "
-                    "default to its hub repos, --quantize to its recommendation")
+                    "default to its hub repos, --quantize to its recommendation. A ready GGUF drafter "
+                    "(download only) is not converted: --recipe prints how to load it directly")
     ap.add_argument("-v", "--verbose", action="store_true", help="debug output (the upstream converter's log)")
     ap.add_argument("-q", "--quiet", action="store_true", help="only warnings and errors")
     return ap
@@ -98,6 +99,9 @@ def main(argv: list[str] | None = None) -> int:
             recipe = get(args.recipe)
         except KeyError as e:
             ap.error(e.args[0])
+        if recipe.download_only:        # a ready GGUF drafter: nothing to convert, say how to load it
+            print(recipe.usage())
+            return 0
         args.target = args.target or recipe.target.repo
         args.drafter = args.drafter or recipe.drafter.repo
         args.target_revision = args.target_revision or recipe.target.revision
@@ -134,7 +138,8 @@ def _list() -> int:
     from dflash_gguf.convert.recipes import catalogue, catalogue_dir
 
     cat = catalogue()
-    print(f"{len(cat)} known pairs ({catalogue_dir()}); convert one with --recipe NAME -o OUT_DIR\n")
+    print(f"{len(cat)} known pairs ({catalogue_dir()}); convert one with --recipe NAME -o OUT_DIR "
+          "(a ready GGUF drafter: --recipe NAME says how to load it)\n")
     for r in cat.values():
         print(r.line())
         unknown = r.unknown()
