@@ -153,8 +153,7 @@ class Llama(PairConstructors, RpcTarget, llama_cpp.Llama):
             log.info("no draft_model_path: %s decodes plainly", Path(model_path).name)
 
     def _open_drafter(self) -> None:
-        ngl = self.draft_n_gpu_layers if self.draft_n_gpu_layers is not None else self.model_params.n_gpu_layers
-        self._draft_model = Model(self.draft_model_path, use_mmap=self.draft_use_mmap, **self._draft_devices(ngl))
+        self._draft_model = Model(self.draft_model_path, use_mmap=self.draft_use_mmap, **self._draft_devices())
         hybrid = self._is_hybrid or self._is_recurrent
         info = DrafterInfo.read(self._draft_model)
         n_draft = clamp_n_draft(info, self.draft_n_max, n_batch=self.n_batch,
@@ -562,8 +561,10 @@ class Llama(PairConstructors, RpcTarget, llama_cpp.Llama):
 
     def eval(self, tokens: Sequence[int]):
         self._check_free()
-        super().eval(tokens)
-        self._rpc_check()   # a lost rpc-server fails the plain path too, before its logits are sampled
+        try:
+            super().eval(tokens)
+        finally:   # a lost rpc-server fails the plain path too (typed), before its logits are sampled
+            self._rpc_check()
 
     def load_state(self, state) -> None:
         self._check_free()

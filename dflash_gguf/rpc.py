@@ -24,6 +24,7 @@ import ctypes
 import logging
 import socket
 import struct
+import weakref
 from pathlib import Path
 from typing import Sequence
 
@@ -69,13 +70,14 @@ def _recv_exact(sock: socket.socket, n: int, ep: str) -> bytes:
     return buf
 
 
-def probe(endpoint: str, timeout: float = CONNECT_TIMEOUT_S) -> tuple[str, int]:
+def probe(endpoint: str, timeout: float | None = None) -> tuple[str, int]:
     """Connect to ``endpoint``, say HELLO and count its devices, within ``timeout`` seconds.
 
     Returns (the server's protocol version, its device count). Raises RpcConnectError when nothing
     answers in time, RpcProtocolError when the answer is not an rpc-server's of a compatible version.
     The connection is closed again: an rpc-server serves one client at a time.
     """
+    timeout = CONNECT_TIMEOUT_S if timeout is None else timeout
     host, _, port = endpoint.rpartition(":")
     try:
         sock = socket.create_connection((host, int(port)), timeout=timeout)
@@ -161,15 +163,24 @@ def _ggml() -> _Ggml:
     return _GGML
 
 
+_LIVE: "weakref.WeakSet[RpcDevices]" = weakref.WeakSet()
+
+
 class RpcDevices:
     """The ggml devices of some rpc-servers, as a NULL-terminated ``ggml_backend_dev_t`` array."""
 
-    def __init__(self, endpoints: Sequence[str], timeout: float = CONNECT_TIMEOUT_S):
+    def __init__(self, endpoints: Sequence[str], timeout: float | None = None):
         self.endpoints = parse_servers(endpoints)
         if not self.endpoints:
             raise InvalidArgumentError("no RPC server given")
         g = _ggml()
+        # an rpc-server serves one client at a time, and ggml keeps one connection per endpoint for the
+        # whole process: an endpoint a live model of this process may hold is not probed again
+        held = {ep for devs in list(_LIVE) for ep in devs.endpoints}
         for ep in self.endpoints:
+            if ep in held:
+                log.debug("rpc-server %s: in use by this process, not probed", ep)
+                continue
             version, n = probe(ep, timeout)
             log.info("rpc-server %s: protocol %s, %d device(s)", ep, version, n)
         ptrs, self.names, self.counts = [], [], []
@@ -188,6 +199,7 @@ class RpcDevices:
                 log.info("%s on %s: %s, %.0f of %.0f MiB free", name, ep,
                          g.base.ggml_backend_dev_description(dev).decode(), free / 2**20, total / 2**20)
         self._array = (ctypes.c_void_p * (len(ptrs) + 1))(*ptrs, None)
+        _LIVE.add(self)
 
     @property
     def address(self) -> int:
@@ -255,14 +267,13 @@ class RpcTarget:
         target's output tensors."""
         return self._rpc_check if (self._rpc or self._draft_rpc) else None
 
-    def _draft_devices(self, ngl: int) -> dict:
-        """The drafter's load arguments besides its path: local unless draft_rpc_servers (then all of its
-        layers there unless draft_n_gpu_layers says fewer)."""
+    def _draft_devices(self) -> dict:
+        """The drafter's load arguments besides its path: ``draft_n_gpu_layers`` (default: as the target);
+        local unless draft_rpc_servers (then all of its layers there unless draft_n_gpu_layers says fewer)."""
+        ngl = self.draft_n_gpu_layers
         if self._draft_rpc is None:
-            return dict(n_gpu_layers=ngl, rpc_check=self._rpc_hook)
-        if getattr(self, "draft_n_gpu_layers", None) is None:
-            ngl = -1
-        return dict(n_gpu_layers=ngl, devices=self._draft_rpc.address, rpc_check=self._rpc_hook)
+            return dict(n_gpu_layers=self.model_params.n_gpu_layers if ngl is None else ngl, rpc_check=self._rpc_hook)
+        return dict(n_gpu_layers=-1 if ngl is None else ngl, devices=self._draft_rpc.address, rpc_check=self._rpc_hook)
 
     def __getstate__(self):
         state = super().__getstate__()
