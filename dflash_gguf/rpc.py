@@ -118,6 +118,19 @@ def probe(endpoint: str, timeout: float | None = None) -> tuple[str, int]:
     return version, n_dev
 
 
+def server_binary(folder: Path | None = None) -> Path | None:
+    """Upstream's rpc-server in ``folder`` (default: the build's reference tools): ``ggml-rpc-server``
+    (the pinned tree's CMake target) or ``rpc-server`` (its older name); None if neither is there."""
+    if folder is None:
+        from dflash_gguf import paths
+
+        folder = paths.tools_dir()
+    for name in ("ggml-rpc-server", "rpc-server"):
+        if folder is not None and (folder / name).is_file():
+            return folder / name
+    return None
+
+
 class _Ggml:
     """The two ggml libraries beside libllama: the RPC backend and ggml-base (device queries)."""
 

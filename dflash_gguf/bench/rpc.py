@@ -41,9 +41,9 @@ def start_servers(n: int, threads: int) -> tuple[list[subprocess.Popen], list[st
     from dflash_gguf import rpc
     from dflash_gguf.errors import RpcConnectError
 
-    exe = (paths.tools_dir() or Path("/nonexistent")) / "rpc-server"
-    if not exe.is_file():
-        raise SystemExit("rpc-server is not built: python -m dflash_gguf.build --with-tools")
+    exe = rpc.server_binary()
+    if exe is None:
+        raise SystemExit("rpc-server (ggml-rpc-server) is not built: python -m dflash_gguf.build --with-tools")
     procs, eps = [], []
     for _ in range(n):
         port = _free_port()
