@@ -43,6 +43,7 @@ from dflash_gguf.errors import BusyError, ModelFileError, ModelNotFoundError
 from dflash_gguf.fallback import Call, plain_reason
 from dflash_gguf.gguf_check import check_gguf
 from dflash_gguf.memory import LOW_MEMORY_DRAFT_CACHE, low_memory_settings, release_free_heap
+from dflash_gguf.rpc import RpcTarget
 from dflash_gguf.sampling import SamplingParams
 from dflash_gguf.decoding.decoder import DFlashDecoder, SpecOptions, common_prefix_len
 from dflash_gguf.decoding.rollback import choose_for_memory, recurrent_state_bytes
@@ -58,7 +59,7 @@ _CHAT_SIG = inspect.signature(llama_cpp.Llama.create_chat_completion)
 
 
 # --------------------------------------------------------------------------- Llama
-class Llama(PairConstructors, llama_cpp.Llama):
+class Llama(PairConstructors, RpcTarget, llama_cpp.Llama):
     """``llama_cpp.Llama`` plus a DFlash/DFlash2 drafter.
 
     Extra arguments (everything else is ``llama_cpp.Llama``'s):
@@ -90,6 +91,8 @@ class Llama(PairConstructors, llama_cpp.Llama):
             resident twice), smaller batches, flash attention, a Q8_0 KV cache, a 512-cell drafter
             cache (drafter window 512 - block).
             Arguments given explicitly win over the preset.
+        rpc_servers, draft_rpc_servers: ``["host:port", ...]`` of llama.cpp ``rpc-server`` processes for the
+            target's layers (with ``tensor_split``), or the drafter's (default: local); see dflash_gguf.rpc.
 
     After each generation ``self.last_dflash_stats`` holds its :class:`GenerationStats` (``None``
     after a plain fallback) and responses carry the same numbers as a top-level ``"dflash"`` object
@@ -102,8 +105,7 @@ class Llama(PairConstructors, llama_cpp.Llama):
                  draft_n_max: int | None = None, draft_adaptive: bool = True, dflash: bool = True,
                  draft_n_gpu_layers: int | None = None, draft_use_mmap: bool = False,
                  draft_window: int | None = None, low_memory: bool = False,
-                 rollback_memory_mb: float | None = None,
-                 **kwargs):
+                 rollback_memory_mb: float | None = None, rpc_servers=None, draft_rpc_servers=None, **kwargs):
         if draft_n_max is not None and draft_n_max < 0:
             raise ValueError(f"draft_n_max must be >= 0 (0: no drafting), got {draft_n_max}")
         self._decoder: DFlashDecoder | None = None
@@ -138,6 +140,7 @@ class Llama(PairConstructors, llama_cpp.Llama):
             for key, value in low_memory_settings(headers["target"]).items():
                 kwargs.setdefault(key, value)
         self.draft_window = draft_window   # None with low_memory: 512 - block (the drafter's, see _open_drafter)
+        self._rpc_setup(rpc_servers, draft_rpc_servers, kwargs)   # probed before anything loads
         try:
             super().__init__(model_path, **kwargs)
         except ValueError as e:
@@ -151,14 +154,13 @@ class Llama(PairConstructors, llama_cpp.Llama):
             log.info("no draft_model_path: %s decodes plainly", Path(model_path).name)
 
     def _open_drafter(self) -> None:
-        ngl = self.draft_n_gpu_layers if self.draft_n_gpu_layers is not None else self.model_params.n_gpu_layers
-        self._draft_model = Model(self.draft_model_path, n_gpu_layers=ngl, use_mmap=self.draft_use_mmap)
+        self._draft_model = Model(self.draft_model_path, use_mmap=self.draft_use_mmap, **self._draft_devices())
         hybrid = self._is_hybrid or self._is_recurrent
         info = DrafterInfo.read(self._draft_model)
         n_draft = clamp_n_draft(info, self.draft_n_max, n_batch=self.n_batch,
                                 n_ubatch=self.context_params.n_ubatch, hybrid=hybrid)
         def borrowed() -> Context:
-            return Context.borrow(Model.borrow(self._model.model, self.model_path), self._ctx.ctx,
+            return Context.borrow(Model.borrow(self._model.model, self.model_path, self._rpc_hook), self._ctx.ctx,
                                   ContextOptions(n_ctx=self._n_ctx, n_batch=self.n_batch))
         if hybrid and n_draft > 0 and self._rollback_kind(borrowed(), n_draft) == "snapshot":
             # rollback by recurrent snapshots: n_rs_seq >= n_draft (clamped so that n_ubatch >= n_rs_seq + 2)
@@ -560,7 +562,10 @@ class Llama(PairConstructors, llama_cpp.Llama):
 
     def eval(self, tokens: Sequence[int]):
         self._check_free()
-        return super().eval(tokens)
+        try:
+            super().eval(tokens)
+        finally:   # a lost rpc-server fails the plain path too (typed), before its logits are sampled
+            self._rpc_check()
 
     def load_state(self, state) -> None:
         self._check_free()
@@ -591,6 +596,6 @@ Llama.create_chat_completion.__signature__ = _signature(llama_cpp.Llama.create_c
 Llama.__init__.__signature__ = _signature(llama_cpp.Llama.__init__, draft_model_path=None, draft_n_max=None,
                                           draft_adaptive=True, dflash=True, draft_n_gpu_layers=None,
                                           draft_use_mmap=False, draft_window=None, low_memory=False,
-                                          rollback_memory_mb=None)
+                                          rollback_memory_mb=None, rpc_servers=None, draft_rpc_servers=None)
 
 __all__ = ["Llama", "check_grammar", "pair_files"]

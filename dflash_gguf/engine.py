@@ -56,8 +56,12 @@ class _Handle:
 class Model(_Handle):
     """A GGUF model loaded by llama.cpp. Free it with :meth:`close` (or a ``with`` block)."""
 
-    def __init__(self, path: str | os.PathLike, *, n_gpu_layers: int = 0, use_mmap: bool = True):
+    rpc_check = None   # with layers on rpc-servers: raises RpcLostError after a decode if one was lost
+
+    def __init__(self, path: str | os.PathLike, *, n_gpu_layers: int = 0, use_mmap: bool = True,
+                 devices: int | None = None, rpc_check=None):
         self.path = Path(path)
+        self.rpc_check = rpc_check
         if not self.path.is_file():
             raise FileNotFoundError(f"model file not found: {self.path}")
         check_gguf(self.path)   # llama.cpp aborts the process on some inconsistent files: refuse first
@@ -65,6 +69,8 @@ class Model(_Handle):
         params.n_gpu_layers = n_gpu_layers
         if not use_mmap:   # this llama_cpp has load_mode, not use_mmap (a ctypes struct takes unknown names silently)
             params.load_mode = C.LLAMA_LOAD_MODE_NONE
+        if devices:   # a NULL-terminated ggml_backend_dev_t array (dflash_gguf.rpc.RpcDevices.address)
+            params.devices = devices
         ptr = C.llama_model_load_from_file(str(self.path).encode(), params)
         if not ptr:
             raise ModelFileError(f"llama.cpp could not load {self.path}: not a valid GGUF, truncated, or an "
@@ -73,11 +79,12 @@ class Model(_Handle):
         self._describe(ptr)
 
     @classmethod
-    def borrow(cls, ptr, path: str | os.PathLike) -> "Model":
+    def borrow(cls, ptr, path: str | os.PathLike, rpc_check=None) -> "Model":
         """A view of a ``llama_model`` owned elsewhere (e.g. by ``llama_cpp.Llama``); never freed here."""
         self = cls.__new__(cls)
         self.path = Path(path)
         self._owned = False
+        self.rpc_check = rpc_check
         self._describe(ptr)
         return self
 
@@ -351,6 +358,8 @@ class Context(_Handle):
         ap = B.ffi.NULL if argmax is None else B.ffi.from_buffer("llama_token[]", argmax)
         rc = B.lib.llama_dflash_decode(self.cptr, seq, pos0, B.ffi.from_buffer("llama_token[]", tokens),
                                        n, out_row0, ap)
+        if self.model.rpc_check is not None:
+            self.model.rpc_check()   # a lost rpc-server first: it explains a failed decode
         B.check(rc, f"decode of {n} tokens at position {pos0}")
 
     def decode_seqs(self, seqs: np.ndarray, pos0: np.ndarray, n_tokens: np.ndarray, tokens: np.ndarray,
@@ -364,6 +373,8 @@ class Context(_Handle):
         rc = B.lib.llama_dflash_decode_seqs(self.cptr, len(seqs), B.ffi.from_buffer(i32, seqs),
                                             B.ffi.from_buffer(i32, pos0), B.ffi.from_buffer(i32, n_tokens),
                                             B.ffi.from_buffer(i32, out0), B.ffi.from_buffer("llama_token[]", tokens), ap)
+        if self.model.rpc_check is not None:
+            self.model.rpc_check()   # a lost rpc-server first: it explains a failed decode
         B.check(rc, f"decode of {len(tokens)} rows of {len(seqs)} sequences")
 
     def logits_row(self, i: int) -> np.ndarray:

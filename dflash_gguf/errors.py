@@ -111,3 +111,19 @@ def raise_for_status(code: int, what: str, describe=None) -> None:
 
 class ManifestError(DFlashError, ValueError):
     """A pair directory is incomplete or damaged (``pair.json`` missing, a file missing or changed)."""
+
+
+class RpcError(DFlashError, ConnectionError):
+    """An rpc-server (llama.cpp's RPC backend) could not be used: see the subclasses."""
+
+
+class RpcConnectError(RpcError):
+    """An rpc-server endpoint is unreachable (refused, no route, or no answer within the timeout)."""
+
+
+class RpcProtocolError(RpcError):
+    """Something answers at the endpoint, but not as an rpc-server of this build's protocol version."""
+
+
+class RpcLostError(RpcError, DecodeError):
+    """An rpc-server holding the model's layers went away during a decode: the request fails, the process lives."""

@@ -50,6 +50,16 @@ FLAGS: dict[str, tuple[tuple[str, ...], dict]] = {
                         dict(dest="rollback_memory_mb", type=float, default=None, metavar="MB",
                              help="hybrid targets: the most memory rollback may take; recurrent-state snapshots "
                                   "(fastest) while they fit, else a host checkpoint")),
+    "rpc": (("--rpc",), dict(dest="rpc", metavar="HOST:PORT,...", default=None,
+                            help="the target's layers on these llama.cpp rpc-server processes (all layers unless -ngl "
+                                 "says fewer; the rest stay local). rpc-server has no authentication: loopback or a "
+                                 "trusted network only (README: Scaling out)")),
+    "rpc_draft": (("--rpc-draft",), dict(dest="rpc_draft", metavar="HOST:PORT,...", default=None,
+                                         help="the drafter's layers on rpc-servers (default: the drafter is local)")),
+    "tensor_split": (("-ts", "--tensor-split"),
+                     dict(dest="tensor_split", metavar="N0,N1,...", default=None,
+                          help="fraction of the offloaded layers per device, in order (with --rpc: per rpc-server "
+                               "device), e.g. 3,1")),
     "n_predict": (("-n", "--n-predict", "--predict", "--max-tokens"),
                   dict(dest="max_tokens", type=int, metavar="N",
                        help="tokens to generate at most (default %(default)s; generate and chat: 0 means until EOS "
@@ -75,7 +85,7 @@ def add_model_args(ap: argparse.ArgumentParser) -> None:
     g = ap.add_argument_group("model")
     g.add_argument("--pair", metavar="DIR", help="converted pair directory (pair.json, target*.gguf, drafter*.gguf)")
     for name in ("model", "draft", "ctx_size", "gpu_layers", "gpu_layers_draft", "threads", "flash_attn", "draft_max",
-                 "draft_adaptive", "draft_window", "low_memory", "rollback_memory"):
+                 "draft_adaptive", "draft_window", "low_memory", "rollback_memory", "rpc", "rpc_draft", "tensor_split"):
         add_flag(g, name)
     g.add_argument("--no-dflash", action="store_true", help="load the drafter but decode plainly (for comparison)")
     g.add_argument("--chat-format", default=None,
@@ -122,7 +132,26 @@ def load_llama(args: argparse.Namespace):
               flash_attn=getattr(args, "flash_attn", "auto") != "off", logits_all=getattr(args, "logits_all", False))
     if args.threads:
         kw.update(n_threads=args.threads, n_threads_batch=args.threads)
+    kw.update(rpc_kwargs(args, kw))
     return Llama(str(target), draft_model_path=str(draft) if draft else None, **kw)
+
+
+def rpc_kwargs(args: argparse.Namespace, kw: dict) -> dict:
+    """--rpc, --rpc-draft and -ts as Llama arguments (with --rpc an -ngl left at 0 means all layers)."""
+    out = {}
+    if getattr(args, "rpc", None):
+        out["rpc_servers"] = args.rpc.split(",")
+        if kw.get("n_gpu_layers") == 0:
+            out["n_gpu_layers"] = -1
+    if getattr(args, "rpc_draft", None):
+        out["draft_rpc_servers"] = args.rpc_draft.split(",")
+    if getattr(args, "tensor_split", None):
+        try:
+            out["tensor_split"] = [float(x) for x in args.tensor_split.replace("/", ",").split(",")]
+        except ValueError:
+            raise SystemExit(f"{PROG}: -ts/--tensor-split takes numbers separated by commas, "
+                             f"got {args.tensor_split!r}") from None
+    return out
 
 
 def setup_logging(verbose: bool, level: int = logging.WARNING) -> None:
