@@ -19,7 +19,6 @@ distribution; and the C API's taps, argmax ids, injection and draft ids against 
 """
 from __future__ import annotations
 
-import ctypes
 import functools
 import json
 import os

@@ -232,8 +232,8 @@ def main(argv: list[str] | None = None) -> int:
                 kname = name if kernels == ["x86mm"] else f"{name} ({kern})"
                 case = {"name": kname, "target": str(pair / "target.gguf"), "drafters": drafters,
                         "profiles": profiles, "tokens": a.tokens, "trials": a.trials, "repeats": a.repeats,
-                        "threads": threads, "n_gpu_layers": a.n_gpu_layers, "gate": "only" if a.gate_only else (a.gate or a.gate_warm),
-                        "gate_warm": a.gate_warm, "own": not a.no_own}
+                        "threads": threads, "gate": "only" if a.gate_only else (a.gate or a.gate_warm),
+                        "gate_warm": a.gate_warm, "own": not a.no_own, "n_gpu_layers": a.n_gpu_layers}
                 log.info("case %s", kname)
                 with kernel_env(kern):
                     r = run_one(case)
