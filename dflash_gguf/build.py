@@ -10,8 +10,12 @@ Steps (each cached under ``$DFLASH_GGUF_CACHE``, default ``~/.cache/dflash-gguf`
 4. install the sdist's vendored ``gguf-py`` (PyPI's ``gguf`` lacks DFlash) and keep the
    sdist's ``convert_hf_to_gguf.py`` + ``conversion/`` for :mod:`dflash_gguf.convert`;
 5. optionally (``--with-tools``) build upstream's reference binaries from the same tree;
-6. optionally (``--ggml-variant avx2``) build only ggml's libraries from the same tree with other
-   instruction-set flags (the AVX2 paths of patches/0014's kernels, run on an AVX-512 machine).
+6. optionally (``--ggml-variant NAME``) build libraries from the same tree with other flags, for
+   tests: ``avx2`` (ggml only, without AVX-512: the AVX2 paths of patches/0014's kernels) and the GPU
+   variants ``vulkan`` / ``cuda`` (libllama + ggml with that backend; the tests load it in child
+   processes with ``LLAMA_CPP_LIB_PATH``; ``cuda`` also builds the reference tools for the benchmark).
+
+``--platform vulkan`` / ``--platform cuda`` build the installed wheel itself with that backend.
 """
 from __future__ import annotations
 
@@ -53,7 +57,19 @@ DEFAULT_CMAKE_ARGS = ("-DLLAVA_BUILD=OFF", "-DGGML_RPC=ON")
 GGML_VARIANTS = {
     "avx2": ("-DGGML_NATIVE=OFF", "-DGGML_AVX=ON", "-DGGML_AVX2=ON", "-DGGML_FMA=ON", "-DGGML_F16C=ON",
              "-DGGML_BMI2=ON", "-DGGML_AVX512=OFF", "-DGGML_AVX_VNNI=OFF"),
+    # GPU backends (the CPU backend stays native): libllama and its own ggml libraries, linked with the
+    # build folder's RUNPATH, so LLAMA_CPP_LIB_PATH=<bin> loads them and not the wheel's
+    "vulkan": ("-DGGML_VULKAN=ON",),
+    "cuda": ("-DGGML_CUDA=ON",),
 }
+# what each variant builds (CMake targets) and the file that says it is complete
+VARIANT_TARGETS = {"avx2": ("ggml", "ggml-cpu"), "vulkan": ("llama",),
+                   "cuda": ("llama", "llama-speculative-simple", "llama-completion")}
+VARIANT_MINUTES = {"avx2": "about 2-3 minutes on 2 cores", "vulkan": "about MINUTES minutes on 2 cores",
+                   "cuda": "minutes on a many-core machine, for the local GPU's architecture only"}
+VARIANT_DONE = {"avx2": "libggml-cpu.so", "vulkan": "libllama.so", "cuda": "llama-completion"}
+# wheels built with a GPU backend (--platform); Metal is macOS-only (see all_cmake_args)
+GPU_PLATFORMS = {"vulkan": ("-DGGML_VULKAN=ON",), "cuda": ("-DGGML_CUDA=ON",)}
 _PROGRESS = re.compile(r"^\[\s*(\d+)(?:/(\d+)|%)\]")  # ninja: [12/141], make: [ 45%]
 
 
@@ -63,7 +79,7 @@ class BuildError(RuntimeError):
 
 @dataclass
 class BuildOptions:
-    platform: str = "cpu"                 # cpu | metal | kleidiai
+    platform: str = "cpu"                 # cpu | metal | kleidiai | vulkan | cuda
     cmake_args: list[str] = field(default_factory=list)
     kleidiai_src: str | None = None
     cross: str | None = None              # e.g. aarch64-linux-gnu (configure + build only)
@@ -96,11 +112,33 @@ class BuildOptions:
                 except build_cross.CrossError as e:
                     raise BuildError(str(e)) from None
                 args.append(f"-DFETCHCONTENT_SOURCE_DIR_KLEIDIAI={src}")
+        elif self.platform in GPU_PLATFORMS:
+            args += list(GPU_PLATFORMS[self.platform])
         elif self.platform != "cpu":
-            raise BuildError(f"unknown --platform {self.platform!r}: choose cpu, metal or kleidiai")
+            raise BuildError(f"unknown --platform {self.platform!r}: choose cpu, metal, kleidiai, vulkan or cuda")
         if self.cross:
             args += cross_cmake_args(self.cross, self.platform)
         return args + list(self.cmake_args)
+
+
+def gpu_prerequisites(backend: str) -> None:
+    """Stop before a long build when a GPU backend's compiler or headers are missing, saying what to install."""
+    if backend == "vulkan":
+        missing = [what for what, ok in (
+            ("glslc (Debian/Ubuntu: glslc)", shutil.which("glslc") or os.environ.get("VULKAN_SDK")),
+            ("the Vulkan headers and loader (libvulkan-dev)", os.environ.get("VULKAN_SDK") or any(
+                Path(d, "vulkan", "vulkan.h").exists() for d in ("/usr/include", "/usr/local/include"))),
+            ("SPIRV-Headers (spirv-headers)", os.environ.get("VULKAN_SDK") or any(
+                Path(d, "spirv", "unified1", "spirv.hpp").exists() for d in ("/usr/include", "/usr/local/include"))),
+        ) if not ok]
+        if missing:
+            raise BuildError("the Vulkan backend needs " + ", ".join(missing) + " (or the LunarG Vulkan SDK with "
+                             "VULKAN_SDK set); Debian/Ubuntu: apt-get install libvulkan-dev glslc spirv-headers")
+    elif backend == "cuda":
+        nvcc = os.environ.get("CUDACXX") or shutil.which("nvcc") or (
+            "/usr/local/cuda/bin/nvcc" if Path("/usr/local/cuda/bin/nvcc").exists() else None)
+        if not nvcc:
+            raise BuildError("the CUDA backend needs the CUDA toolkit's nvcc (on PATH, or CUDACXX=/path/to/nvcc)")
 
 
 def cross_cmake_args(triple: str, platform_: str = "cpu") -> list[str]:
@@ -325,26 +363,31 @@ def build_tools(tree: Path, key: str, opts: BuildOptions) -> Path:
 
 
 def build_ggml_variant(tree: Path, key: str, name: str, opts: BuildOptions) -> Path:
-    """Build ggml's libraries (not llama, not the wheel) from the patched tree with GGML_VARIANTS[name]."""
+    """Build a variant's libraries (not the wheel) from the patched tree with GGML_VARIANTS[name]."""
     if name not in GGML_VARIANTS:
         raise BuildError(f"unknown --ggml-variant {name!r}: choose one of {', '.join(GGML_VARIANTS)}")
     out = paths.cache_dir() / "ggml-variants" / f"{key}-{name}"
     bindir = out / "build" / "bin"
-    if (bindir / "libggml-cpu.so").exists() and not opts.force:
+    if (bindir / VARIANT_DONE[name]).exists() and not opts.force:
         log.info("ggml variant %s cached in %s", name, bindir)
         return bindir
+    gpu_prerequisites(name)
+    targets = VARIANT_TARGETS[name]
+    tools = "ON" if any(t.startswith("llama-") for t in targets) else "OFF"
     build = out / "build"
     shutil.rmtree(out, ignore_errors=True)
     build.mkdir(parents=True)
     logfile = paths.cache_dir() / "logs" / f"ggml-{name}-{key}.log"
     cfg = ["cmake", "-S", str(tree / "vendor" / "llama.cpp"), "-B", str(build), "-DCMAKE_BUILD_TYPE=Release",
            "-DBUILD_SHARED_LIBS=ON", "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_EXAMPLES=OFF",
-           "-DLLAMA_BUILD_TOOLS=OFF", "-DLLAMA_BUILD_SERVER=OFF", "-DLLAMA_CURL=OFF", *GGML_VARIANTS[name]]
+           f"-DLLAMA_BUILD_TOOLS={tools}", "-DLLAMA_BUILD_SERVER=OFF", "-DLLAMA_CURL=OFF",
+           "-DLLAMA_USE_PREBUILT_UI=OFF", *GGML_VARIANTS[name]]
+    cfg[cfg.index("-DLLAMA_BUILD_EXAMPLES=OFF")] = f"-DLLAMA_BUILD_EXAMPLES={tools}"
     env = dict(os.environ)
     _run_logged(cfg, None, env, logfile.with_suffix(".configure.log"), f"configuring the ggml {name} variant")
     _run_logged(["cmake", "--build", str(build), "--config", "Release", "-j", str(opts.jobs),
-                 "--target", "ggml", "ggml-cpu"], None, env, logfile,
-                f"building the ggml {name} variant (about 2-3 minutes on 2 cores)")
+                 "--target", *targets], None, env, logfile,
+                f"building the ggml {name} variant ({', '.join(targets)}; {VARIANT_MINUTES[name]})")
     return bindir
 
 
@@ -357,6 +400,8 @@ def build(opts: BuildOptions) -> dict:
     sdist = fetch_sdist(opts)
     tree = prepare_tree(sdist, key, series, opts.force)
     summary: dict = {"key": key, "series": series, "tree": str(tree)}
+    if opts.platform in GPU_PLATFORMS:
+        gpu_prerequisites(opts.platform)
     if not opts.cross:
         wheel = build_wheel(tree, key, opts)
         install(wheel, tree, key)
@@ -382,8 +427,9 @@ def build(opts: BuildOptions) -> dict:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m dflash_gguf.build", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--platform", default="cpu", choices=["cpu", "metal", "kleidiai"],
-                    help="cpu (default, GGML_NATIVE), metal (macOS), kleidiai (Arm64 SME/SME2 kernels)")
+    ap.add_argument("--platform", default="cpu", choices=["cpu", "metal", "kleidiai", "vulkan", "cuda"],
+                    help="cpu (default, GGML_NATIVE), metal (macOS), kleidiai (Arm64 SME/SME2 kernels), vulkan "
+                    "(needs the Vulkan headers, glslc and SPIRV-Headers), cuda (needs the CUDA toolkit)")
     ap.add_argument("--kleidiai-src", help="KleidiAI v1.24.0 source: its folder or kleidiai-v1.24.0-src.tar.gz "
                     "(offline; without it upstream downloads the archive at configure time)")
     ap.add_argument("--cross", help="cross-compile the library for a GNU triple, e.g. aarch64-linux-gnu")
@@ -391,8 +437,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--with-tools", action="store_true",
                     help="also build llama-speculative-simple, llama-completion and llama-server")
     ap.add_argument("--ggml-variant", action="append", default=[], dest="ggml_variants",
-                    choices=sorted(GGML_VARIANTS), help="also build ggml's libraries with fixed x86 flags (avx2: "
-                    "no AVX-512), for testing the kernels' other paths")
+                    choices=sorted(GGML_VARIANTS), help="also build libraries for tests: avx2 (ggml without "
+                    "AVX-512, the kernels' other path), vulkan / cuda (libllama + ggml with that GPU backend)")
     ap.add_argument("--sdist", help="use this local llama-cpp-python 0.3.36 sdist instead of PyPI")
     ap.add_argument("--force", action="store_true", help="rebuild even if a cached build exists")
     ap.add_argument("-j", "--jobs", type=int, default=os.cpu_count() or 2)

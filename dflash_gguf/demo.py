@@ -42,6 +42,8 @@ def _parse(argv):
                     help="speed gate (default on, as in the API): draft per step as many tokens as pays "
                          "(at most --n-draft); --no-adaptive drafts --n-draft tokens every step")
     ap.add_argument("--threads", "-t", type=int, default=None, help="CPU threads (default: all cores, at most 8)")
+    ap.add_argument("--n-gpu-layers", "-ngl", type=int, default=0, help="layers of both models to offload to "
+                    "a GPU (default 0; 99: all; needs a GPU build, see README 'GPU offload')")
     ap.add_argument("--trials", type=int, default=3, help="timed runs of each mode; the median is shown (default 3)")
     ap.add_argument("--no-stream", action="store_true", help="do not print the completion as it is generated")
     ap.add_argument("--no-scale", action="store_true", help="skip the line at a realistic size (a Qwen3-0.6B-shaped "
@@ -93,7 +95,8 @@ def main(argv=None) -> int:
     print(f"target : {target_path}  ({Path(target_path).stat().st_size / 1e6:.1f} MB)")
     print(f"drafter: {draft_path}  ({Path(draft_path).stat().st_size / 1e6:.1f} MB)")
     t0 = time.perf_counter()
-    pair = open_pair(target_path, draft_path, ContextOptions(n_ctx=2048, n_batch=256, n_ubatch=256, n_threads=threads))
+    pair = open_pair(target_path, draft_path, ContextOptions(n_ctx=2048, n_batch=256, n_ubatch=256, n_threads=threads),
+                     n_gpu_layers=a.n_gpu_layers)
     tm = pair.target
     spec = pair.decoder(SpecOptions(n_draft=a.n_draft, adaptive=a.adaptive))
     info = spec.info

@@ -125,17 +125,21 @@ def pair_files(path: str | os.PathLike, *, verify: bool = False) -> tuple[Path, 
 # --------------------------------------------------------------------------- open pair
 class OpenPair:
     """Both models and both contexts of a pair (the drafter's borrowing the target's); ``close()``
-    (or leaving the ``with`` block) frees them, drafter first."""
+    (or leaving the ``with`` block) frees them, drafter first. ``n_gpu_layers`` / ``draft_n_gpu_layers``:
+    layers offloaded to a GPU (the drafter's default: as the target's)."""
 
     def __init__(self, target: str | os.PathLike, drafter: str | os.PathLike | None,
-                 opts: "ContextOptions | None" = None):
+                 opts: "ContextOptions | None" = None, *, n_gpu_layers: int = 0,
+                 draft_n_gpu_layers: int | None = None):
         from dflash_gguf.engine import Context, ContextOptions, Model
 
         self.opts = opts or ContextOptions()
         self._owned: list = []
         try:
-            self.target: Model = self._own(Model(target))
-            self.drafter: Model | None = self._own(Model(drafter)) if drafter is not None else None
+            ngld = n_gpu_layers if draft_n_gpu_layers is None else draft_n_gpu_layers
+            self.target: Model = self._own(Model(target, n_gpu_layers=n_gpu_layers))
+            self.drafter: Model | None = (self._own(Model(drafter, n_gpu_layers=ngld))
+                                          if drafter is not None else None)
             self.tctx: Context = self._own(Context(self.target, self.opts))
             self.dctx: Context | None = (self._own(Context(self.drafter, self.opts, other=self.tctx))
                                          if self.drafter is not None else None)
@@ -171,11 +175,12 @@ class OpenPair:
 
 
 def open_pair(target: str | os.PathLike, drafter: str | os.PathLike | None = None,
-              opts: "ContextOptions | None" = None) -> OpenPair:
-    """Open a pair: ``open_pair(DIR)`` for a converted pair directory, or ``open_pair(TARGET, DRAFTER)``."""
+              opts: "ContextOptions | None" = None, **gpu) -> OpenPair:
+    """Open a pair: ``open_pair(DIR)`` for a converted pair directory, or ``open_pair(TARGET, DRAFTER)``;
+    ``gpu``: OpenPair's ``n_gpu_layers`` / ``draft_n_gpu_layers``."""
     if drafter is None and Path(target).is_dir():
         target, drafter = pair_files(target)
-    return OpenPair(target, drafter, opts)
+    return OpenPair(target, drafter, opts, **gpu)
 
 
 # --------------------------------------------------------------------------- lossless check

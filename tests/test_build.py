@@ -101,6 +101,26 @@ def test_cache_key_follows_series_and_flags():
             build.BuildOptions(platform="kleidiai").all_cmake_args()
 
 
+def test_gpu_platforms_and_variants(monkeypatch):
+    """--platform vulkan|cuda: the wheel's flags add the backend (another cache key); the GPU build
+    variants build libllama with it; a missing compiler stops the build before it starts, saying what to install."""
+    cpu = build.BuildOptions().all_cmake_args()
+    for name, flag in (("vulkan", "-DGGML_VULKAN=ON"), ("cuda", "-DGGML_CUDA=ON")):
+        args = build.BuildOptions(platform=name).all_cmake_args()
+        assert args == cpu[:len(build.DEFAULT_CMAKE_ARGS)] + [flag]
+        assert build.build_key("a" * 64, build.BuildOptions(platform=name)) != build.build_key("a" * 64, build.BuildOptions())
+        assert flag in build.GGML_VARIANTS[name] and "llama" in build.VARIANT_TARGETS[name]
+    with pytest.raises(build.BuildError, match="choose cpu, metal, kleidiai, vulkan or cuda"):
+        build.BuildOptions(platform="rocm").all_cmake_args()
+    monkeypatch.setattr(build.shutil, "which", lambda _: None)
+    monkeypatch.delenv("VULKAN_SDK", raising=False)
+    monkeypatch.delenv("CUDACXX", raising=False)
+    with pytest.raises(build.BuildError, match="glslc"):
+        build.gpu_prerequisites("vulkan")
+    with pytest.raises(build.BuildError, match="unknown --ggml-variant"):
+        build.build_ggml_variant(Path("/nonexistent"), "k", "rocm", build.BuildOptions())
+
+
 def test_gguf_marker_alone_does_not_count_as_installed(tmp_path, monkeypatch):
     """A fresh environment at the same path (a CI clone's new .venv) matches the cache's marker but has
     no gguf: the build must install it again, not trust the marker."""

@@ -53,6 +53,8 @@ def parser() -> argparse.ArgumentParser:
     add_flag(m, "model", type=Path)
     add_flag(m, "draft", type=Path)
     add_flag(m, "threads", "cores, at most 8")
+    add_flag(m, "gpu_layers")
+    add_flag(m, "gpu_layers_draft")
     add_flag(m, "draft_max", dest="n_draft")
     add_flag(m, "draft_adaptive", dest="adaptive")
     ap.add_argument("--prompts", nargs="+", default=["code"],
@@ -94,11 +96,14 @@ def main(argv=None) -> int:
     load0 = os.getloadavg() if hasattr(os, "getloadavg") else None
 
     rss0 = _rss_mb()
-    tm = Model(tpath)
+    ngl = a.n_gpu_layers
+    ngld = a.draft_n_gpu_layers if a.draft_n_gpu_layers is not None else ngl
+    gpu_args = ("-ngl", str(ngl), "-ngld", str(ngld)) if ngl or ngld else ()
+    tm = Model(tpath, n_gpu_layers=ngl)
     opts = ContextOptions(n_ctx=2048, n_batch=256, n_ubatch=256, n_threads=threads)
     tctx = Context(tm, opts)
     rss_t = _rss_mb()
-    dm = Model(dpath)
+    dm = Model(dpath, n_gpu_layers=ngld)
     dctx = Context(dm, opts, other=tctx)
     rss_d = _rss_mb()
     plain = DFlashDecoder(tctx, None)
@@ -123,7 +128,8 @@ def main(argv=None) -> int:
         run_ours(plain, prompts[:1], ids[:1], min(a.max_tokens, 32), w, tm, False)
         run_ours(spec, prompts[:1], ids[:1], min(a.max_tokens, 32), w, tm, False)
         if exe is not None:
-            run_upstream_one(exe, tpath, dpath, prompts[0]["text"], min(a.max_tokens, 32), n_draft, threads)
+            run_upstream_one(exe, tpath, dpath, prompts[0]["text"], min(a.max_tokens, 32), n_draft, threads,
+                             extra=gpu_args)
     for t in range(a.trials):
         first = t == 0
         line = [f"trial {t + 1}/{a.trials}:"]
@@ -131,7 +137,7 @@ def main(argv=None) -> int:
         line.append(f"dflash {run_ours(spec, prompts, ids, a.max_tokens, modes['dflash'], tm, first):.1f}")
         if exe is not None:
             tps = run_upstream(exe, tpath, dpath, prompts, echoes, a.max_tokens, n_draft, threads, modes["upstream"],
-                               modes["dflash"].raw, modes["plain"].raw, first)
+                               modes["dflash"].raw, modes["plain"].raw, first, extra=gpu_args)
             line.append(f"upstream {tps:.1f}")
         log.info("%s tokens/s", " ".join(line))
 

@@ -93,7 +93,7 @@ def _run_watch_rss(cmd: list[str], tmp: Path, timeout: float) -> tuple[int, byte
 
 
 def run_upstream_one(exe: Path, target: Path, draft: Path, prompt: str, n: int, n_draft: int,
-                     threads: int, timeout: float = 600) -> tuple[dict, str]:
+                     threads: int, timeout: float = 600, extra: tuple[str, ...] = ()) -> tuple[dict, str]:
     """Run llama-speculative-simple once; returns (parsed numbers, generated text).
 
     The prompt goes in with ``-p`` and ``--no-escape`` (``-f`` would drop a final newline). Its log
@@ -104,7 +104,7 @@ def run_upstream_one(exe: Path, target: Path, draft: Path, prompt: str, n: int, 
 
     cmd = [str(exe), "-m", str(target), "-md", str(draft), "--spec-type", "draft-dflash",
            "--spec-draft-n-max", str(n_draft), "-p", prompt, "--no-escape", "-n", str(n), "--temp", "0",
-           "--top-k", "1", "--seed", "42", "-lv", "4", "-t", str(threads), "-c", "2048"]
+           "--top-k", "1", "--seed", "42", "-lv", "4", "-t", str(threads), "-c", "2048", *extra]
     with tempfile.TemporaryDirectory(prefix="dflash-bench-") as tmp:
         for attempt in range(5):
             rc, out, err, hwm = _run_watch_rss(cmd + ["--log-file", str(Path(tmp) / "log.txt")], Path(tmp), timeout)
@@ -132,10 +132,10 @@ def upstream_generated(stdout: bytes, echo: bytes) -> bytes:
 
 
 def run_upstream(exe, target, draft, prompts, echoes, max_tokens, n_draft, threads, res: ModeResult,
-                 ours_raw: dict[str, bytes], plain_raw: dict[str, bytes], record: bool) -> float:
+                 ours_raw: dict[str, bytes], plain_raw: dict[str, bytes], record: bool, extra: tuple[str, ...] = ()) -> float:
     n_tok, t_dec = 0, 0.0
     for p, echo in zip(prompts, echoes):
-        got, out = run_upstream_one(exe, target, draft, p["text"], max_tokens, n_draft, threads)
+        got, out = run_upstream_one(exe, target, draft, p["text"], max_tokens, n_draft, threads, extra=extra)
         key = f"{p['set']}/{p['name']}"
         n_tok += got["n_decoded"]
         t_dec += got["t_decode"]

@@ -33,6 +33,8 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--trials", type=int, default=3, help="trials per column, interleaved (default 3)")
     ap.add_argument("--repeats", type=int, default=5, help="calls per cost measurement (fastest kept)")
     ap.add_argument("-t", "--threads", type=int, default=None, help="threads (default: all cores)")
+    ap.add_argument("-ngl", "--n-gpu-layers", type=int, default=0, help="layers of the target and the drafter "
+                    "to offload to the GPU (default 0; 99: all), ours and upstream's")
     ap.add_argument("--gate", action="store_true", help="also run every profile with the speed gate on")
     ap.add_argument("--gate-only", action="store_true", help="run every profile with the speed gate on only "
                     "(no fixed-drafting columns: long runs of slow profiles)")
@@ -98,7 +100,7 @@ def run_one(case: dict) -> dict:
         return json.loads(of.read_text())
 
 
-def run_upstream(pair: Path, tokens: int, threads: int) -> dict:
+def run_upstream(pair: Path, tokens: int, threads: int, ngl: int = 0) -> dict:
     from dflash_gguf.bench.scale.run import PROMPT
     from dflash_gguf.bench.upstream import run_upstream_one, upstream_binary
 
@@ -106,7 +108,8 @@ def run_upstream(pair: Path, tokens: int, threads: int) -> dict:
     if exe is None:
         return {"skipped": why}
     got, _ = run_upstream_one(exe, pair / "target.gguf", pair / "drafter.gguf", PROMPT, tokens,
-                              synth.BLOCK_SIZE - 1, threads)
+                              synth.BLOCK_SIZE - 1, threads,
+                              extra=("-ngl", str(ngl), "-ngld", str(ngl)) if ngl else ())
     return {"tps": got.get("tps"), "acceptance_length": got.get("mean_acc_len"),
             "peak_rss_mb": got.get("peak_rss_mb"), "n_decoded": got.get("n_decoded")}
 
@@ -230,14 +233,14 @@ def main(argv: list[str] | None = None) -> int:
                 case = {"name": kname, "target": str(pair / "target.gguf"), "drafters": drafters,
                         "profiles": profiles, "tokens": a.tokens, "trials": a.trials, "repeats": a.repeats,
                         "threads": threads, "gate": "only" if a.gate_only else (a.gate or a.gate_warm),
-                        "gate_warm": a.gate_warm, "own": not a.no_own}
+                        "gate_warm": a.gate_warm, "own": not a.no_own, "n_gpu_layers": a.n_gpu_layers}
                 log.info("case %s", kname)
                 with kernel_env(kern):
                     r = run_one(case)
                     r["name"], r["kernels"] = kname, kern
                     if not a.no_upstream:
                         try:
-                            r["upstream"] = run_upstream(pair, a.tokens, threads)
+                            r["upstream"] = run_upstream(pair, a.tokens, threads, a.n_gpu_layers)
                         except Exception as e:  # noqa: BLE001 - the other columns stand on their own
                             log.warning("upstream column failed: %s", e)
                             r["upstream"] = {"skipped": f"failed: {e}"}

@@ -85,7 +85,7 @@ def run_case(case: dict) -> dict:
 
     n_tok, trials, threads = case["tokens"], case["trials"], case.get("threads")
     t_load = time.perf_counter()
-    tm = Model(case["target"])
+    tm = Model(case["target"], n_gpu_layers=case.get("n_gpu_layers", 0))
     prompt_ids = tm.tokenize(PROMPT.encode(), add_bos=False)
     opts = ContextOptions(n_ctx=len(prompt_ids) + n_tok + 64, n_batch=512, n_ubatch=512, n_threads=threads)
     tctx = Context(tm, opts)
@@ -98,7 +98,7 @@ def run_case(case: dict) -> dict:
     out["load_s"] = round(time.perf_counter() - t_load, 2)
     plain_tps: list[float] = []
     for label, dpath in case["drafters"].items():
-        dm = Model(dpath)
+        dm = Model(dpath, n_gpu_layers=case.get("n_gpu_layers", 0))
         dctx = Context(dm, opts, other=tctx)
         probe = DFlashDecoder(tctx, dctx)
         n_draft = probe.n_draft
