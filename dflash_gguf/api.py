@@ -77,11 +77,10 @@ class Llama(PairConstructors, RpcTarget, llama_cpp.Llama):
         draft_use_mmap: map the drafter file instead of reading it into memory (default False: a
             drafter is small, and a mapped file that is truncated or rewritten in place kills the
             process with SIGBUS; the target follows llama_cpp's ``use_mmap``, default True).
-        draft_window: context positions the drafter attends to (default None: the drafter's own
-            sliding window when its GGUF has one, else 1024 minus the block size, i.e. a 1024-cell
-            drafter cache; 0: the whole context). Its cache holds window +
-            block positions whatever n_ctx; output is exact either way, only acceptance far into a
-            long context can change (BENCHMARKS.md section 7).
+        draft_window: context positions the drafter attends to (default None: the drafter's own sliding
+            window when its GGUF has one, else 1024 minus the block size: a 1024-cell cache; 0: the whole
+            context). Its cache holds window + block positions whatever n_ctx; output is exact either
+            way, only acceptance far into a long context can change (BENCHMARKS.md section 7).
         rollback_memory_mb: hybrid (recurrent) targets only: the most memory rollback may take. By
             default llama.cpp keeps one snapshot of the recurrent state per drafted token (fastest);
             when those copies exceed the cap, one host checkpoint with a replay of the committed
