@@ -10,7 +10,9 @@ recurrent or hybrid: recurrent-state snapshots or checkpoints).
 """
 from __future__ import annotations
 
+import hashlib
 import re
+from pathlib import Path
 
 import pytest
 
@@ -107,8 +109,14 @@ def drafter(models):
     return models.pair("qwen3", "dflash", BLOCK)
 
 
+def _archs_dir(models):
+    """Where the models of tiny_archs.py are cached: keyed by its source too."""
+    key = hashlib.sha256(Path(tiny_archs.__file__).read_bytes()).hexdigest()[:12]
+    return models.root / f"archs-{key}"
+
+
 def _target(models, drafter, arch: str):
-    return tiny_archs.make_target(arch, drafter.target, models.root / "archs" / f"{arch}.gguf")
+    return tiny_archs.make_target(arch, drafter.target, _archs_dir(models) / f"{arch}.gguf")
 
 
 def _opts(n_rs_seq: int = 0) -> ContextOptions:
@@ -129,8 +137,29 @@ QWEN4EXP_WIDE_TAP = pytest.mark.xfail(
 
 @pytest.mark.parametrize("arch", [pytest.param(a, marks=QWEN4EXP_WIDE_TAP) if a == "qwen4exp" else a for a in TESTED])
 def test_greedy_dflash_equals_plain(models, drafter, arch):
-    path = _target(models, drafter, arch)
-    tm, dm = Model(path), Model(drafter.drafter)
+    _check_lossless(arch, _target(models, drafter, arch), drafter.drafter)
+
+
+def test_gpt_oss_from_transformers(models):
+    """A transformers GptOssForCausalLM and a DFlash drafter for it go through this project's
+    converter (validation included: gpt-oss is accepted from the converter's registry) and run
+    losslessly: the path a user of z-lab's gpt-oss drafters takes."""
+    from dflash_gguf.convert import convert_pair, load_manifest
+
+    import tiny
+
+    out = _archs_dir(models) / "gpt-oss-pair"
+    if not (out / "pair.json").exists():
+        t_hf = tiny_archs.make_gpt_oss_hf(_archs_dir(models) / "hf-gpt-oss", models.tok)
+        d_hf = tiny.make_drafter(_archs_dir(models) / "hf-gpt-oss-drafter", t_hf, block_size=BLOCK)
+        convert_pair(t_hf, d_hf, out, outtype="f32", draft_vocab=None)
+    pair = load_manifest(out)
+    assert pair.data["target"]["arch"] == "gpt-oss" and pair.data["target"]["hf_architecture"] == "GptOssForCausalLM"
+    _check_lossless("gpt-oss", pair.target.path, pair.drafter.path)
+
+
+def _check_lossless(arch: str, path, drafter_path) -> None:
+    tm, dm = Model(path), Model(drafter_path)
     ctxs: list[Context] = []
 
     def ctx(o, model=tm, other=None):
@@ -175,7 +204,7 @@ def test_greedy_dflash_equals_plain(models, drafter, arch):
 
 def test_untappable_target_is_refused(models, drafter):
     """qwen2 records no layer inputs (nor does deepseek2, Kimi-K2.5's): the pair is refused, naming the list."""
-    path = tiny_archs.make_target("qwen2", drafter.target, models.root / "archs" / "qwen2.gguf")
+    path = tiny_archs.make_target("qwen2", drafter.target, _archs_dir(models) / "qwen2.gguf")
     tm, dm = Model(path), Model(drafter.drafter)
     try:
         with pytest.raises(UnsupportedError, match=r"'qwen2' exposes no layer taps; supported: .*gpt-oss"):
@@ -183,3 +212,38 @@ def test_untappable_target_is_refused(models, drafter):
     finally:
         dm.close()
         tm.close()
+
+
+# --------------------------------------------------------------------------- converter side
+def test_converter_accepts_the_tappable_targets(tmp_path):
+    """The converter's Hugging Face architectures follow the same list: every tappable architecture
+    has HF names in the pinned converter's registry, and only those validate as targets."""
+    import numpy as np
+    from safetensors.numpy import save_file
+
+    from dflash_gguf.convert import targets, validate
+    from dflash_gguf.convert.errors import PairError
+    from dflash_gguf.convert.hf import read_checkpoint
+
+    sup = targets.supported_targets()
+    assert set(sup.values()) == set(B.tappable_archs())
+    for hf, arch in (("GptOssForCausalLM", "gpt-oss"), ("Gemma4ForConditionalGeneration", "gemma4"),
+                     ("Gemma4ForCausalLM", "gemma4"), ("MiniMaxM2ForCausalLM", "minimax-m2"),
+                     ("Qwen3_5MoeForConditionalGeneration", "qwen35moe"), ("LlamaForCausalLM", "llama"),
+                     ("NemotronHForCausalLM", "nemotron_h"), ("Lfm2ForCausalLM", "lfm2")):
+        assert sup[hf] == arch
+    assert targets.gguf_arch("DeepseekV2ForCausalLM") == "deepseek2" and "DeepseekV2ForCausalLM" not in sup
+
+    def target(hf_arch):
+        d = tmp_path / hf_arch
+        d.mkdir()
+        (d / "config.json").write_text('{"architectures": ["%s"], "hidden_size": 64}' % hf_arch)
+        (d / "tokenizer.json").write_text("{}")
+        save_file({"model.norm.weight": np.ones(64, np.float32)}, str(d / "model.safetensors"))
+        return read_checkpoint(d, "target")
+    assert validate._check_target(target("GptOssForCausalLM")) == "gpt-oss"
+    assert validate._check_target(target("MiniMaxM2ForCausalLM")) == "minimax-m2"
+    with pytest.raises(PairError, match=r"'deepseek2', whose graph records no layer inputs.*gpt-oss \(GptOssForCausalLM\)"):
+        validate._check_target(target("DeepseekV2ForCausalLM"))
+    with pytest.raises(PairError, match=r"not one the pinned llama.cpp converter knows.*gemma4 \(Gemma4"):
+        validate._check_target(target("NoSuchModelForCausalLM"))

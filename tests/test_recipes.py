@@ -180,6 +180,19 @@ def test_a_checkpoint_that_contradicts_its_recipe_is_refused(tmp_path):
         check_against(r, spec)
 
 
+def test_a_window_declared_as_swa_window_size_matches_the_recipe(tmp_path):
+    """DFlash2 / Muse configs may declare the window as dflash_config.swa_window_size (with use_swa)."""
+    r = CATALOGUE["qwen3.8-27b-dflash2"]
+    tdir, ddir = synthetic(r, tmp_path)
+    cfg = json.loads((ddir / "config.json").read_text())
+    del cfg["sliding_window"], cfg["use_sliding_window"]
+    cfg["dflash_config"].update(use_swa=True, swa_window_size=r.drafter.sliding_window)
+    (ddir / "config.json").write_text(json.dumps(cfg))
+    spec = validate_pair(tdir, ddir)
+    check_against(r, spec)
+    assert spec.attention.sliding_window == r.drafter.sliding_window
+
+
 def test_a_ready_gguf_entry_is_not_checked_as_a_conversion():
     r = CATALOGUE[READY_GGUF[0]]
     assert r.download_only and r.drafter.filename.endswith(".gguf") and r.target.gguf.repo.count("/") == 1

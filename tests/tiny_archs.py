@@ -353,3 +353,41 @@ def make_target(arch: str, tokenizer_gguf: Path, out: Path) -> Path:
 
 if __name__ == "__main__":
     _build(sys.argv[1], Path(sys.argv[2]), Path(sys.argv[3]))
+
+
+def make_gpt_oss_hf(out_dir: Path, tok_dir: Path, *, seed: int = 0) -> Path:
+    """A random transformers ``GptOssForCausalLM`` (hidden 64, 4 layers alternating sliding and full
+    attention, 4 experts, unquantised experts) with GPT-2's tokenizer (the converter's gpt-oss
+    vocabulary path is the GPT-2 BPE one), saved as a Hugging Face folder."""
+    import torch
+    import transformers
+
+    import tiny
+
+    out_dir.mkdir(parents=True, exist_ok=True)
+    if (out_dir / "config.json").exists():
+        return out_dir
+    torch.manual_seed(seed)
+    cfg = transformers.GptOssConfig(
+        vocab_size=tiny.GPT2_VOCAB_SIZE, hidden_size=N_EMBD, intermediate_size=N_FF, num_hidden_layers=N_LAYER,
+        num_attention_heads=N_HEAD, num_key_value_heads=2, head_dim=N_EMBD // N_HEAD, num_local_experts=N_EXPERT,
+        num_experts_per_tok=N_EXPERT_USED, sliding_window=32, max_position_embeddings=4096,
+        layer_types=["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(N_LAYER)],
+        rope_scaling=None, rope_theta=10000.0, tie_word_embeddings=False,
+        bos_token_id=tiny.GPT2_VOCAB_SIZE - 1, eos_token_id=tiny.GPT2_VOCAB_SIZE - 1, torch_dtype="float32")
+    model = transformers.GptOssForCausalLM(cfg)
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.copy_(1.0 + 0.1 * torch.randn(p.shape, generator=g))
+            elif "embed_tokens" in name:
+                p.copy_(torch.randn(p.shape, generator=g))
+            elif name.endswith("bias") or "sinks" in name:
+                p.copy_(0.1 * torch.randn(p.shape, generator=g))
+            else:
+                fan_in = p.shape[-2] if "experts" in name else p.shape[-1]   # experts store [E, in, out]
+                p.copy_(torch.randn(p.shape, generator=g) * 3.0 / fan_in ** 0.5)
+    model.save_pretrained(out_dir, safe_serialization=True)
+    tiny._gpt2_tokenizer_files(out_dir, tok_dir)
+    return out_dir

@@ -294,6 +294,12 @@ def get(name: str, root: str | Path | None = None) -> Recipe:
     return cat[name]
 
 
+def _config_window(drafter) -> int | None:
+    """The window a drafter config declares, where either schema puts it (as attention.py reads it)."""
+    dcfg = drafter.get("dflash_config") or {}
+    return dcfg.get("swa_window_size") or drafter.get("sliding_window")
+
+
 def check_against(recipe: Recipe, spec) -> None:
     """Raise :class:`PairError` when a validated pair (:class:`PairSpec`) contradicts a known field."""
     if recipe.download_only:
@@ -305,7 +311,7 @@ def check_against(recipe: Recipe, spec) -> None:
             "drafter sliding_window": recipe.drafter.sliding_window}
     got = {"kind": spec.kind, "block_size": spec.block_size, "target_layer_ids": spec.target_layer_ids,
            "mask_token_id": spec.mask_token_id, "n_layer": spec.n_layer, "hidden_size": spec.hidden_size,
-           "vocab_size": spec.vocab_size, "drafter sliding_window": spec.drafter.get("sliding_window")}
+           "vocab_size": spec.vocab_size, "drafter sliding_window": _config_window(spec.drafter)}
     diff = [f"{k}: recipe {want[k]}, checkpoint {got[k]}" for k in want if want[k] is not None and want[k] != got[k]]
     if recipe.target.architecture is not None and spec.target.architecture != recipe.target.architecture:
         diff.append(f"target architecture: recipe {recipe.target.architecture}, checkpoint {spec.target.architecture}")
