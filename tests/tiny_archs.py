@@ -27,12 +27,12 @@ N_EMBD, N_HEAD, N_FF, N_LAYER, N_CTX = 64, 4, 128, 4, 4096
 N_EXPERT, N_EXPERT_USED = 4, 2
 # architectures the fixture gives experts (test-llama-archs.cpp moe_mandatory, among the tappable)
 MOE = {"qwen3moe", "qwen3next", "qwen35moe", "qwen4exp", "deepseek4", "bailingmoe3", "gpt-oss", "minimax-01",
-       "minimax-m2", "mimo2"}
+       "minimax-m2", "mimo2", "nemotron_h_moe"}
 # linear-attention layers every FULL_ATTENTION_INTERVAL-th layer is full attention (qwen35 & co.)
 FULL_ATTENTION_INTERVAL = 2
 # weight scale (x 1/sqrt(fan-in)); 3 keeps most random targets from collapsing into one repeated
 # token, these two collapse at 3 and not at 1
-SCALE = {"nemotron_h": 1.0, "hunyuan_vl": 1.0}
+SCALE = {"nemotron_h": 1.0, "nemotron_h_moe": 1.0, "hunyuan_vl": 1.0, "hunyuan-dense": 1.0}
 
 
 def _names(tree: Path, table: str, prefix: str) -> dict[str, str]:
@@ -62,8 +62,8 @@ def metadata(arch: str, tree: Path) -> list[tuple[str, str, object]]:
     add("LLM_KV_EMBEDDING_LENGTH", "u32", n_embd)
     add("LLM_KV_BLOCK_COUNT", "u32", n_layer)
     add("LLM_KV_LEADING_DENSE_BLOCK_COUNT", "u32", 1)
-    hybrid_heads = arch in ("nemotron_h", "lfm2", "bailingmoe3")
-    if arch == "nemotron_h":   # 0: attention, 1: mamba2, 2: MLP, 3: attention
+    hybrid_heads = arch in ("nemotron_h", "nemotron_h_moe", "lfm2", "bailingmoe3")
+    if arch in ("nemotron_h", "nemotron_h_moe"):   # 0: attention, 1: mamba2, 2: MLP (MoE), 3: attention
         add("LLM_KV_FEED_FORWARD_LENGTH", "u32[]", [n_ff if il == 2 else 0 for il in range(n_layer)])
     else:
         add("LLM_KV_FEED_FORWARD_LENGTH", "u32", n_ff)
