@@ -17,6 +17,7 @@ import subprocess
 import sys
 import threading
 import time
+from contextlib import closing
 from pathlib import Path
 
 import pytest
@@ -87,7 +88,7 @@ def _text(llm, **kw) -> str:
 
 @pytest.fixture(scope="module")
 def local_text():
-    with Llama(str(DEMO / "target.gguf"), **KW) as llm:
+    with closing(Llama(str(DEMO / "target.gguf"), **KW)) as llm:
         return _text(llm)
 
 
@@ -175,11 +176,11 @@ def _layer_devices(records) -> dict[int, str]:
 @needs_server
 @pytest.mark.parametrize("drafter", [DEMO / "drafter.gguf", DFLASH2], ids=["dflash", "dflash2"])
 def test_greedy_over_rpc_equals_plain(servers, local_text, drafter, caplog):
-    with Llama(str(DEMO / "target.gguf"), draft_model_path=str(drafter), **KW) as llm:
+    with closing(Llama(str(DEMO / "target.gguf"), draft_model_path=str(drafter), **KW)) as llm:
         assert _text(llm) == local_text                       # DFlash, local
     caplog.set_level(logging.DEBUG, logger="dflash_gguf.llama_cpp")
-    with Llama(str(DEMO / "target.gguf"), draft_model_path=str(drafter), rpc_servers=servers,
-               tensor_split=[1, 1], draft_n_max=7, draft_adaptive=False, **KW) as llm:
+    with closing(Llama(str(DEMO / "target.gguf"), draft_model_path=str(drafter), rpc_servers=servers,
+               tensor_split=[1, 1], draft_n_max=7, draft_adaptive=False, **KW)) as llm:
         on = _layer_devices(caplog.records)
         taps = DrafterInfo.read(llm._draft_model).target_layers
         where = {on[t] for t in taps}
@@ -193,8 +194,8 @@ def test_greedy_over_rpc_equals_plain(servers, local_text, drafter, caplog):
 
 @needs_server
 def test_drafter_on_rpc_by_choice(servers, local_text):
-    with Llama(str(DEMO / "target.gguf"), draft_model_path=str(DEMO / "drafter.gguf"),
-               draft_rpc_servers=servers[:1], **KW) as llm:
+    with closing(Llama(str(DEMO / "target.gguf"), draft_model_path=str(DEMO / "drafter.gguf"),
+               draft_rpc_servers=servers[:1], **KW)) as llm:
         assert llm._draft_rpc is not None and llm._rpc is None
         assert _text(llm) == local_text
 
