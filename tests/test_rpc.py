@@ -8,6 +8,7 @@ process lives: run in a child process, since an unpatched ggml-rpc aborts the pr
 """
 from __future__ import annotations
 
+import json
 import logging
 import os
 import re
@@ -168,8 +169,8 @@ def _layer_devices(records) -> dict[int, str]:
     out = {}
     for r in records:
         m = re.search(r"layer\s+(\d+) assigned to device (\S+?),", r.getMessage())
-        if m:
-            out[int(m.group(1))] = m.group(2)
+        if m:   # the target's lines come first (the drafter's layers follow under the same ids)
+            out.setdefault(int(m.group(1)), m.group(2))
     return out
 
 
@@ -201,22 +202,24 @@ def test_drafter_on_rpc_by_choice(servers, local_text):
 
 
 _CHILD = r"""
-import os, signal, sys, time
+import json, os, signal, sys, time
 from dflash_gguf import Llama
 from dflash_gguf.errors import RpcLostError
 target, drafter, a, b, pid = sys.argv[1:6]
 llm = Llama(target, draft_model_path=drafter, rpc_servers=[a, b], tensor_split=[1, 1], n_ctx=512,
             n_threads=1, n_threads_batch=1, seed=0, verbose=False, draft_adaptive=False)
-n = 0
+n, text = 0, ""
 try:
     for chunk in llm.create_completion("The story of the little", max_tokens=300, temperature=0.0, stream=True):
         n += 1
+        text += chunk["choices"][0]["text"]
         if n == 3:
             os.kill(int(pid), signal.SIGKILL)
             time.sleep(0.5)
     print("FINISHED", n, flush=True)
 except RpcLostError as e:
     print("LOST", n, e, flush=True)
+print("TEXT", json.dumps(text), flush=True)
 for dflash in (True, False):
     try:
         llm.create_completion("Once", max_tokens=8, temperature=0.0, dflash=dflash)
@@ -229,7 +232,7 @@ print("ALIVE", flush=True)
 
 
 @needs_server
-def test_server_killed_mid_generation():
+def test_server_killed_mid_generation(local_text):
     procs, eps = start_servers(2)
     try:
         env = dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parents[1]))
@@ -239,7 +242,10 @@ def test_server_killed_mid_generation():
         stop(procs)
     out = res.stdout
     assert res.returncode == 0, f"the client process died (rc {res.returncode}):\n{out}\n{res.stderr[-2000:]}"
-    assert re.search(r"^LOST 3 .*rpc-server 127\.0\.0\.1:\d+ was lost", out, re.M), out
+    m = re.search(r"^LOST (\d+) .*rpc-server 127\.0\.0\.1:\d+ was lost", out, re.M)
+    assert m and 3 <= int(m.group(1)) < 40, out   # the tokens of the step under way when it was killed, no more
+    streamed = json.loads(re.search(r"^TEXT (.*)$", out, re.M).group(1))
+    assert local_text.startswith(streamed), (streamed, local_text)   # every token yielded was verified
     assert "LOST-AGAIN True" in out and "LOST-AGAIN False" in out and out.rstrip().endswith("ALIVE"), out
 
 
