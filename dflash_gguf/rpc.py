@@ -20,6 +20,7 @@ loopback or a trusted network only (README "Scaling out").
 """
 from __future__ import annotations
 
+import atexit
 import ctypes
 import logging
 import socket
@@ -177,6 +178,19 @@ def _ggml() -> _Ggml:
 
 
 _LIVE: "weakref.WeakSet[RpcDevices]" = weakref.WeakSet()
+_OPEN: weakref.WeakSet = weakref.WeakSet()   # models on rpc-servers, closed at exit (see _close_at_exit)
+
+
+@atexit.register
+def _close_at_exit() -> None:
+    """Free models on rpc-servers before the interpreter finalizes: freeing sends commands that ggml's
+    dispatcher thread completes, and a thread that logs through a Python callback (llama_cpp's, or
+    dflash_gguf.logs') during finalization is ended by Python, leaving the free waiting forever."""
+    for obj in list(_OPEN):
+        try:
+            obj.close()
+        except Exception:   # exit: nothing left to report to
+            pass
 
 
 class RpcDevices:
@@ -211,6 +225,7 @@ class RpcDevices:
                 free, total = g.memory(ep, i)
                 log.info("%s on %s: %s, %.0f of %.0f MiB free", name, ep,
                          g.base.ggml_backend_dev_description(dev).decode(), free / 2**20, total / 2**20)
+        self.pointers = ptrs
         self._array = (ctypes.c_void_p * (len(ptrs) + 1))(*ptrs, None)
         _LIVE.add(self)
 
@@ -267,6 +282,8 @@ class RpcTarget:
             log.info("tensor_split without rpc_servers: it applies to the local GPUs, if any")
         if self.draft_rpc_servers:
             self._draft_rpc = RpcDevices(self.draft_rpc_servers)
+        if self._rpc is not None or self._draft_rpc is not None:
+            _OPEN.add(self)
 
     def _rpc_check(self) -> None:
         """After a decode of the target (or drafter) on RPC devices: raise if a server was lost."""
@@ -281,12 +298,20 @@ class RpcTarget:
         return self._rpc_check if (self._rpc or self._draft_rpc) else None
 
     def _draft_devices(self) -> dict:
-        """The drafter's load arguments besides its path: ``draft_n_gpu_layers`` (default: as the target);
-        local unless draft_rpc_servers (then all of its layers there unless draft_n_gpu_layers says fewer)."""
+        """The drafter's load arguments besides its path. Its devices: its own rpc-servers' and the
+        target's, since it borrows the target's embeddings and LM head, which stay on the target's
+        devices (a context without those devices cannot schedule the ops on them: ggml aborts). Its
+        layers: ``draft_n_gpu_layers``; by default all offloaded with draft_rpc_servers (shared out over
+        every device listed), else none (local, as without RPC: the target's n_gpu_layers)."""
         ngl = self.draft_n_gpu_layers
-        if self._draft_rpc is None:
-            return dict(n_gpu_layers=self.model_params.n_gpu_layers if ngl is None else ngl, rpc_check=self._rpc_hook)
-        return dict(n_gpu_layers=-1 if ngl is None else ngl, devices=self._draft_rpc.address, rpc_check=self._rpc_hook)
+        devs = [d for d in (self._draft_rpc, self._rpc) if d is not None]
+        if not devs:
+            return dict(n_gpu_layers=self.model_params.n_gpu_layers if ngl is None else ngl)
+        ptrs = list(dict.fromkeys(p for d in devs for p in d.pointers))   # the drafter's own first
+        self._draft_array = (ctypes.c_void_p * (len(ptrs) + 1))(*ptrs, None)
+        if ngl is None:
+            ngl = -1 if self._draft_rpc is not None else 0
+        return dict(n_gpu_layers=ngl, devices=ctypes.addressof(self._draft_array), rpc_check=self._rpc_hook)
 
     def __getstate__(self):
         state = super().__getstate__()

@@ -8,6 +8,7 @@ process lives: run in a child process, since an unpatched ggml-rpc aborts the pr
 """
 from __future__ import annotations
 
+import json
 import logging
 import os
 import re
@@ -17,6 +18,7 @@ import subprocess
 import sys
 import threading
 import time
+from contextlib import closing
 from pathlib import Path
 
 import pytest
@@ -87,7 +89,7 @@ def _text(llm, **kw) -> str:
 
 @pytest.fixture(scope="module")
 def local_text():
-    with Llama(str(DEMO / "target.gguf"), **KW) as llm:
+    with closing(Llama(str(DEMO / "target.gguf"), **KW)) as llm:
         return _text(llm)
 
 
@@ -167,19 +169,19 @@ def _layer_devices(records) -> dict[int, str]:
     out = {}
     for r in records:
         m = re.search(r"layer\s+(\d+) assigned to device (\S+?),", r.getMessage())
-        if m:
-            out[int(m.group(1))] = m.group(2)
+        if m:   # the target's lines come first (the drafter's layers follow under the same ids)
+            out.setdefault(int(m.group(1)), m.group(2))
     return out
 
 
 @needs_server
 @pytest.mark.parametrize("drafter", [DEMO / "drafter.gguf", DFLASH2], ids=["dflash", "dflash2"])
 def test_greedy_over_rpc_equals_plain(servers, local_text, drafter, caplog):
-    with Llama(str(DEMO / "target.gguf"), draft_model_path=str(drafter), **KW) as llm:
+    with closing(Llama(str(DEMO / "target.gguf"), draft_model_path=str(drafter), **KW)) as llm:
         assert _text(llm) == local_text                       # DFlash, local
     caplog.set_level(logging.DEBUG, logger="dflash_gguf.llama_cpp")
-    with Llama(str(DEMO / "target.gguf"), draft_model_path=str(drafter), rpc_servers=servers,
-               tensor_split=[1, 1], draft_n_max=7, draft_adaptive=False, **KW) as llm:
+    with closing(Llama(str(DEMO / "target.gguf"), draft_model_path=str(drafter), rpc_servers=servers,
+               tensor_split=[1, 1], draft_n_max=7, draft_adaptive=False, **KW)) as llm:
         on = _layer_devices(caplog.records)
         taps = DrafterInfo.read(llm._draft_model).target_layers
         where = {on[t] for t in taps}
@@ -193,29 +195,31 @@ def test_greedy_over_rpc_equals_plain(servers, local_text, drafter, caplog):
 
 @needs_server
 def test_drafter_on_rpc_by_choice(servers, local_text):
-    with Llama(str(DEMO / "target.gguf"), draft_model_path=str(DEMO / "drafter.gguf"),
-               draft_rpc_servers=servers[:1], **KW) as llm:
+    with closing(Llama(str(DEMO / "target.gguf"), draft_model_path=str(DEMO / "drafter.gguf"),
+               draft_rpc_servers=servers[:1], **KW)) as llm:
         assert llm._draft_rpc is not None and llm._rpc is None
         assert _text(llm) == local_text
 
 
 _CHILD = r"""
-import os, signal, sys, time
+import json, os, signal, sys, time
 from dflash_gguf import Llama
 from dflash_gguf.errors import RpcLostError
 target, drafter, a, b, pid = sys.argv[1:6]
 llm = Llama(target, draft_model_path=drafter, rpc_servers=[a, b], tensor_split=[1, 1], n_ctx=512,
             n_threads=1, n_threads_batch=1, seed=0, verbose=False, draft_adaptive=False)
-n = 0
+n, text = 0, ""
 try:
     for chunk in llm.create_completion("The story of the little", max_tokens=300, temperature=0.0, stream=True):
         n += 1
+        text += chunk["choices"][0]["text"]
         if n == 3:
             os.kill(int(pid), signal.SIGKILL)
             time.sleep(0.5)
     print("FINISHED", n, flush=True)
 except RpcLostError as e:
     print("LOST", n, e, flush=True)
+print("TEXT", json.dumps(text), flush=True)
 for dflash in (True, False):
     try:
         llm.create_completion("Once", max_tokens=8, temperature=0.0, dflash=dflash)
@@ -228,7 +232,7 @@ print("ALIVE", flush=True)
 
 
 @needs_server
-def test_server_killed_mid_generation():
+def test_server_killed_mid_generation(local_text):
     procs, eps = start_servers(2)
     try:
         env = dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parents[1]))
@@ -238,7 +242,10 @@ def test_server_killed_mid_generation():
         stop(procs)
     out = res.stdout
     assert res.returncode == 0, f"the client process died (rc {res.returncode}):\n{out}\n{res.stderr[-2000:]}"
-    assert re.search(r"^LOST 3 .*rpc-server 127\.0\.0\.1:\d+ was lost", out, re.M), out
+    m = re.search(r"^LOST (\d+) .*rpc-server 127\.0\.0\.1:\d+ was lost", out, re.M)
+    assert m and 3 <= int(m.group(1)) < 40, out   # the tokens of the step under way when it was killed, no more
+    streamed = json.loads(re.search(r"^TEXT (.*)$", out, re.M).group(1))
+    assert local_text.startswith(streamed), (streamed, local_text)   # every token yielded was verified
     assert "LOST-AGAIN True" in out and "LOST-AGAIN False" in out and out.rstrip().endswith("ALIVE"), out
 
 

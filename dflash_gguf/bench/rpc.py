@@ -5,9 +5,9 @@
 
 Two ``rpc-server`` processes on 127.0.0.1 hold the target's layers half and half (``tensor_split``
 1,1); the drafter is local. Each trial runs, alternately, the same greedy request locally and over
-RPC, DFlash with a fixed draft length (no speed gate) and plain. Bytes are the servers' socket
-traffic, read from ``/proc/PID/io`` (rchar: client to server, wchar: server to client; rpc-server
-does no other I/O without ``-c``), divided by the target passes (verify steps) of the request.
+RPC, DFlash with a fixed draft length (no speed gate) and plain. Bytes are the servers' TCP traffic,
+read from the kernel's counters for their connections (``ss -ti``: bytes_received, client to
+server; bytes_sent, server to client), divided by the target passes (verify steps) of the request.
 Loopback has no network latency: over a real link add one round trip per server crossing per pass.
 """
 from __future__ import annotations
@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import subprocess
 import time
 from pathlib import Path
@@ -24,9 +25,14 @@ from dflash_gguf import paths
 PROMPT = "Write a short story about a lighthouse keeper who finds a message in a bottle."
 
 
-def _io(pid: int) -> tuple[int, int]:
-    vals = dict(line.split(": ") for line in Path(f"/proc/{pid}/io").read_text().splitlines())
-    return int(vals["rchar"]), int(vals["wchar"])
+def _traffic(endpoint: str) -> tuple[int, int]:
+    """(bytes received, bytes sent) by the server side of the connections to ``endpoint``."""
+    port = endpoint.rpartition(":")[2]
+    out = subprocess.run(["ss", "-tinH", "state", "established", f"( sport = :{port} )"],
+                         capture_output=True, text=True, check=True).stdout
+    rx = sum(int(v) for v in re.findall(r"bytes_received:(\d+)", out))
+    tx = sum(int(v) for v in re.findall(r"bytes_sent:(\d+)", out))
+    return rx, tx
 
 
 def _free_port() -> int:
@@ -60,12 +66,12 @@ def start_servers(n: int, threads: int) -> tuple[list[subprocess.Popen], list[st
     return procs, eps
 
 
-def measure(llm, procs, tokens: int, dflash: bool) -> dict:
-    before = [_io(p.pid) for p in procs]
+def measure(llm, eps, tokens: int, dflash: bool) -> dict:
+    before = [_traffic(ep) for ep in eps]
     t0 = time.perf_counter()
     out = llm.create_completion(PROMPT, max_tokens=tokens, temperature=0.0, dflash=dflash)
     wall = time.perf_counter() - t0
-    after = [_io(p.pid) for p in procs]
+    after = [_traffic(ep) for ep in eps]
     n = out["usage"]["completion_tokens"]
     st = llm.last_dflash_stats
     passes = st.passes if (dflash and st is not None) else n
@@ -103,12 +109,12 @@ def main(argv=None) -> None:
         local = Llama(target, **kw)
         remote = Llama(target, rpc_servers=eps, tensor_split=[1, 1], **kw)
         for llm in (local, remote):   # warm-up (first-use allocations, page-in)
-            measure(llm, procs, 8, True)
+            measure(llm, eps, 8, True)
         for trial in range(args.trials):
             order = (("local", local), ("rpc", remote)) if trial % 2 == 0 else (("rpc", remote), ("local", local))
             for name, llm in order:
                 for dflash in (True, False):
-                    r = measure(llm, procs, args.tokens, dflash)
+                    r = measure(llm, eps, args.tokens, dflash)
                     r.update(where=name, mode="dflash" if dflash else "plain", trial=trial)
                     rows.append(r)
                     print(f"trial {trial} {name:5s} {r['mode']:6s} {r['tokens']:3d} tok {r['passes']:3d} passes "

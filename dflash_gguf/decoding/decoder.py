@@ -39,7 +39,7 @@ import numpy as np
 from dflash_gguf import _bindings as B
 from dflash_gguf.constraints import Constraints
 from dflash_gguf.engine import Context, DrafterInfo, clamp_n_draft
-from dflash_gguf.errors import ContextOverflowError, DFlashError, InvalidArgumentError, UnsupportedError
+from dflash_gguf.errors import ContextOverflowError, DecodeError, DFlashError, InvalidArgumentError, UnsupportedError
 from dflash_gguf.gate import DraftLength, batch_prior
 from dflash_gguf.decoding import calibration
 from dflash_gguf.sampling import SamplingParams, TokenChooser
@@ -481,6 +481,13 @@ class DFlashDecoder(Scheduling):
             s.stats.t_inject += time.perf_counter() - t0
         s.stats.t_total += time.perf_counter() - s.t_start
 
+    def _check_servers(self) -> None:
+        """Raise RpcLostError if a model of this decoder lost an rpc-server (dflash_gguf.rpc)."""
+        for ctx in (self.target, self.drafter):
+            check = getattr(ctx.model, "rpc_check", None) if ctx is not None else None
+            if check is not None:
+                check()
+
     def generate(self, prompt: Sequence[int], max_tokens: int, sampling: SamplingParams | None = None,
                  stats: GenerationStats | None = None, stop_tokens: Sequence[int] | None = None,
                  use_draft: bool = True, constraints: Constraints | None = None,
@@ -509,7 +516,11 @@ class DFlashDecoder(Scheduling):
             st = None
             while not self._finished(s, st):
                 t_step = time.perf_counter()   # the gate is charged the step's work, not the consumer's time
-                (st,), gate, choice = self._advance([s])
+                try:
+                    (st,), gate, choice = self._advance([s])
+                except DecodeError:
+                    self._check_servers()   # a lost rpc-server explains a failed draft or verify: RpcLostError
+                    raise
                 t_work = time.perf_counter() - t_step
                 consumed = 0
                 try:
