@@ -49,14 +49,14 @@ def _generate(spec: dict, run: dict, grab: _Grab) -> dict:
     from dflash_gguf.engine import Context, Model
     from dflash_gguf.sampling import SamplingParams
 
-    with Model(spec["target"], n_gpu_layers=run["ngl"]) as tm, \
-            Model(spec["drafter"], n_gpu_layers=run["dngl"]) as dm:
+    with Model(spec["target"], n_gpu_layers=run["ngl"]) as tm:
         where = {"target": grab.take()}
+        dm = Model(spec["drafter"], n_gpu_layers=run["dngl"])
+        where["drafter"] = grab.take()
         prompt = tm.tokenize(spec["prompt"].encode())
         o = _opts(run)
         so = SpecOptions(rollback=run.get("rollback", "auto"))
-        with Context(tm, o) as pctx, Context(tm, o) as tctx, Context(dm, o, other=tctx) as dctx:
-            where["drafter"] = grab.take()
+        with dm, Context(tm, o) as pctx, Context(tm, o) as tctx, Context(dm, o, other=tctx) as dctx:
             plain_dec, spec_dec = DFlashDecoder(pctx, None, so), DFlashDecoder(tctx, dctx, so)
             st = GenerationStats()
             out = {"ngl": run["ngl"], "dngl": run["dngl"], "where": where, "plain": [], "dflash": []}
@@ -65,7 +65,8 @@ def _generate(spec: dict, run: dict, grab: _Grab) -> dict:
                 sp = None if seed is None else SamplingParams(temperature=1.0, top_k=run.get("top_k", 4),
                                                               top_p=1.0, min_p=0.0, seed=seed)
                 n = run.get("n", spec["n"])
-                out["plain"].append(list(plain_dec.generate(prompt, n, sampling=sp, stop_tokens=[])))
+                if sp is None:   # sampled runs are checked against the exact distribution instead
+                    out["plain"].append(list(plain_dec.generate(prompt, n, stop_tokens=[])))
                 out["dflash"].append(list(spec_dec.generate(prompt, n, sampling=sp, stats=st, stop_tokens=[])))
             out.update(drafted=st.drafted, accepted=st.accepted, tau=st.tau)
             if run.get("seeds"):
@@ -102,31 +103,39 @@ def _capi(spec: dict, run: dict, grab: _Grab, arrays: dict, tag: str) -> dict:
     from dflash_gguf.engine import Context, Model
 
     ffi, lib = B.ffi, B.lib
-    with Model(spec["target"], n_gpu_layers=run["ngl"]) as tm, \
-            Model(spec["drafter"], n_gpu_layers=run["dngl"]) as dm:
+    with Model(spec["target"], n_gpu_layers=run["ngl"]) as tm:
         where = {"target": grab.take()}
-        toks = np.array(tm.tokenize(spec["prompt"].encode()), dtype=np.int32)
-        n = len(toks)
-        o = _opts(run)
-        with Context(tm, o) as tctx, Context(dm, o, other=tctx) as dctx:
+        with Model(spec["drafter"], n_gpu_layers=run["dngl"]) as dm:
             where["drafter"] = grab.take()
-            info = ffi.new("struct llama_dflash_drafter_info *")
-            B.check(lib.llama_dflash_prepare(tctx.cptr, dctx.cptr, info), "prepare")
-            layers = np.array([info.target_layers[i] for i in range(info.n_target_layers)], dtype=np.int32)
-            width = len(layers) * tm.n_embd
-            nd = info.block_size - 1
+            toks = np.array(tm.tokenize(spec["prompt"].encode()), dtype=np.int32)
+            n = len(toks)
+            o = _opts(run)
             res: dict = {}
-            for mode in ("copy", "direct"):
-                if mode == "direct":
+            # each mode on fresh contexts, set before their first decode (as the decoder does);
+            # run["same_context"]: every mode on one pair of contexts, switched between decodes
+            tctx = dctx = None
+            for mode in run.get("modes", ("copy", "direct")):
+                if tctx is None or not run.get("same_context"):
+                    if tctx is not None:
+                        dctx.close(), tctx.close()
+                    tctx = Context(tm, o)
+                    dctx = Context(dm, o, other=tctx)
+                    info = ffi.new("struct llama_dflash_drafter_info *")
+                    B.check(lib.llama_dflash_prepare(tctx.cptr, dctx.cptr, info), "prepare")
+                    layers = np.array([info.target_layers[i] for i in range(info.n_target_layers)], dtype=np.int32)
+                    width = len(layers) * tm.n_embd
+                    nd = info.block_size - 1
+                cap = run.get("cap", 16) if mode == "direct" else 0
+                if mode != "copy":
                     B.check(lib.llama_dflash_set_taps_direct(tctx.cptr, True), "direct taps")
-                    B.check(lib.llama_dflash_set_tap_rows_max(tctx.cptr, 16), "tap cap")
+                    B.check(lib.llama_dflash_set_tap_rows_max(tctx.cptr, cap), "tap cap")
                 tctx.clear()
                 dctx.clear()
                 am = np.zeros(n, dtype=np.int32)
                 B.check(lib.llama_dflash_decode(tctx.cptr, 0, 0, ffi.from_buffer("llama_token[]", toks), n, 0,
                                                 ffi.from_buffer("llama_token[]", am)), "decode")
                 rows = lib.llama_dflash_tap_rows(tctx.cptr)
-                r0 = n - 16 if mode == "direct" else 0
+                r0 = n - cap if cap else 0
                 taps = np.zeros((n - r0, width), dtype=np.float32)
                 B.check(lib.llama_dflash_get_taps(tctx.cptr, ffi.from_buffer("int32_t[]", layers), len(layers), r0,
                                                   n - r0, ffi.from_buffer("float[]", taps), taps.size), "get_taps")
@@ -154,6 +163,7 @@ def _capi(spec: dict, run: dict, grab: _Grab, arrays: dict, tag: str) -> dict:
                 for k, v in got.items():
                     arrays[f"{tag}-{mode}-{k}"] = v
                 res[mode] = {"tap_rows": rows, "row0": r0}
+            dctx.close(), tctx.close()
     return {"ngl": run["ngl"], "dngl": run["dngl"], "where": where, "modes": res}
 
 

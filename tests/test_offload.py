@@ -38,9 +38,10 @@ DEMO_D2 = DEMO_DIR.parent / "demo-dflash2" / "drafter.gguf"
 PROMPT = "def read_lines(path):\n    \"\"\"Return the lines of a text file.\"\"\"\n"
 LAVAPIPE = sorted(Path("/usr/share/vulkan/icd.d").glob("lvp_icd.*.json"))
 # the demo target has 6 layers, the drafters tap the inputs of layers 1, 3 and 4; n_gpu_layers = k puts
-# the last k layers on the device: k = 3 computes tap 1 on the CPU, tap 3 at the split (layer 2's output
-# on the CPU, copied to the device) and tap 4 on the device; 99 also puts the output layer there
-SPLIT = 3
+# the output layer and the last k - 1 layers on the device: k = 4 (layers 3-5) computes tap 1 on the
+# CPU, tap 3 at the split (layer 2's output, on the CPU, is layer 3's input on the device) and tap 4 on
+# the device; k = 3 (layers 4-5) computes taps 1 and 3 on the CPU and tap 4 at the split
+SPLIT = 4
 FULL = 99
 N = 48
 
@@ -151,7 +152,7 @@ def cpu_demo(backend, tmp_path_factory) -> tuple[dict, dict]:
 def gpu_demo(backend, tmp_path_factory) -> tuple[dict, dict]:
     name, lib = backend
     runs = [{"ngl": FULL, "dngl": FULL}, {"ngl": FULL, "dngl": 0}, {"ngl": 0, "dngl": FULL},
-            {"ngl": SPLIT, "dngl": FULL}, {"ngl": SPLIT, "dngl": 0}, {"ngl": 4, "dngl": FULL}]
+            {"ngl": SPLIT, "dngl": FULL}, {"ngl": SPLIT, "dngl": 0}, {"ngl": 3, "dngl": FULL}]
     return child(name, lib, {"target": DEMO_T, "drafter": DEMO_D, "runs": runs,
                              "capi": [{"ngl": FULL, "dngl": FULL}, {"ngl": SPLIT, "dngl": 0}]},
                  tmp_path_factory.mktemp(f"{name}-demo"))
@@ -184,7 +185,7 @@ def test_c_api_on_the_device_reads_what_the_cpu_reads(backend, gpu_demo, cpu_dem
     graph with a row cap), llama_dflash_inject of those rows and llama_dflash_inject_features of the same
     features kept on the host, and the drafter's argmax ids: on the device as on the CPU, up to rounding."""
     out, arr = gpu_demo
-    _, ref = cpu_demo
+    ref_out, ref = cpu_demo
     margin_of = np.sort(ref["0-copy-logits"], axis=1)
     margin = margin_of[:, -1] - margin_of[:, -2]
     for i, run in enumerate(out["capi"]):
@@ -193,7 +194,7 @@ def test_c_api_on_the_device_reads_what_the_cpu_reads(backend, gpu_demo, cpu_dem
             got = {k.split("-", 2)[2]: v for k, v in arr.items() if k.startswith(f"{i}-{mode}-")}
             want = {k.split("-", 2)[2]: v for k, v in ref.items() if k.startswith(f"0-{mode}-")}
             ctx = (run["ngl"], run["dngl"], mode)
-            assert m["tap_rows"] == (len(want["argmax"]) if mode == "copy" else 16), ctx
+            assert m == ref_out["capi"][0]["modes"][mode], ctx   # rows decoded, rows readable
             assert got["taps"].shape == want["taps"].shape and np.isfinite(got["taps"]).all(), ctx
             assert _rel(got["taps"], want["taps"]) < TAP_RTOL, (ctx, _rel(got["taps"], want["taps"]))
             assert _rel(got["logits"], want["logits"]) < LOGIT_RTOL, (ctx, _rel(got["logits"], want["logits"]))
@@ -252,11 +253,29 @@ def test_hybrid_target_offloaded(backend, models, tmp_path):
     (n_rs_seq) and by checkpoints; layers split, the drafter on the device or not."""
     name, lib = backend
     pair = models.pair("qwen35", "dflash", 8)
+    # 4 layers (3 delta-net, 1 attention); n_gpu_layers 3: layers 2-3 and the output on the device
     runs = [{"ngl": FULL, "dngl": FULL, "n_rs_seq": 7, "rollback": "snapshot"},
-            {"ngl": 2, "dngl": 0, "n_rs_seq": 7, "rollback": "snapshot"},
+            {"ngl": 3, "dngl": 0, "n_rs_seq": 7, "rollback": "snapshot"},
             {"ngl": FULL, "dngl": FULL, "rollback": "checkpoint"},
-            {"ngl": 2, "dngl": FULL, "rollback": "checkpoint"}]
+            {"ngl": 3, "dngl": FULL, "rollback": "checkpoint"}]
     out, _ = child(name, lib, {"target": pair.target, "drafter": pair.drafter, "runs": runs, "n": 24}, tmp_path)
     for run in out["runs"]:
         check_placed(name, run, 4)
         assert run["dflash"] == run["plain"] and run["drafted"] > 0, run
+
+
+def test_changing_the_tap_cap_after_a_decode(backend, request, tmp_path):
+    """Known failure on Vulkan (lavapipe): on a target context in device memory, a tap cap set after the
+    context's first decode (copy, or uncapped direct taps, then llama_dflash_set_tap_rows_max: the
+    scheduler is reserved again) makes the next decode crash inside the Vulkan driver's command
+    execution (SIGSEGV); on the CPU, and with the target on the CPU, it works. The decoder sets its cap
+    once, before the first decode, and is not affected (the tests above)."""
+    if backend[0] == "vulkan":
+        request.applymarker(pytest.mark.xfail(reason="tap cap changed after a decode, target on the device: "
+                                              "crash in the next decode (open)", strict=True, raises=AssertionError))
+    name, lib = backend
+    out, arr = child(name, lib, {"target": DEMO_T, "drafter": DEMO_D, "n": 8,
+                                 "capi": [{"ngl": FULL, "dngl": 0, "modes": ["uncapped", "direct"],
+                                           "same_context": True}]}, tmp_path)
+    a = arr["0-uncapped-taps"]
+    assert np.array_equal(a[-len(arr["0-direct-taps"]):], arr["0-direct-taps"])
