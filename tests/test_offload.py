@@ -169,11 +169,12 @@ def test_dflash_greedy_offloaded_equals_plain(backend, gpu_demo, cpu_demo):
         assert run["tau"] >= 0.85 * tau_cpu, (run["ngl"], run["dngl"], run["tau"], tau_cpu)
 
 
-# relative tolerances of the device against the CPU build (max |device - CPU| / max |CPU|), from the
-# measured differences (see test_c_api_on_the_device_reads_what_the_cpu_reads): the device sums in
-# another order and ggml-vulkan's matrix products take F16 weights times F16-rounded activations
-TAP_RTOL = 1e-2
-LOGIT_RTOL = 1e-2
+# relative tolerances of the device against the CPU (max |device - CPU| / max |CPU|): the device sums in
+# another order and ggml-vulkan's matrix products take the F16 weights times F16-rounded activations.
+# Measured on lavapipe with the demo pair: taps 0.59% (target fully offloaded) and 0.10% (split),
+# logits 0.75% / 0.82% (the largest logit is 11.9): the bounds leave about 4x
+TAP_RTOL = 2.5e-2
+LOGIT_RTOL = 3e-2
 
 
 def _rel(a: np.ndarray, b: np.ndarray) -> float:
@@ -198,9 +199,10 @@ def test_c_api_on_the_device_reads_what_the_cpu_reads(backend, gpu_demo, cpu_dem
             assert got["taps"].shape == want["taps"].shape and np.isfinite(got["taps"]).all(), ctx
             assert _rel(got["taps"], want["taps"]) < TAP_RTOL, (ctx, _rel(got["taps"], want["taps"]))
             assert _rel(got["logits"], want["logits"]) < LOGIT_RTOL, (ctx, _rel(got["logits"], want["logits"]))
-            # argmax ids: the CPU's wherever its best logit leads by more than the device's rounding
-            clear = margin > 4 * LOGIT_RTOL * float(np.max(np.abs(want["logits"])))
-            assert clear.mean() > 0.8 and (got["argmax"] == want["argmax"])[clear].all(), ctx
+            # argmax ids: the CPU's wherever its best logit leads by more than twice the largest logit
+            # difference between device and CPU (no rounding within that can reorder the top two)
+            clear = margin > 2 * float(np.max(np.abs(got["logits"] - want["logits"])))
+            assert clear.sum() >= len(clear) // 2 and (got["argmax"] == want["argmax"])[clear].all(), ctx
             # the same features through either injection: the same draft, bit for bit, on the device
             assert got["draft"].tolist() == got["draft_features"].tolist(), ctx
             assert got["draft"].tolist() == want["draft"].tolist(), ctx
