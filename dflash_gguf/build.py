@@ -65,7 +65,7 @@ GGML_VARIANTS = {
 # what each variant builds (CMake targets) and the file that says it is complete
 VARIANT_TARGETS = {"avx2": ("ggml", "ggml-cpu"), "vulkan": ("llama",),
                    "cuda": ("llama", "llama-speculative-simple", "llama-completion")}
-VARIANT_MINUTES = {"avx2": "about 2-3 minutes on 2 cores", "vulkan": "about MINUTES minutes on 2 cores",
+VARIANT_MINUTES = {"avx2": "about 2-3 minutes on 2 cores", "vulkan": "about 11 CPU-minutes: 6 minutes on 2 idle cores",
                    "cuda": "minutes on a many-core machine, for the local GPU's architecture only"}
 VARIANT_DONE = {"avx2": "libggml-cpu.so", "vulkan": "libllama.so", "cuda": "llama-completion"}
 # wheels built with a GPU backend (--platform); Metal is macOS-only (see all_cmake_args)
