@@ -42,7 +42,7 @@ SDIST_NAME = "llama-cpp-python"
 SDIST_VERSION = "0.3.36"
 SDIST_FILE = f"llama_cpp_python-{SDIST_VERSION}.tar.gz"
 SDIST_SHA256 = "832db0699007f1be95a7e41ef12e88926b02ba836461e36a36372db2760c1a2e"
-TOOLS = ("llama-speculative-simple", "llama-completion", "llama-server", "ggml-rpc-server")   # rpc-server: ggml-rpc-server
+TOOLS = ("llama-speculative-simple", "llama-completion", "llama-server", "ggml-rpc-server")
 STAMP_HEADER = "vendor/llama.cpp/src/llama-dflash-stamp.h"
 # llava/mtmd is not needed by DFlash and costs ~2 of the ~10 build minutes on 2 cores; RPC: a target's
 # layers on other hosts' rpc-server processes (ggml-rpc, a few seconds of build time)
