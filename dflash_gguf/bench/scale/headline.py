@@ -51,9 +51,10 @@ def measure(target: Path, drafter: Path, *, tokens: int = 64, trials: int = 3, t
     ids = tm.tokenize(PROMPT.encode(), add_bos=False)
     opts = ContextOptions(n_ctx=len(ids) + tokens + 64, n_batch=512, n_ubatch=512, n_threads=threads)
     tctx = Context(tm, opts)
+    pctx = Context(tm, opts)        # plain decoding in a context of its own: no taps, as a plain user has it
     dm = Model(drafter)
     dctx = Context(dm, opts, other=tctx)
-    plain = DFlashDecoder(tctx, None)
+    plain = DFlashDecoder(pctx, None)
 
     def run(dec) -> tuple[list[int], GenerationStats]:
         st = GenerationStats()
@@ -79,6 +80,7 @@ def measure(target: Path, drafter: Path, *, tokens: int = 64, trials: int = 3, t
     n_draft = spec.n_draft
     del spec, plain
     dctx.close()
+    pctx.close()
     tctx.close()
     dm.close()
     tm.close()
