@@ -63,15 +63,6 @@ def _mem_ok(shape: str, wtype: str) -> bool:
     return avail > need * 1.5
 
 
-def reduced_pair(pair: Path, n: int) -> Path:
-    from dflash_gguf.convert import draft_vocab
-
-    out = pair.with_name(f"{pair.name}-dv{n}")
-    if (out / "pair.json").is_file():
-        return out
-    return draft_vocab.reduce_pair(pair, n, out_dir=out)
-
-
 # kernel sets: the ggml switches each sets for the case's child processes (ours and upstream's)
 KERNELS = {"x86mm": {"GGML_CPU_X86MM": "1"}, "ggml": {"GGML_CPU_X86MM": "0"}}
 
@@ -227,7 +218,7 @@ def main(argv: list[str] | None = None) -> int:
             pair = synth.make_pair(s, t, seed=a.seed)
             drafters = {"full": str(pair / "drafter.gguf")}
             if dv:
-                drafters[f"dv{dv}"] = str(reduced_pair(pair, dv) / "drafter.gguf")
+                drafters[f"dv{dv}"] = str(synth.reduced_pair(pair, dv) / "drafter.gguf")
             for kern in kernels:
                 kname = name if kernels == ["x86mm"] else f"{name} ({kern})"
                 case = {"name": kname, "target": str(pair / "target.gguf"), "drafters": drafters,

@@ -29,10 +29,9 @@ SHAPE_NAMES = {"0.6b": "Qwen3-0.6B", "1.7b": "Qwen3-1.7B", "4b": "Qwen3-4B", "8b
 def prepare(shape: str = SHAPE, wtype: str = WTYPE, draft_vocab: int | None = DRAFT_VOCAB) -> tuple[Path, Path]:
     """(target.gguf, drafter.gguf) of the cached scale pair, written on first use (logged, with progress)."""
     from dflash_gguf.bench.scale import synth
-    from dflash_gguf.bench.scale.__main__ import reduced_pair
 
     pair = synth.make_pair(shape, wtype)
-    dpair = reduced_pair(pair, draft_vocab) if draft_vocab else pair
+    dpair = synth.reduced_pair(pair, draft_vocab) if draft_vocab else pair
     return pair / "target.gguf", dpair / "drafter.gguf"
 
 

@@ -329,3 +329,13 @@ def make_pair(shape: str, wtype: str, *, seed: int = 0, root: Path | None = None
     os.rename(staging, d)
     log.info("pair %s written in %.0f s", d.name, time.perf_counter() - t0)
     return d
+
+
+def reduced_pair(pair: Path, n: int) -> Path:
+    """The cached copy of ``pair`` whose drafter has a reduced head of ``n`` rows (made if missing)."""
+    from dflash_gguf.convert import draft_vocab
+
+    out = pair.with_name(f"{pair.name}-dv{n}")
+    if (out / "pair.json").is_file():
+        return out
+    return draft_vocab.reduce_pair(pair, n, out_dir=out)
