@@ -39,9 +39,9 @@ def measure(target: Path, drafter: Path, *, tokens: int = 64, trials: int = 3, t
             profile: str = "demo") -> dict:
     """Plain vs gated DFlash (one decoder for every call, as a ``Llama`` keeps it), trials interleaved."""
     from dflash_gguf.bench.scale.replay import ReplayProposer, expected_tau, parse_profile
-    from dflash_gguf.bench.scale.run import PROMPT
+    from dflash_gguf.bench.scale.run import PROMPT, _gen
     from dflash_gguf.cpu import cpu_model
-    from dflash_gguf.decoding import DFlashDecoder, GenerationStats, OverrideProposer, SpecOptions
+    from dflash_gguf.decoding import DFlashDecoder, OverrideProposer, SpecOptions
     from dflash_gguf.engine import Context, ContextOptions, Model
 
     name, cum = parse_profile(profile)
@@ -55,10 +55,8 @@ def measure(target: Path, drafter: Path, *, tokens: int = 64, trials: int = 3, t
     dctx = Context(dm, opts, other=tctx)
     plain = DFlashDecoder(pctx, None)
 
-    def run(dec) -> tuple[list[int], GenerationStats]:
-        st = GenerationStats()
-        dec.reset()
-        return list(dec.generate(ids, tokens, stop_tokens=[], stats=st)), st
+    def run(dec):
+        return _gen(dec, ids, tokens)
 
     ref, _ = run(plain)
     reference = ids + ref
