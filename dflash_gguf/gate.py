@@ -13,7 +13,11 @@ instead of on a few old draws, so an unlucky warm-up block cannot pin the choice
 to plain decoding. Near a tie (within ``PREFER_FULL``) it drafts the whole block, whose cost is
 measured rather than read off the fitted line. A step's cost is its whole work as the decoder
 measures it (drafting, verifying, acceptance and sampling, keeping the rows), so per-step overheads
-that do not scale with the model count on small pairs. It only changes speed: the decoder's output
+that do not scale with the model count on small pairs. Costs are those of a length drafted step after
+step, as a plan runs it: the first step of a length after another (or after a prefill) pays for the
+switch (the other model's weights and buffers in the caches: on a small pair the first plain step
+after a drafting one costs about twice what settled ones do) and only sets a cost not known yet;
+probes that re-measure a cost take two steps, and may lower it, not raise it. It only changes speed: the decoder's output
 is the target's whatever length is drafted. Given this machine's measured step costs as a prior
 (:mod:`dflash_gguf.decoding.calibration`) it skips the warm-up that measures them.
 """
@@ -37,7 +41,8 @@ def batch_prior(costs: np.ndarray, b: int) -> np.ndarray:
 
 
 class DraftLength:
-    WARMUP = (None, 0, None, "half", None)                  # None = n_max; costs of n_max, half and 0
+    WARMUP = (None, None, 0, 0, "half", None)               # None = n_max; costs of n_max and 0 (each a run of
+                                                             # two: the second step's is steady), half
     WARMUP_GIVE_UP = 2                                       # drafted blocks with not one token right: warm-up ends
     PROBE_SHORT = 4                                          # tokens drafted by a probe while decoding plainly (at most)
     PROBE_FREE = 0.1                                         # ... with a cost prior: the longest probe costing at most
@@ -66,7 +71,8 @@ class DraftLength:
         self.hits = np.zeros(n_max)                 # position i accepted (decayed count)
         self.tries = np.zeros(n_max)                # position i reached: drafted, all before it accepted
         self.cost = np.full(n_max + 1, np.nan)      # seconds of one step drafting n tokens
-        self._prior: set[int] = set()               # lengths whose cost is still the prior's (no step seen)
+        self._prior: set[int] = set()               # lengths whose cost is no steady step's yet (the prior's,
+                                                    # or a step after another length)
         if costs is not None:
             if len(costs) != n_max + 1:
                 raise ValueError(f"a cost prior needs {n_max + 1} entries (n = 0..{n_max}), got {len(costs)}")
@@ -83,8 +89,16 @@ class DraftLength:
         self._probe_full = False                    # a middle plan's next probe: the whole block (else plain)
         self._blocks = 0                            # drafting steps so far
         self._right = False                         # ... whether one of them got a token accepted
+        self._again: int | None = None              # a cost-measuring probe's second step
+        self._replan_due = False                    # a re-planning step was taken by a probe
+        self._probe_step = -1                       # the last step that was a probe's
+        self._run: int | None = None                # the length of the last step recorded (None: a new run)
 
     def _scheduled(self) -> int | None:
+        if self._again is not None:
+            n, self._again = self._again, None
+            self._probe_step = self.steps
+            return n
         if self.steps <= self._warmup and self._blocks >= self.WARMUP_GIVE_UP and not self._right:
             # a drafter that has not got one token right in its first blocks: the rest of the warm-up
             # (costs of other lengths) cannot change the choice, plain decoding; probes will look again
@@ -97,13 +111,16 @@ class DraftLength:
             # right again?), a full block while drafting shorter ones, plain decoding while drafting
             # full blocks
             self._next_probe = self.steps + self.probe_every
+            self._probe_step = self.steps
             if not self._plan:
-                return self.probe_len
+                return self.probe_len      # acceptance: one step (its cost is the prior's or a warm-up's)
             if self._plan == self.n_max:
+                self._again = 0            # costs: two steps, the second one's is the steady cost
                 return 0
             # a middle length re-measures both ends in turn (its own cost is measured every step)
             self._probe_full = not self._probe_full
-            return self.n_max if self._probe_full else 0
+            self._again = self.n_max if self._probe_full else 0
+            return self._again
         else:
             return None
         if w is None:
@@ -160,8 +177,14 @@ class DraftLength:
     def choose(self) -> int:
         self.steps += 1
         n = self._scheduled()
-        if n is None:
-            if self._plan is None or self.steps % self.REPLAN_EVERY == 0:
+        due = self.steps % self.REPLAN_EVERY == 0
+        if n is not None:
+            # a probe or warm-up step on a re-planning step: re-plan on the next step of the plan (probes
+            # every PROBE_SOON steps fall on every re-planning step: the plan would never back off)
+            self._replan_due |= due
+        else:
+            if self._plan is None or due or self._replan_due:
+                self._replan_due = False
                 expected = self.expected_tokens()
                 rate = expected / self.step_cost()
                 plan = int(np.argmax(rate))
@@ -201,7 +224,13 @@ class DraftLength:
         self.hits[:], self.tries[:] = other.hits, other.tries
         self._blocks, self._right = other._blocks, other._right
 
-    def record(self, n: int, accepted: int, seconds: float) -> None:
+    def new_run(self) -> None:
+        """The next step starts a run (a generation's first, after its prefill): its cost is no steady one."""
+        self._run = None
+
+    def record(self, n: int, accepted: int, seconds: float, same_step: bool = False) -> None:
+        """A step that drafted ``n`` tokens, ``accepted`` of them, in ``seconds``. ``same_step``: another
+        sequence of the step recorded last (a batch: its acceptance counts, the step's cost once)."""
         if n > 0 and self._plan == 0 and 2 * accepted >= n and \
                 not (1 + accepted) * self.cost[0] <= seconds:
             # a probe while decoding plainly found the drafter right, and its step beat a plain one (or
@@ -217,15 +246,27 @@ class DraftLength:
             self.tries *= self.DECAY
             self.tries[:min(accepted + 1, n)] += 1
             self.hits[:accepted] += 1
+        if same_step:
+            return
+        steady, self._run = n == self._run, n
         c = self.cost[n]
         if np.isnan(c):
             self.cost[n] = seconds
+            if not steady:
+                self._prior.add(n)     # the first steady step of this length replaces it
             return
+        if not steady:
+            return                     # a switch's cost, not this length's
+        if self._probe_step == self.steps:
+            # a probe's second step still runs warmer than a plan's steps (on a small pair plain steps
+            # settle over about five): it may lower a cost, not raise it (a lasting rise shows in the
+            # plan's own steps, and a plan that looks worse is left for the one it underrates)
+            seconds = min(seconds, c)
         # one slow step (the OS, a page fault, a collector pause) moves the estimate a little; a
         # lasting change still shows within a few steps
         seconds = min(seconds, self.OUTLIER * c)
         # the prior (measured once, perhaps on a busier machine or a shorter context) stands in until
-        # the first real step of that length, as the warm-up's first step does without a prior
+        # the first steady step of that length, as a first step after a switch does without a prior
         w = 1.0 if n in self._prior else self.COST_EMA
         self._prior.discard(n)
         self.cost[n] = (1 - w) * c + w * seconds

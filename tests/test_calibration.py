@@ -96,6 +96,25 @@ def test_the_schedule_covers_both_ends_and_the_powers_of_two():
     assert calibration.schedule_lengths(1) == [0, 1]
 
 
+def test_the_schedule_counts_settled_steps_only():
+    """Each length is measured in runs whose first steps pay for the switch from the length before
+    (plain steps settle slowest): only a run's last COUNTED steps count. A machine whose first step of a
+    run costs 2x and plain's next three 1.3x gives the settled costs exactly."""
+    lengths = calibration.schedule_lengths(7)
+    sched = calibration._Schedule(lengths, rounds=2)
+    base = {n: 1.0 + 0.5 * n for n in lengths}
+    prev, k = None, 0
+    while not sched.done:
+        n = sched.choose()
+        k = k + 1 if n == prev else 0
+        prev = n
+        slow = 2.0 if k == 0 else (1.3 if n == 0 and k < calibration.WARM[0] else 1.0)
+        sched.record(n, 0, base[n] * slow)
+    assert set(sched.seen) == set(lengths)
+    for n, v in sched.seen.items():
+        assert v == [base[n]] * (2 * calibration.COUNTED), (n, v)
+
+
 def test_steady_rounds_are_those_that_agree():
     assert calibration.steady({0: [1.0, 1.1, 1.2], 1: [2.0, 2.1, 2.0], 4: [3.0, 3.2, 3.1]})
     # one length of three disturbed (a page fault, a collector pause): still steady

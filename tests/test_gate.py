@@ -95,7 +95,11 @@ def test_adaptive_decoder_is_lossless(models, proposer):
     assert out == ref
     assert dec.gate is not None and dec.gate.steps > len(DraftLength.WARMUP)
     if proposer == "oracle":
-        assert st.tau > 4            # full blocks pay even when rows are costly
+        # every drafted token accepted, and the gate's acceptance estimate says so (whether full blocks
+        # then beat plain steps is this machine's costs: on this tiny pair at 1 thread, oracle blocks of
+        # 8 are within about 10% of plain decoding, either way)
+        assert st.drafted > 0 and st.accepted == st.drafted
+        assert dec.gate.expected_tokens()[-1] > 0.8 * (dec.n_draft + 1), dec.gate.expected_tokens()
     # the gate is fed each step's measured seconds: its estimate for the length it drafted last (its
     # plan, re-measured every step) is of the order of the generation's own seconds per step (a constant
     # or a wrong unit would be far off)
@@ -126,13 +130,13 @@ def test_a_never_right_drafter_ends_the_warmup_early_and_probes_with_short_block
     choice); probes while decoding plainly draft PROBE_SHORT tokens, not a whole block."""
     g = DraftLength(15)
     chosen = feed(g, 200, accept=lambda n: 0, cost=lambda n: 1.0 + 0.3 * n)
-    assert chosen[:4] == [15, 0, 15, 0]
+    assert chosen[:4] == [15, 15, 0, 0]
     assert all(n in (0, DraftLength.PROBE_SHORT) for n in chosen[4:]), chosen
     assert 0 < sum(n > 0 for n in chosen[4:]) <= 200 // DraftLength.PROBE_EVERY
     # a drafter right at least once keeps the whole warm-up (its cost curve is what the choice needs)
     g = DraftLength(15)
     chosen = feed(g, len(DraftLength.WARMUP), accept=lambda n: 1, cost=lambda n: 1.0 + 0.3 * n)
-    assert chosen == [15, 0, 15, 7, 15]
+    assert chosen == [15, 15, 0, 0, 7, 15]
 
 
 def test_cost_model_treats_the_drafter_call_as_a_step():

@@ -128,24 +128,40 @@ def test_probe_gap_is_the_default_while_plain_is_unmeasured():
     assert g._probe_gap() == G.PROBE_EVERY
 
 
-@pytest.mark.parametrize("plan, probes", [(0, [4, 4, 4]), (7, [0, 0, 0]), (3, [7, 0, 7])])
+@pytest.mark.parametrize("plan, probes", [(0, [4, 4, 4, 4]), (7, [0, 0, 0, 0]), (3, [7, 7, 0, 0])])
 def test_what_a_probe_drafts(plan, probes):
-    """Plain plan: a short block; the whole block: a plain step; a middle length: both ends in turn."""
+    """Plain plan: a short block; the whole block: a plain step; a middle length: both ends in turn;
+    a probe that re-measures a cost (not the plain plan's) takes two steps."""
     g = past_warmup(G(7))
     g._plan = plan
     got = []
-    for _ in range(3):
+    for _ in range(4):
         g.steps += 1
         g._next_probe = g.steps
         got.append(g._scheduled())
     assert got == probes
 
 
+@pytest.mark.parametrize("plan, probe", [(0, [4, None, None]), (7, [0, 0, None]), (3, [7, 7, None])])
+def test_a_cost_probe_takes_two_steps_an_acceptance_probe_one(plan, probe):
+    g = past_warmup(G(7))
+    g._plan = plan
+    g.steps += 1
+    g._next_probe = g.steps
+    got = [g._scheduled()]
+    for _ in range(2):
+        g.steps += 1
+        got.append(g._scheduled())
+    assert got == probe
+
+
 def test_warmup_without_a_prior():
-    assert [G(7)._warmup_plan[i] for i in range(5)] == [None, 0, None, "half", None]
+    """Runs of two full blocks and two plain steps (each second step's cost is a settled one), half a
+    block, a full block."""
+    assert list(G(7)._warmup_plan) == [None, None, 0, 0, "half", None]
     for n_max, half in [(7, 3), (3, 1), (2, 1), (1, 1)]:
         g = G(n_max)
-        g.steps = 4
+        g.steps = 5
         assert g._scheduled() == half
 
 
@@ -156,18 +172,19 @@ def test_warmup_gives_up_after_two_blocks_with_nothing_right():
         n = g.choose()
         chosen.append(n)
         g.record(n, 0, 1.0 + 0.1 * n)
-    assert chosen == [7, 0, 7, 0]                # step 4 would have been the half block
-    assert g._next_probe == 4 + g._probe_gap()
+    assert chosen == [7, 7, 0, 0]                # given up at step 3: steps 5 and 6 (half, full) never come
+    assert g._next_probe == 3 + g._probe_gap()
+    assert g.choose() == 0 and g.choose() == 0
 
 
 def test_warmup_goes_on_when_one_block_was_right():
     g = G(7)
     chosen = []
-    for acc in [1, 0, 0, 0, 0]:
+    for acc in [1, 0, 0, 0, 0, 0]:
         n = g.choose()
         chosen.append(n)
         g.record(n, acc if n else 0, 1.0 + 0.1 * n)
-    assert chosen == [7, 0, 7, 3, 7]
+    assert chosen == [7, 7, 0, 0, 3, 7]
 
 
 def right_probe_gate(prior):
@@ -243,6 +260,21 @@ def test_replanning_happens_every_replan_steps():
     assert changed is not None and changed % G.REPLAN_EVERY == 0
 
 
+def test_probes_on_replanning_steps_do_not_stop_the_replanning():
+    """Probes every PROBE_SOON (4) steps fall on every REPLAN_EVERY (8) step: the plan's next step re-plans
+    instead, so a held plan still backs off its probing."""
+    exp = np.linspace(1.0, 3.0, 8)
+    cost = np.array([1.0] + [100.0] * 7)             # plain is best, the drafter is right: PROBE_SOON
+    g = past_warmup(Fixed(7, exp, cost, prior=cost))
+    g._next_probe = g.steps + 50
+    assert g.choose() == 0 and g.probe_every == G.PROBE_SOON
+    seen = set()
+    for _ in range(40):
+        g.choose()
+        seen.add(g.probe_every)
+    assert max(seen) > G.PROBE_SOON, seen
+
+
 def replan(g: Fixed) -> None:
     g.steps = (g.steps // G.REPLAN_EVERY + 1) * G.REPLAN_EVERY - 1
     g.choose()
@@ -310,16 +342,21 @@ def test_the_never_right_gap_reads_the_full_blocks_expectation():
 
 
 # ----------------------------------------------------------------------------- record(): costs
-def test_costs_move_by_the_ema_after_the_first_step():
+def test_costs_move_by_the_ema_after_the_first_steady_step():
+    """A run's first step sets an unknown cost for now, its second (settled) replaces it, then the EMA."""
     g = G(7)
+    g.record(2, 0, 3.0)
+    assert g.cost[2] == 3.0
     g.record(2, 0, 1.0)
     assert g.cost[2] == 1.0
     g.record(2, 0, 2.0)
     assert g.cost[2] == pytest.approx(1.0 + G.COST_EMA * 1.0)
 
 
-def test_a_prior_is_replaced_by_the_first_step_then_averaged():
+def test_a_prior_is_replaced_by_the_first_steady_step_then_averaged():
     g = G(7, np.full(8, 4.0))
+    g.record(2, 0, 9.0)                              # after another length: a switch's cost
+    assert g.cost[2] == 4.0
     g.record(2, 0, 1.0)
     assert g.cost[2] == 1.0
     g.record(2, 0, 2.0)
@@ -327,14 +364,58 @@ def test_a_prior_is_replaced_by_the_first_step_then_averaged():
     assert g.cost[3] == 4.0
 
 
+def test_a_step_after_another_length_or_a_prefill_moves_no_known_cost():
+    g = G(7, np.full(8, 4.0))
+    g.record(7, 0, 1.0)
+    g.record(7, 0, 1.0)
+    g.record(0, 0, 9.0)                              # the first plain step after drafting ones
+    assert g.cost[0] == 4.0 and g.cost[7] == 1.0
+    g.record(0, 0, 0.5)
+    assert g.cost[0] == 0.5
+    g.new_run()                                      # a new generation: its first step follows a prefill
+    g.record(0, 0, 9.0)
+    assert g.cost[0] == 0.5
+    g.record(0, 0, 0.5)
+    assert g.cost[0] == 0.5
+
+
+def test_a_probe_may_lower_a_cost_not_raise_it():
+    """A probe's second step is still warmer than settled steps: it can only lower the estimate."""
+    g = past_warmup(G(7, np.full(8, 1.0)))
+    g._plan = 7
+    for seconds, want in [(3.0, 1.0), (0.5, 1.0 - G.COST_EMA * 0.5)]:
+        g.record(7, 7, 1.0)
+        g._next_probe = g.steps + 1
+        for _ in range(2):
+            assert g.choose() == 0
+            g.record(0, 0, seconds)
+        assert g.cost[0] == pytest.approx(want)
+    g.cost[0] = 1.0
+    g.steps += 1                                     # a plan's own step (no probe) may raise it
+    g.record(0, 0, 3.0)
+    assert g.cost[0] == pytest.approx(1.0 + G.COST_EMA * (G.OUTLIER - 1.0))
+
+
 def test_an_outlier_step_counts_as_outlier_times_the_estimate():
     g = G(7)
+    g.record(2, 0, 1.0)
     g.record(2, 0, 1.0)
     g.record(2, 0, 100.0)
     assert g.cost[2] == pytest.approx(1.0 + G.COST_EMA * (G.OUTLIER - 1.0))
     p = G(7, np.full(8, 1.0))
+    p.record(2, 0, 1.0)
     p.record(2, 0, 100.0)                            # a prior is capped the same way
     assert p.cost[2] == G.OUTLIER
+
+
+def test_the_sequences_of_a_batch_step_count_their_draws_the_steps_cost_once():
+    g = G(4)
+    g.record(4, 0, 1.0)
+    g.record(4, 4, 1.0, same_step=True)
+    np.testing.assert_allclose(g.tries, [G.DECAY + 1, 1, 1, 1])
+    g.record(4, 0, 1.5)
+    g.record(4, 0, 1.9, same_step=True)             # would move the cost if it were a step of its own
+    assert g.cost[4] == 1.5
 
 
 def test_acceptance_counts_decay_and_count_the_positions_reached():

@@ -2,7 +2,7 @@
 
 The speed gate (:class:`dflash_gguf.gate.DraftLength`) picks the draft length with the most expected
 tokens per second, which needs what a step of each length costs here. Without a prior it learns the
-costs in its first steps (full block, plain, full, half, full): every new decoder - every demo run,
+costs in its first steps (two full blocks, two plain steps, half a block): every new decoder - every demo run,
 every benchmark prompt, the first call of a ``Llama`` - pays that warm-up, and a drafter that is
 never right costs two full blocks before the gate gives up. With a prior the gate only has to see the
 drafter's acceptance: one short block (1-4 tokens, as many as cost about what one does), then the
@@ -11,9 +11,15 @@ cost; a good one: full blocks).
 
 :func:`step_costs` measures the prior through the decoder's own loop, so it is charged exactly what
 the gate is charged (draft, verify, acceptance, keeping the rows, rollback): a fixed schedule of
-lengths (plain, 1, 2, 4, 8, half and the whole block), three rounds after a warm-up round, the median
-of each; lengths in between are interpolated. At the 1.7B Qwen3 shape (Q4_0, 2 threads) that is about
-30 steps, 2-3 s. The result is cached under ``$DFLASH_GGUF_CACHE/calibration`` by everything it
+lengths (plain, 1, 2, 4, 8, half and the whole block), each drafted in a run of steps in each of
+``ROUNDS`` rounds, the median of every run's last ``COUNTED`` steps; lengths in between are
+interpolated. A run's first steps pay for the switch from the length before it: on the demo pair (2
+Zen 4 cores) the first plain step after a drafting block or a prefill costs twice what plain steps
+cost once settled, the next few 10-50% more, while a drafting block settles after one step - so plain
+runs are longer (``WARM``). A prior that took the first plain step for plain decoding's cost had the
+gate keep drafting where plain was faster. The gate, too, counts only steps that follow a step of the
+same length (:mod:`dflash_gguf.gate`). At the 1.7B Qwen3 shape (Q4_0, 2 threads) that is 48 steps,
+about 3-4 s. The result is cached under ``$DFLASH_GGUF_CACHE/calibration`` by everything it
 depends on: both model files (path, size, mtime), block length, threads, batch sizes, the CPU (model
 name and flags), the kernel switches ggml reads (``GGML_CPU_X86MM``, ``GGML_CPU_AMX``), the patch
 series and this package's version. The gate keeps refining each cost from real steps (the context
@@ -41,10 +47,12 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("dflash_gguf.decoding")
 
-ROUNDS = 3                         # measured rounds of the schedule (after one warm-up round)
+ROUNDS = 2                         # rounds of the schedule
+COUNTED = 2                        # steps counted per run of a length ...
+WARM = {0: 12}                     # ... after this many (default 1): plain steps take longest to settle
 SPREAD = 1.5                       # a length whose rounds differ by more than this (max / min) is unsteady
 UNSTEADY = 1 / 3                   # ... and a measurement with more such lengths than this share is not kept
-FORMAT = 1                         # cache file format
+FORMAT = 2                         # how the costs are measured and kept (2: runs, first steps left out)
 # a neutral prompt: the costs do not depend on what is drafted, only on how many rows
 PROMPT = b"The quick brown fox jumps over the lazy dog. " * 4
 # ggml's run-time switches for the kernels that decide these costs
@@ -57,11 +65,17 @@ def schedule_lengths(n_max: int) -> list[int]:
 
 
 class _Schedule:
-    """Stands in for the gate during calibration: a fixed sequence of lengths, every cost recorded."""
+    """Stands in for the gate during calibration: a fixed sequence of runs of lengths, the last
+    ``COUNTED`` steps of every run recorded."""
 
     def __init__(self, lengths: list[int], rounds: int):
-        self.plan = [n for _ in range(rounds + 1) for n in lengths]   # round 0 warms caches up
-        self.warm = len(lengths)
+        self.plan: list[int] = []
+        self.counted: list[bool] = []
+        for _ in range(rounds):
+            for n in lengths:
+                warm = WARM.get(n, 1)
+                self.plan += [n] * (warm + COUNTED)
+                self.counted += [False] * warm + [True] * COUNTED
         self.i = 0
         self.seen: dict[int, list[float]] = {}
 
@@ -69,12 +83,15 @@ class _Schedule:
     def done(self) -> bool:
         return self.i >= len(self.plan)
 
+    def new_run(self) -> None:
+        pass
+
     def choose(self) -> int:
         return self.plan[self.i] if self.i < len(self.plan) else 0
 
-    def record(self, n: int, accepted: int, seconds: float) -> None:
-        if self.i < len(self.plan):
-            if self.i >= self.warm and n == self.plan[self.i]:   # n is cut short only at the context's end
+    def record(self, n: int, accepted: int, seconds: float, same_step: bool = False) -> None:
+        if self.i < len(self.plan) and not same_step:
+            if self.counted[self.i] and n == self.plan[self.i]:   # n is cut short only at the context's end
                 self.seen.setdefault(n, []).append(seconds)
             self.i += 1
 

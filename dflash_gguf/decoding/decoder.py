@@ -378,8 +378,8 @@ class DFlashDecoder(Scheduling):
         if gate is None:
             return
         gated = [st for s, st in steps if s.gate is not None]
-        for st in gated:
-            gate.record(choice if len(steps) > 1 else st.n, st.accepted, seconds / len(gated))
+        for i, st in enumerate(gated):
+            gate.record(choice if len(steps) > 1 else st.n, st.accepted, seconds / len(gated), same_step=i > 0)
 
     # ------------------------------------------------------------------ requests
     def _check(self, prompt: Sequence[int]) -> list[int]:
@@ -512,6 +512,8 @@ class DFlashDecoder(Scheduling):
         s = self.seqs[0]
         self._begin(s, prompt, max_tokens, sp, stats, stop, use_draft, constraints=constraints,
                     logits_sink=logits_sink)
+        if s.gate is not None:
+            s.gate.new_run()   # after a prefill and the caller's own work: the first step's cost is no steady one
         try:
             st = None
             while not self._finished(s, st):
