@@ -91,7 +91,7 @@ class DraftLength:
         self._right = False                         # ... whether one of them got a token accepted
         self._again: int | None = None              # a cost-measuring probe's second step
         self._replan_due = False                    # a re-planning step was taken by a probe
-        self._probe_step = -1                       # the last step that was a probe's
+        self._probe_step = -1                       # the last step that was a cost probe's second
         self._run: int | None = None                # the length of the last step recorded (None: a new run)
 
     def _scheduled(self) -> int | None:
@@ -111,7 +111,6 @@ class DraftLength:
             # right again?), a full block while drafting shorter ones, plain decoding while drafting
             # full blocks
             self._next_probe = self.steps + self.probe_every
-            self._probe_step = self.steps
             if not self._plan:
                 return self.probe_len      # acceptance: one step (its cost is the prior's or a warm-up's)
             if self._plan == self.n_max:

@@ -266,13 +266,25 @@ def test_probes_on_replanning_steps_do_not_stop_the_replanning():
     exp = np.linspace(1.0, 3.0, 8)
     cost = np.array([1.0] + [100.0] * 7)             # plain is best, the drafter is right: PROBE_SOON
     g = past_warmup(Fixed(7, exp, cost, prior=cost))
-    g._next_probe = g.steps + 50
-    assert g.choose() == 0 and g.probe_every == G.PROBE_SOON
+    g.steps = G.REPLAN_EVERY - 1
+    assert g.choose() == 0 and g.probe_every == G.PROBE_SOON and g._next_probe == G.REPLAN_EVERY + G.PROBE_SOON
     seen = set()
     for _ in range(40):
         g.choose()
         seen.add(g.probe_every)
     assert max(seen) > G.PROBE_SOON, seen
+
+
+def test_a_two_step_probe_on_a_replanning_step_replans_after_it():
+    exp = 1 + np.arange(8.0)
+    cost = 1 + 0.01 * np.arange(8)                   # the whole block is best
+    g = past_warmup(Fixed(7, exp, cost))
+    g.steps = G.REPLAN_EVERY - 2
+    assert g.choose() == 7
+    g._next_probe = G.REPLAN_EVERY
+    assert [g.choose(), g.choose()] == [0, 0]        # the probe of plain: steps 8 and 9
+    g.fixed_cost = np.array([1.0] + [50.0] * 7)      # drafting stops paying
+    assert g.choose() == 0 and g._plan == 0          # step 10 re-plans (step 8's re-planning, put off)
 
 
 def replan(g: Fixed) -> None:
