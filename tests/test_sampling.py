@@ -254,9 +254,9 @@ def test_unseeded_sampling_is_gated_and_keeps_the_target_distribution(monkeypatc
         lengths = Counter()
         record = dec.gate_sampled.record
 
-        def spy(n, a, seconds):
+        def spy(n, a, seconds, **kw):
             lengths[n] += 1
-            record(n, a, seconds)
+            record(n, a, seconds, **kw)
         dec.gate_sampled.record = spy
         st = GenerationStats()
         counts = sample_counts(dec, prompt, st, seeded=False)
