@@ -83,7 +83,11 @@ class DraftLength:
         self._plan: int | None = None
         self.probe_len = self._probe_length()
         self.probe_every = self._probe_gap()
-        self._warmup_plan = self.WARMUP if costs is None else (self.probe_len,)
+        # with a prior: probes until one is right, at most WARMUP_GIVE_UP (a good drafter's first probe can
+        # miss: the demo profile's first token is right 78% of the time, so one probe alone sent 22% of
+        # fresh gates to plain decoding for their first ~25 steps)
+        self._warmup_plan = self.WARMUP if costs is None else (self.probe_len,) * self.WARMUP_GIVE_UP
+        self._prior_warmup = costs is not None
         self._warmup = len(self._warmup_plan)
         self._next_probe = self._warmup + self.probe_every
         self._probe_full = False                    # a middle plan's next probe: the whole block (else plain)
@@ -104,6 +108,8 @@ class DraftLength:
             # (costs of other lengths) cannot change the choice, plain decoding; probes will look again
             self._warmup = self.steps - 1
             self._next_probe = self.steps + self._probe_gap()
+        if self.steps <= self._warmup and self._right and self._prior_warmup:
+            self._warmup = self.steps - 1       # a probe was right: the costs are known, the plan can start
         if self.steps <= self._warmup:
             w = self._warmup_plan[self.steps - 1]
         elif self.steps >= self._next_probe:

@@ -38,7 +38,8 @@ def test_the_gate_starts_from_measured_costs_and_stays_lossless(pair, cache):
     assert len(costs) == dec.n_draft + 1 and np.isfinite(costs).all() and (costs > 0).all()
     assert costs[-1] > costs[0], costs       # a full block (drafter call + verify) costs more than a plain step
     np.testing.assert_allclose(dec.gate.cost, costs)
-    assert dec.gate._warmup == 1             # only the drafter's acceptance is left to see
+    # only the drafter's acceptance is left to see: short probes, until one is right
+    assert dec.gate._warmup_plan == (dec.gate.probe_len,) * dec.gate.WARMUP_GIVE_UP
     prompt = pair.target.tokenize(PROMPT)
     assert list(dec.generate(prompt, 96, stop_tokens=[])) == list(pair.plain().generate(prompt, 96, stop_tokens=[]))
 

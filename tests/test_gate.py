@@ -206,15 +206,15 @@ def test_a_gate_kept_between_calls_matches_the_best_fixed_length():
 
 
 # ---------------------------------------------------------------- a measured cost prior (decoding.calibration)
-def test_a_cost_prior_turns_a_never_right_drafter_off_after_one_block():
-    """With this machine's costs known, the warm-up is one short block: a drafter that gets nothing
-    right costs one PROBE_SHORT block, not the five warm-up steps (two of them full blocks) of a gate
-    without them."""
+def test_a_cost_prior_turns_a_never_right_drafter_off_after_two_short_blocks():
+    """With this machine's costs known, the warm-up is short probes until one is right, at most
+    WARMUP_GIVE_UP (2): a drafter that gets nothing right costs two probe blocks, not the six warm-up
+    steps (three of them full blocks) of a gate without them."""
     cost = lambda n: 1.0 + 0.3 * n  # noqa: E731
     prior = np.array([cost(n) for n in range(8)])
     g = DraftLength(7, prior)
     chosen = feed(g, 30, accept=lambda n: 0, cost=cost)
-    assert chosen[0] == g.probe_len == 1 and chosen[1:24] == [0] * 23, chosen   # rows cost 0.3 a step: 1
+    assert g.probe_len == 1 and chosen[:2] == [1, 1] and chosen[2:24] == [0] * 22, chosen   # rows cost 0.3: 1
     cold = feed(DraftLength(7), 30, accept=lambda n: 0, cost=cost)
     assert sum(n > 0 for n in cold[:24]) >= 2           # the warm-up without a prior drafts more
 
@@ -224,6 +224,12 @@ def test_a_cost_prior_keeps_a_good_drafter_on_full_blocks_from_the_start():
     g = DraftLength(7, np.array([cost(n) for n in range(8)]))
     chosen = feed(g, 20, accept=lambda n: n, cost=cost)
     assert chosen[0] == g.probe_len == 3 and chosen[1:20] == [7] * 19, chosen      # 3 rows: 0.1 a step
+    # a first probe that misses is followed by a second: a good drafter is not sent to plain decoding
+    # by one unlucky draw (its first token right 78% of the time: one probe alone missed 22% of starts)
+    first = iter([0])
+    g = DraftLength(7, np.array([cost(n) for n in range(8)]))
+    chosen = feed(g, 20, accept=lambda n: next(first, n), cost=cost)
+    assert chosen[:2] == [3, 3] and chosen[2:20] == [7] * 18, chosen
 
 
 def test_a_cost_prior_settles_on_the_analytic_best_length():
@@ -275,9 +281,10 @@ def test_probes_of_a_never_right_drafter_cost_at_most_the_budget(draft_cost):
     steps = 600
     chosen = feed(g, steps, accept=lambda n: 0, cost=cost)
     probes = [i for i, n in enumerate(chosen) if n > 0]
-    assert probes[0] == 0 and len(probes) >= 1 + steps // (2 * DraftLength.PROBE_MAX)
-    extra = sum(cost(chosen[i]) - cost(0) for i in probes[1:])
-    gaps = np.diff(probes)
+    warm = DraftLength.WARMUP_GIVE_UP                   # the warm-up's probes: steps 0 and 1
+    assert probes[:warm] == list(range(warm)) and len(probes) >= warm + steps // (2 * DraftLength.PROBE_MAX)
+    extra = sum(cost(chosen[i]) - cost(0) for i in probes[warm:])
+    gaps = np.diff(probes[warm - 1:])
     if (cost(g.probe_len) - 1.0) / DraftLength.PROBE_EVERY > DraftLength.PROBE_BUDGET:
         assert extra <= DraftLength.PROBE_BUDGET * steps * cost(0), (extra, probes)
         assert gaps.min() > DraftLength.PROBE_EVERY

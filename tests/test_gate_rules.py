@@ -189,7 +189,8 @@ def test_warmup_goes_on_when_one_block_was_right():
 
 def right_probe_gate(prior):
     g = G(7, np.asarray(prior, float))
-    g.record(g.choose(), 0, prior[g.probe_len])        # the warm-up probe: nothing right
+    for _ in range(G.WARMUP_GIVE_UP):                  # the warm-up probes: nothing right
+        g.record(g.choose(), 0, prior[g.probe_len])
     g.choose()                                         # plain from here
     g.record(0, 0, prior[0])
     assert g._plan == 0
