@@ -176,7 +176,13 @@ def main(argv=None) -> int:
     print("  where DFlash spends its time: " + ", ".join(f"{k} {v / tot * 100:.0f}%" for k, v in t.items()))
     if speedup < 1.0:
         print("  note: a 6 M-parameter target is not bound by reading its weights, so checking a block costs"
-              " several one-token passes here; the speed gate drafts less where that does not pay")
+              " several one-token passes here")
+        if best.steps * 4 < best.passes:
+            print("        and the speed gate decoded plainly; what is left is its probes, whose drafter runs push"
+                  " a model this small out of the CPU's caches")
+        else:
+            print("        and drafting loses: the speed gate's estimates of the two were within this machine's"
+                  " noise, and it drafted")
     if not a.no_scale and a.model is None:
         print()
         print(_realistic(threads))
