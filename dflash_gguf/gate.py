@@ -79,7 +79,6 @@ class DraftLength:
             self.cost[:] = costs
             self._prior = set(range(n_max + 1))
         self.steps = 0
-        self.last = n_max
         self._plan: int | None = None
         self.probe_len = self._probe_length()
         self.probe_every = self._probe_gap()
@@ -217,7 +216,6 @@ class DraftLength:
                     self._next_probe = min(self._next_probe, self.steps + self.PROBE_SOON)
                 self._plan = plan
             n = self._plan
-        self.last = n
         return n
 
     def learn_acceptance(self, other: "DraftLength") -> None:
