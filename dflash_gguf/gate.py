@@ -17,8 +17,8 @@ that do not scale with the model count on small pairs. Costs are those of a leng
 step, as a plan runs it: the first step of a length after another (or after a prefill) pays for the
 switch (the other model's weights and buffers in the caches: on a small pair the first plain step
 after a drafting one costs about twice what settled ones do) and only sets a cost not known yet;
-probes that re-measure a cost take two steps, and may lower it, not raise it. It only changes speed: the decoder's output
-is the target's whatever length is drafted. Given this machine's measured step costs as a prior
+probes that re-measure a cost take two steps, and may lower it, not raise it. It only changes speed:
+the decoder's output is the target's whatever length is drafted. Given this machine's measured step costs as a prior
 (:mod:`dflash_gguf.decoding.calibration`) it skips the warm-up that measures them.
 """
 from __future__ import annotations
@@ -62,9 +62,10 @@ class DraftLength:
 
     def __init__(self, n_max: int, costs: np.ndarray | None = None):
         """``costs``: a prior for the seconds of a step drafting n = 0..n_max tokens on this machine
-        (:mod:`dflash_gguf.decoding.calibration`). With it the warm-up is one probe (the drafter's
-        acceptance is all there is left to see, and a drafter that is never right then costs one
-        short block, as long as rows stay nearly free, instead of a full one), and probes while
+        (:mod:`dflash_gguf.decoding.calibration`). With it the warm-up is short probes until one
+        is right, at most WARMUP_GIVE_UP (the drafter's acceptance is all there is left to see, and a
+        drafter that is never right then costs two short blocks, as long as rows stay nearly free,
+        instead of full ones), and probes while
         decoding plainly are spaced to cost at most PROBE_BUDGET; without it the warm-up measures
         costs too."""
         self.n_max = n_max
@@ -262,7 +263,7 @@ class DraftLength:
             return                     # a switch's cost, not this length's
         if self._probe_step == self.steps:
             # a probe's second step still runs warmer than a plan's steps (on a small pair plain steps
-            # settle over about five): it may lower a cost, not raise it (a lasting rise shows in the
+            # settle over about ten): it may lower a cost, not raise it (a lasting rise shows in the
             # plan's own steps, and a plan that looks worse is left for the one it underrates)
             seconds = min(seconds, c)
         # one slow step (the OS, a page fault, a collector pause) moves the estimate a little; a

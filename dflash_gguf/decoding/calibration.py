@@ -2,12 +2,12 @@
 
 The speed gate (:class:`dflash_gguf.gate.DraftLength`) picks the draft length with the most expected
 tokens per second, which needs what a step of each length costs here. Without a prior it learns the
-costs in its first steps (two full blocks, two plain steps, half a block): every new decoder - every demo run,
-every benchmark prompt, the first call of a ``Llama`` - pays that warm-up, and a drafter that is
-never right costs two full blocks before the gate gives up. With a prior the gate only has to see the
-drafter's acceptance: one short block (1-4 tokens, as many as cost about what one does), then the
-plan (a never-right drafter: plain decoding from the second step, probes spaced by their measured
-cost; a good one: full blocks).
+costs in its first steps (two full blocks, two plain steps, half a block, a full one): every new
+decoder - every demo run, every benchmark prompt, the first call of a ``Llama`` - pays that warm-up,
+and a drafter that is never right costs two full blocks before the gate gives up. With a prior the
+gate only has to see the drafter's acceptance: short blocks (1-4 tokens, as many as cost about what
+one does) until one is right, at most two, then the plan (a never-right drafter: plain decoding from
+the third step, probes spaced by their measured cost; a good one: full blocks).
 
 :func:`step_costs` measures the prior through the decoder's own loop, so it is charged exactly what
 the gate is charged (draft, verify, acceptance, keeping the rows, rollback): a fixed schedule of
@@ -18,8 +18,8 @@ Zen 4 cores) the first plain step after a drafting block or a prefill costs twic
 cost once settled, the next few 10-50% more, while a drafting block settles after one step - so plain
 runs are longer (``WARM``). A prior that took the first plain step for plain decoding's cost had the
 gate keep drafting where plain was faster. The gate, too, counts only steps that follow a step of the
-same length (:mod:`dflash_gguf.gate`). At the 1.7B Qwen3 shape (Q4_0, 2 threads) that is 48 steps,
-about 3-4 s. The result is cached under ``$DFLASH_GGUF_CACHE/calibration`` by everything it
+same length (:mod:`dflash_gguf.gate`). At the 1.7B Qwen3 shape (Q4_0, 2 threads) that is 64 steps
+(28 of them plain), about 5 s (0.6B: 2.4 s). The result is cached under ``$DFLASH_GGUF_CACHE/calibration`` by everything it
 depends on: both model files (path, size, mtime), block length, threads, batch sizes, the CPU (model
 name and flags), the kernel switches ggml reads (``GGML_CPU_X86MM``, ``GGML_CPU_AMX``), the patch
 series and this package's version. The gate keeps refining each cost from real steps (the context
