@@ -18,8 +18,8 @@ step, as a plan runs it: the first step of a length after another (or after a pr
 switch (the other model's weights and buffers in the caches: on a small pair the first plain step
 after a drafting one costs about twice what settled ones do) and only sets a cost not known yet;
 probes that re-measure a cost take two steps, and may lower it, not raise it. It only changes speed:
-the decoder's output is the target's whatever length is drafted. Given this machine's measured step costs as a prior
-(:mod:`dflash_gguf.decoding.calibration`) it skips the warm-up that measures them.
+the decoder's output is the target's whatever length is drafted. Given this machine's measured step
+costs as a prior (:mod:`dflash_gguf.decoding.calibration`) it skips the warm-up that measures them.
 """
 from __future__ import annotations
 
@@ -65,9 +65,8 @@ class DraftLength:
         (:mod:`dflash_gguf.decoding.calibration`). With it the warm-up is short probes until one
         is right, at most WARMUP_GIVE_UP (the drafter's acceptance is all there is left to see, and a
         drafter that is never right then costs two short blocks, as long as rows stay nearly free,
-        instead of full ones), and probes while
-        decoding plainly are spaced to cost at most PROBE_BUDGET; without it the warm-up measures
-        costs too."""
+        instead of full ones), and probes while decoding plainly are spaced to cost at most
+        PROBE_BUDGET; without it the warm-up measures costs too."""
         self.n_max = n_max
         self.hits = np.zeros(n_max)                 # position i accepted (decayed count)
         self.tries = np.zeros(n_max)                # position i reached: drafted, all before it accepted

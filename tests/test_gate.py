@@ -9,7 +9,7 @@ import pytest
 
 from dflash_gguf.engine import Context, ContextOptions, Model
 from dflash_gguf.gate import DraftLength
-from dflash_gguf.decoding import DFlashDecoder, GenerationStats, OverrideProposer, SpecOptions
+from dflash_gguf.decoding import DFlashDecoder, GenerationStats, OverrideProposer, Request, SpecOptions
 
 PROMPT = b"def main(argv):\n    parser = argparse.ArgumentParser("
 
@@ -336,3 +336,43 @@ def test_a_wrong_prior_gives_way_to_measured_steps():
     chosen = feed(g, 80, accept=lambda n: n, cost=true)
     assert chosen[-20:] == [7] * 20, chosen
     assert abs(g.cost[7] - true(7)) < 0.1 * true(7)
+
+
+def test_a_step_whose_gate_did_not_take_the_step_before_starts_a_run(models, monkeypatch):
+    """Batched steps use one gate per batch size: a step after another size's step, a plain step or a
+    prefill is the first of its gate's run (its cost is a switch's), so the decoder starts a new run on
+    that gate right before it chooses; steps of the same gate in a row do not."""
+    pair = models.pair("qwen3", "dflash", 8)
+    tm, dm = Model(pair.target), Model(pair.drafter)
+    opts = ContextOptions(n_ctx=256, n_batch=64, n_ubatch=64, n_threads=1, n_seq=2)
+    tc = Context(tm, opts)
+    dc = Context(dm, opts, other=tc)
+    events = []
+    choose, new_run = DraftLength.choose, DraftLength.new_run
+    monkeypatch.setattr(DraftLength, "choose", lambda g: (events.append(("choose", g)), choose(g))[1])
+    monkeypatch.setattr(DraftLength, "new_run", lambda g: (events.append(("new", g)), new_run(g))[1])
+    prefill = DFlashDecoder._prefill
+    monkeypatch.setattr(DFlashDecoder, "_prefill",
+                        lambda self, *a, **k: (events.append(("prefill", None)), prefill(self, *a, **k))[1])
+    dec = DFlashDecoder(tc, dc, SpecOptions(adaptive=True, calibrate=False))
+    prompt = tm.tokenize(PROMPT)
+    events.clear()
+    dec.generate_batch([Request(prompt, 40, stop_tokens=[]), Request(prompt[:-3], 12, stop_tokens=[])])
+    chooses = [(i, g) for i, (kind, g) in enumerate(events) if kind == "choose"]
+    gates = {id(g) for _, g in chooses}
+    assert len(gates) == 2, "steps of two sequences, then of one: two gates"
+    switched = settled = 0
+    for (i, g), (j, before) in zip(chooses[1:], chooses[:-1]):
+        started = events[i - 1] == ("new", g)
+        prefilled = any(kind == "prefill" for kind, _ in events[j:i])
+        if g is not before or prefilled:
+            switched += g is not before
+            assert started, "the first step of a gate after another gate's step (or a prefill) starts a run"
+        else:
+            settled += 1
+            assert not started, "a step right after its own gate's step is a settled one"
+    assert switched >= 1 and settled >= 1
+    for c in (dc, tc):
+        c.close()
+    dm.close()
+    tm.close()

@@ -19,11 +19,12 @@ cost once settled, the next few 10-50% more, while a drafting block settles afte
 runs are longer (``WARM``). A prior that took the first plain step for plain decoding's cost had the
 gate keep drafting where plain was faster. The gate, too, counts only steps that follow a step of the
 same length (:mod:`dflash_gguf.gate`). At the 1.7B Qwen3 shape (Q4_0, 2 threads) that is 64 steps
-(28 of them plain), about 5 s (0.6B: 2.4 s). The result is cached under ``$DFLASH_GGUF_CACHE/calibration`` by everything it
-depends on: both model files (path, size, mtime), block length, threads, batch sizes, the CPU (model
-name and flags), the kernel switches ggml reads (``GGML_CPU_X86MM``, ``GGML_CPU_AMX``), the patch
-series and this package's version. The gate keeps refining each cost from real steps (the context
-grows, the machine gets busy), so the prior only has to be right enough to start.
+(28 of them plain), about 5 s (0.6B: 2.4 s). The result is cached under
+``$DFLASH_GGUF_CACHE/calibration`` by everything it depends on: both model files (path, size,
+mtime), block length, threads, batch sizes, the CPU (model name and flags), the kernel switches ggml
+reads (``GGML_CPU_X86MM``, ``GGML_CPU_AMX``), the patch series and this package's version. The gate
+keeps refining each cost from real steps (the context grows, the machine gets busy), so the prior only
+has to be right enough to start.
 """
 from __future__ import annotations
 

@@ -127,6 +127,7 @@ class DFlashDecoder(Scheduling):
         self.gate = DraftLength(self.n_draft) if self._gated else None            # greedy requests
         self.gate_sampled = DraftLength(self.n_draft) if self._gated else None    # sampled requests without a seed
         self._batch_gates: dict[int, DraftLength] = {}                            # steps of b >= 2 gated sequences
+        self._prev_gate: DraftLength | None = None   # the gate of the last step (None: a prefill or a new call since)
         self._free: deque[Slot] = deque(self.seqs)   # slots without a request (run, admit, step)
         self._active: list[Slot] = []                # ... with a running one
         self._ended: list[Slot] = []                 # ... whose request ended at admission (reported by step)
@@ -216,6 +217,7 @@ class DFlashDecoder(Scheduling):
         """Decode ``tokens`` at ``pos0`` into both caches; ``end``: where the whole fill ends when this is
         one chunk of it (rows the drafter's window drops by then are not injected)."""
         t0 = time.perf_counter()
+        self._prev_gate = None   # the next step follows a prefill, not a step of its gate
         end = pos0 + len(tokens) if end is None else end
         feed = s.features
         # rows the drafter will attend to (its window's worth at the end) are decoded tap_rows at a
@@ -265,6 +267,11 @@ class DFlashDecoder(Scheduling):
                 seen = [g for g in (self.gate, *self._batch_gates.values()) if g is not None and g is not gate]
                 if seen:
                     gate.learn_acceptance(max(seen, key=lambda g: g.tries.sum()))
+        if gate is not None and gate is not self._prev_gate:
+            # the step before was not this gate's (another batch size, a plain step, a prefill, a new
+            # call): this step's cost is a switch's, not a settled one
+            gate.new_run()
+        self._prev_gate = gate
         choice = gate.choose() if gate is not None else 0
         ns = []
         for s in seqs:
@@ -512,8 +519,7 @@ class DFlashDecoder(Scheduling):
         s = self.seqs[0]
         self._begin(s, prompt, max_tokens, sp, stats, stop, use_draft, constraints=constraints,
                     logits_sink=logits_sink)
-        if s.gate is not None:
-            s.gate.new_run()   # after a prefill and the caller's own work: the first step's cost is no steady one
+        self._prev_gate = None   # the caller's own work came between: the first step's cost is no settled one
         try:
             st = None
             while not self._finished(s, st):
