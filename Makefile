@@ -15,7 +15,7 @@ help:
 	@echo "make test    - set up everything (incl. upstream reference tools), then run the test suite"
 	@echo "make build   - build/install the patched llama-cpp-python (cached; FORCE=1 rebuilds)"
 	@echo "make tools   - also build upstream's reference binaries (llama-speculative-simple, ...)"
-	@echo "make ggml-variants - x86: ggml's libraries without AVX-512 (the kernels' AVX2 path); where the Vulkan"
+	@echo "make ggml-variants - x86: ggml's libraries without AVX-512 (the kernels' AVX2 path; AVX-VNNI where the CPU has it); where the Vulkan"
 	@echo "                     headers, glslc and SPIRV-Headers are installed, libllama + ggml-vulkan for the offload tests"
 	@echo "make lint    - ruff over the whole tree (configured in pyproject.toml)"
 	@echo "make mutate  - mutation testing of the core's pure logic, full profile (long; make mutate-ci: the CI subset)"
@@ -39,12 +39,15 @@ build: venv
 tools: venv
 	$(VPY) -m dflash_gguf.build --with-tools $(if $(FORCE),--force,)
 
-# x86: ggml's libraries again without AVX-512, for the AVX2 path of the x86 kernels (patches/0014);
+# x86: ggml's libraries again without AVX-512, for the AVX2 path of the x86 kernels (patches/0014), and
+# where the CPU has AVX-VNNI (Intel Alder Lake and later, AMD Zen 5) for their AVX-VNNI path;
 # Vulkan (where its build prerequisites are installed): libllama + ggml-vulkan for tests/test_offload.py,
 # which runs them on Mesa's lavapipe (a Vulkan device on the CPU)
 ggml-variants: venv
 	@if [ "$$(uname -m)" = x86_64 ]; then $(VPY) -m dflash_gguf.build --ggml-variant avx2 $(if $(FORCE),--force,); \
 	else echo "not x86-64: no AVX2 build variant"; fi
+	@if grep -qw avx_vnni /proc/cpuinfo 2>/dev/null; then $(VPY) -m dflash_gguf.build --ggml-variant avxvnni $(if $(FORCE),--force,); \
+	else echo "this CPU has no AVX-VNNI: no AVX-VNNI build variant (its tests will be skipped)"; fi
 	@if command -v glslc >/dev/null && [ -f /usr/include/vulkan/vulkan.h ] && [ -d /usr/include/spirv ]; then \
 		$(VPY) -m dflash_gguf.build --ggml-variant vulkan $(if $(FORCE),--force,); \
 	else echo "no glslc, Vulkan headers or SPIRV-Headers: no Vulkan build variant; the offload tests will be skipped"; fi

@@ -11,7 +11,8 @@ Steps (each cached under ``$DFLASH_GGUF_CACHE``, default ``~/.cache/dflash-gguf`
    sdist's ``convert_hf_to_gguf.py`` + ``conversion/`` for :mod:`dflash_gguf.convert`;
 5. optionally (``--with-tools``) build upstream's reference binaries from the same tree;
 6. optionally (``--ggml-variant NAME``) build libraries from the same tree with other flags, for
-   tests: ``avx2`` (ggml only, without AVX-512: the AVX2 paths of patches/0014's kernels) and the GPU
+   tests: ``avx2`` / ``avxvnni`` (ggml only, without AVX-512: the AVX2 and AVX-VNNI paths of
+   patches/0014's kernels) and the GPU
    variants ``vulkan`` / ``cuda`` (libllama + ggml with that backend; the tests load it in child
    processes with ``LLAMA_CPP_LIB_PATH``; ``cuda`` also builds the reference tools for the benchmark).
 
@@ -53,21 +54,26 @@ STAMP_HEADER = "vendor/llama.cpp/src/llama-dflash-stamp.h"
 DEFAULT_CMAKE_ARGS = ("-DLLAVA_BUILD=OFF", "-DGGML_RPC=ON")
 # ggml libraries built from the patched tree with fixed x86 flags instead of GGML_NATIVE, for
 # testing code paths this CPU would not take: "avx2" has no AVX-512 and no AVX-VNNI, so the kernels
-# of patches/0014 take their 256-bit VPMADDUBSW path (any AVX2 CPU runs it)
+# of patches/0014 take their 256-bit VPMADDUBSW path (any AVX2 CPU runs it); "avxvnni" is the same with
+# AVX-VNNI (the 256-bit VPDPBUSD path of Intel Alder Lake and later, AMD Zen 5; only a CPU with the
+# instructions runs it)
+_X86_AVX2 = ("-DGGML_NATIVE=OFF", "-DGGML_AVX=ON", "-DGGML_AVX2=ON", "-DGGML_FMA=ON", "-DGGML_F16C=ON",
+             "-DGGML_BMI2=ON", "-DGGML_AVX512=OFF")
 GGML_VARIANTS = {
-    "avx2": ("-DGGML_NATIVE=OFF", "-DGGML_AVX=ON", "-DGGML_AVX2=ON", "-DGGML_FMA=ON", "-DGGML_F16C=ON",
-             "-DGGML_BMI2=ON", "-DGGML_AVX512=OFF", "-DGGML_AVX_VNNI=OFF"),
+    "avx2": (*_X86_AVX2, "-DGGML_AVX_VNNI=OFF"),
+    "avxvnni": (*_X86_AVX2, "-DGGML_AVX_VNNI=ON"),
     # GPU backends (the CPU backend stays native): libllama and its own ggml libraries, linked with the
     # build folder's RUNPATH, so LLAMA_CPP_LIB_PATH=<bin> loads them and not the wheel's
     "vulkan": ("-DGGML_VULKAN=ON",),
     "cuda": ("-DGGML_CUDA=ON",),
 }
 # what each variant builds (CMake targets) and the file that says it is complete
-VARIANT_TARGETS = {"avx2": ("ggml", "ggml-cpu"), "vulkan": ("llama",),
+VARIANT_TARGETS = {"avx2": ("ggml", "ggml-cpu"), "avxvnni": ("ggml", "ggml-cpu"), "vulkan": ("llama",),
                    "cuda": ("llama", "llama-speculative-simple", "llama-completion")}
-VARIANT_MINUTES = {"avx2": "about 2-3 minutes on 2 cores", "vulkan": "about 11 CPU-minutes: 6 minutes on 2 idle cores",
+VARIANT_MINUTES = {"avx2": "about 2-3 minutes on 2 cores", "avxvnni": "about 2-3 minutes on 2 cores",
+                   "vulkan": "about 11 CPU-minutes: 6 minutes on 2 idle cores",
                    "cuda": "minutes on a many-core machine, for the local GPU's architecture only"}
-VARIANT_DONE = {"avx2": "libggml-cpu.so", "vulkan": "libllama.so", "cuda": "llama-completion"}
+VARIANT_DONE = {"avx2": "libggml-cpu.so", "avxvnni": "libggml-cpu.so", "vulkan": "libllama.so", "cuda": "llama-completion"}
 # wheels built with a GPU backend (--platform); Metal is macOS-only (see all_cmake_args)
 GPU_PLATFORMS = {"vulkan": ("-DGGML_VULKAN=ON",), "cuda": ("-DGGML_CUDA=ON",)}
 _PROGRESS = re.compile(r"^\[\s*(\d+)(?:/(\d+)|%)\]")  # ninja: [12/141], make: [ 45%]
@@ -437,8 +443,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--with-tools", action="store_true",
                     help="also build llama-speculative-simple, llama-completion and llama-server")
     ap.add_argument("--ggml-variant", action="append", default=[], dest="ggml_variants",
-                    choices=sorted(GGML_VARIANTS), help="also build libraries for tests: avx2 (ggml without "
-                    "AVX-512, the kernels' other path), vulkan / cuda (libllama + ggml with that GPU backend)")
+                    choices=sorted(GGML_VARIANTS), help="also build libraries for tests: avx2 / avxvnni (ggml "
+                    "without AVX-512: the kernels' 256-bit paths), vulkan / cuda (libllama + ggml with that GPU backend)")
     ap.add_argument("--sdist", help="use this local llama-cpp-python 0.3.36 sdist instead of PyPI")
     ap.add_argument("--force", action="store_true", help="rebuild even if a cached build exists")
     ap.add_argument("-j", "--jobs", type=int, default=os.cpu_count() or 2)

@@ -5,7 +5,8 @@ loaded, and a fault in a kernel must fail a test, not kill the test run.
     python tests/kernel_child.py TARGET DRAFTER N_TOKENS THREADS
 
 prints one JSON line: plain and DFlash tokens, the acceptance length, the extra buffer types ggml
-registered and how many model buffers llama.cpp placed in each (from its load log).
+registered, how many model buffers llama.cpp placed in each (from its load log) and the instruction
+set of the x86 kernels in the ggml it loaded.
 """
 from __future__ import annotations
 
@@ -94,7 +95,22 @@ def _main(target: str, drafter: str, n: int, threads: int) -> None:
             spec = list(DFlashDecoder(tctx, dctx).generate(prompt, n, stop_tokens=[], stats=stats))
     bufts = sorted(Ggml(default_lib_dir()).extra_bufts())
     placed = {b: sum(f"{b} model buffer size" in m for m in seen) for b in bufts}
-    print(json.dumps({"plain": plain, "dflash": spec, "tau": stats.tau, "bufts": bufts, "placed": placed}))
+    print(json.dumps({"plain": plain, "dflash": spec, "tau": stats.tau, "bufts": bufts, "placed": placed,
+                      "isa": _loaded_x86mm_isa()}))
+
+
+def _loaded_x86mm_isa() -> str | None:
+    """The x86 kernels' instruction set in the libggml-cpu this process loaded (the wheel's, or a build
+    variant's through LD_LIBRARY_PATH); None where it has no x86 kernels."""
+    import ctypes
+
+    try:
+        f = ctypes.CDLL("libggml-cpu.so.0").ggml_backend_cpu_x86mm_isa
+    except (OSError, AttributeError):
+        return None
+    f.restype = ctypes.c_char_p
+    r = f()
+    return r.decode() if r else None
 
 
 if __name__ == "__main__":

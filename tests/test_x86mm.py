@@ -5,7 +5,9 @@ quantized weights) and with the exact float64 product of the dequantized weights
 type the kernels take, every row count a DFlash step verifies (1..17), tile edges (24, 31-33) and
 prompt batches, on one and two threads, with src1 batches; a row computed alone must give the same
 bits as inside any batch. The same grid runs on the AVX2 build variant (no AVX-512: the 256-bit
-VPMADDUBSW path). End to end, greedy DFlash equals plain decoding with the kernels on and off.
+VPMADDUBSW path) and, on a CPU with AVX-VNNI, on the AVX-VNNI variant (256-bit VPDPBUSD, Q8_0 included).
+End to end, greedy DFlash equals plain decoding with the kernels on and off, and with the AVX-VNNI
+variant's libraries.
 
 Everything runs in child processes: a fault in a kernel must fail a test, not kill the run, and
 ``GGML_CPU_X86MM`` only takes effect when ggml is loaded. Skipped, with the reason, on a CPU without
@@ -35,6 +37,7 @@ TYPES = BUFT_TYPES["CPU_X86MM"]
 ROWS = "1-17,24,31,32,33,64,100"
 N_ROWS = 17 + 6
 AVX512 = {"avx512f", "avx512bw", "avx512vl", "avx512_vnni"} <= FLAGS
+AVX_VNNI = "avx_vnni" in FLAGS
 
 
 # on an AMX machine AMX would take these weights first
@@ -112,9 +115,31 @@ def test_avx2_variant_every_type_and_row_count(avx2_lib):
     assert all(c["rows_exact"] for c in cases)
 
 
+@pytest.fixture(scope="module")
+def avxvnni_lib() -> Path:
+    if not AVX_VNNI:
+        pytest.skip("this CPU has no AVX-VNNI (no avx_vnni in /proc/cpuinfo; Intel Alder Lake and later and AMD "
+                    "Zen 5 have it): the kernels' AVX-VNNI path cannot run here")
+    d = paths.ggml_variant_dir("avxvnni")
+    if d is None:
+        pytest.skip("no AVX-VNNI build variant in the build cache (`make test` builds it on a CPU with AVX-VNNI: "
+                    "python -m dflash_gguf.build --ggml-variant avxvnni)")
+    return d
+
+
+def test_avx_vnni_variant_every_type_and_row_count(avxvnni_lib):
+    """The 256-bit VPDPBUSD path (VEX-encoded AVX-VNNI; 8-row groups, 4-row tiles, 2 for the K-quants):
+    exact for Q8_0's u8 = q + 128 too, so all four types are claimed, on one and two threads."""
+    assert _isa(avxvnni_lib) == "AVX-VNNI"
+    cases = _grid(["--rows", "1-9,16,17,33", "--k", "512", "--n", "136", "--threads", "2"], avxvnni_lib)
+    cases += _grid(["--rows", "1,5,16", "--k", "2048", "--n", "264", "--threads", "1", "--batch", "2"], avxvnni_lib)
+    assert len(cases) == len(TYPES) * (12 + 3) and not _bad(cases), "\n".join(_bad(cases))
+    assert all(c["rows_exact"] for c in cases)
+
+
 # ---------------------------------------------------------------- end to end
-def _generate(target: Path, drafter: Path, x86mm: str, n: int = 48) -> dict:
-    got = kernel_child.run(target, drafter, n, 2, {"GGML_CPU_X86MM": x86mm, "GGML_CPU_AMX": "0"})
+def _generate(target: Path, drafter: Path, x86mm: str, n: int = 48, env: dict[str, str] | None = None) -> dict:
+    got = kernel_child.run(target, drafter, n, 2, {"GGML_CPU_X86MM": x86mm, "GGML_CPU_AMX": "0", **(env or {})})
     got["x86mm_weights"] = got["placed"].get("CPU_X86MM", 0)
     return got
 
@@ -131,6 +156,7 @@ def test_dflash_equals_plain_with_the_kernels_on_and_off(demo_pairs, kind):
     off = _generate(target, drafter, "0")
     assert on["x86mm_weights"] > 0, f"no weight of the {kind} pair went to CPU_X86MM"
     assert off["x86mm_weights"] == 0
+    assert on["isa"] == _isa(default_lib_dir())
     assert on["dflash"] == on["plain"], "kernels on: DFlash differs from plain decoding"
     assert off["dflash"] == off["plain"]
     assert on["tau"] > 1.5, on      # the demo drafter is right often: several rows per verify
@@ -141,3 +167,15 @@ def test_tiny_quantized_pair_with_the_kernels(models, tmp_path):
     on, off = _generate(t, d, "1", 32), _generate(t, d, "0", 32)
     assert on["x86mm_weights"] > 0
     assert on["dflash"] == on["plain"] and off["dflash"] == off["plain"]
+
+
+@pytest.mark.parametrize("kind", ["q8_0", "q4_k_m"])
+def test_dflash_equals_plain_on_the_avx_vnni_variant(avxvnni_lib, demo_pairs, kind):
+    """The installed libllama over the AVX-VNNI variant's ggml (LD_LIBRARY_PATH goes before the wheel's
+    RUNPATH): Q8_0 and Q4_K / Q6_K weights on the 256-bit VPDPBUSD kernels, greedy DFlash == plain."""
+    target, drafter = demo_pairs[kind]
+    got = _generate(target, drafter, "1", env={"LD_LIBRARY_PATH": str(avxvnni_lib)})
+    assert got["isa"] == "AVX-VNNI", f"the child did not load the variant's ggml: {got['isa']}"
+    assert got["x86mm_weights"] > 0, f"no weight of the {kind} pair went to CPU_X86MM"
+    assert got["dflash"] == got["plain"]
+    assert got["tau"] > 1.5, got
