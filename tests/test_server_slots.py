@@ -213,3 +213,20 @@ def test_queue_limit_counts_requests_waiting_for_a_slot():
     finally:
         app.state.server.slots.close()
         llm.close()
+
+
+def test_echo_of_a_text_prompt_runs_in_the_slots(server, plain):
+    """echo=true with a text prompt: the text starts with the prompt (as llama_cpp's; its streams leave the
+    prompt out, and so do ours), decoded in the batched engine."""
+    url, srv = server
+    for p in PROMPTS[:2]:
+        want = plain.create_completion(p, max_tokens=24, temperature=0, echo=True)["choices"][0]
+        want_stream = "".join(c["choices"][0]["text"] for c in
+                              plain.create_completion(p, max_tokens=24, temperature=0, echo=True, stream=True))
+        before = srv.slots.sequences
+        got = _complete(url, p, max_tokens=24, echo=True)
+        assert got["choices"][0]["text"] == want["text"] and want["text"].startswith(p)
+        assert (got["choices"][0]["finish_reason"], got["dflash"]["enabled"]) == (want["finish_reason"], True)
+        assert srv.slots.sequences - before >= got["dflash"]["passes"] > 0, "it ran in the slots"
+        chunks = _stream(url, "/v1/completions", {"prompt": p, "max_tokens": 24, "temperature": 0, "echo": True})
+        assert "".join(c["choices"][0]["text"] for c in chunks) == want_stream

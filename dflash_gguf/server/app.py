@@ -475,7 +475,7 @@ def create_app(llm, model_id: str | None = None, *, max_queue: int | None = None
             kw["grammar"] = grammar
         prompt = body.prompt
         _check_prompt(llm, prompt)
-        if srv.slots is not None and body.logprobs is None and not body.echo \
+        if srv.slots is not None and body.logprobs is None and (not body.echo or isinstance(prompt, str)) \
                 and srv.slots.eligible(_set(kw)) and (body.typical_p in (None, 1.0)):
             from dflash_gguf.server import slots as S
 
@@ -483,6 +483,8 @@ def create_app(llm, model_id: str | None = None, *, max_queue: int | None = None
             ids = list(prompt) if not isinstance(prompt, str) else \
                 llm.tokenize(prompt.encode("utf-8"), special=True) if prompt else [llm.token_bos()]
             job = S.make_job(srv.slots, asyncio.get_running_loop(), ids, kw, _stops(kw.get("stop")), chat=False)
+            if body.echo and not body.stream:
+                job.echo = prompt    # llama_cpp: text = prompt + completion; its streams leave the prompt out
             return await S.serve(srv, request, "/v1/completions", job, body.stream, body.include_usage(), False)
         return await srv.generate(request, "/v1/completions", lambda: llm.create_completion(prompt, **kw), body.stream,
                                   body.include_usage())

@@ -1,7 +1,7 @@
 """``--parallel N``: requests decoded together, N sequences per step, in one batched engine.
 
 Beside the server's :class:`dflash_gguf.Llama` (which keeps serving what the batched engine does not:
-tools, logprobs, echo, chat formats without a known formatter),
+tools, logprobs, echo of a token-id prompt, chat formats without a known formatter),
 :class:`Slots` runs a :class:`dflash_gguf.decoding.DFlashDecoder` of N sequences on the same models (its own
 target context of N x n_ctx positions and drafter context of N windows) in one thread. Each step drafts
 every running request's block in one drafter decode and verifies them all in one target decode; a
@@ -33,11 +33,12 @@ from dflash_gguf.decoding.stats import GenerationStats
 
 log = logging.getLogger("dflash_gguf.server")
 
-# request fields the batched engine serves; any other set field (logprobs, echo, tools, tool_choice, mirostat,
-# typical_p < 1, chat_template_kwargs) goes to the Llama
+# request fields the batched engine serves; any other set field (logprobs, tools, tool_choice, mirostat,
+# typical_p < 1, chat_template_kwargs) goes to the Llama. echo: a text prompt's (as llama_cpp: the
+# non-streamed text starts with the prompt; a stream leaves it out); a token-id prompt's goes to the Llama
 SERVED = frozenset({"temperature", "top_p", "top_k", "min_p", "repeat_penalty", "frequency_penalty",
                     "presence_penalty", "seed", "stop", "dflash", "max_tokens", "stream", "model", "grammar",
-                    "logit_bias", "response_format"})
+                    "logit_bias", "response_format", "echo"})
 
 
 class Job:
@@ -50,6 +51,7 @@ class Job:
         self.cancelled = False      # set by the event loop (client gone, timeout): ends at the next step
         self.n_tokens = 0
         self.why_plain: str | None = None   # why it decodes plainly (dflash off for it or for the server)
+        self.echo = ""      # a completion's text starts with this (echo=true: the prompt, as llama_cpp)
         request.consumer = self._consume
 
     def _consume(self, tokens: list[int]) -> int | None:
@@ -271,7 +273,8 @@ def completion_body(job: Job, model_id: str, text: str, chat: bool, drafting: bo
                              "finish_reason": finish_reason(job)}]}
     else:
         body = {"id": f"cmpl-{uuid.uuid4()}", "object": "text_completion", "created": now, "model": model_id,
-                "choices": [{"text": text, "index": 0, "logprobs": None, "finish_reason": finish_reason(job)}]}
+                "choices": [{"text": job.echo + text, "index": 0, "logprobs": None,
+                             "finish_reason": finish_reason(job)}]}
     body["usage"] = usage(job)
     info = dflash_object(job, drafting)
     if info is not None:
