@@ -53,11 +53,18 @@ class DraftLength:
     PROBE_SOON = 4                                           # ... sooner after leaving a drafter that
     DIP = 1.5                                                #     still gets this many tokens per step
     PROBE_MAX = 96                                           # ... less often while the choice stays put
+    HOPE = 0.1                                               # drafting that could not beat plain decoding by this
+                                                             # much with every token right: probed as a never-right
+                                                             # drafter is (its dips are no reason to look soon)
     REPLAN_EVERY = 8                                         # steps between re-evaluations of the choice
     DECAY = 0.97                                             # acceptance memory, per drafting step
     PRIOR = 2.0                                              # pseudo-draws of the previous position's rate
     COST_EMA = 0.2
     OUTLIER = 2.0                                            # a step costing more than this x its estimate counts as this
+    SETTLE = {0: 12}                                         # steps of one length before its cost may rise (default 1):
+                                                             # plain steps settle over about ten after a drafting
+                                                             # step or a prefill (the drafter's runs push a small
+                                                             # target out of the caches); a drafting block after one
     PREFER_FULL = 0.03                                       # the whole block unless another length is this much faster
 
     def __init__(self, n_max: int, costs: np.ndarray | None = None):
@@ -96,6 +103,7 @@ class DraftLength:
         self._replan_due = False                    # a re-planning step was taken by a probe
         self._probe_step = -1                       # the last step that was a cost probe's second
         self._run: int | None = None                # the length of the last step recorded (None: a new run)
+        self._streak = 0                            # ... and how many steps of it in a row
 
     def _scheduled(self) -> int | None:
         if self._again is not None:
@@ -151,6 +159,12 @@ class DraftLength:
         need = int(np.ceil(max(cp - c0, 0.0) / (self.PROBE_BUDGET * c0)))
         return int(min(max(need, self.PROBE_EVERY), 4 * self.PROBE_MAX))
 
+    def _could_pay(self) -> bool:
+        """Whether drafting could beat plain decoding by HOPE if every drafted token were right."""
+        c = self.step_cost()
+        n = np.arange(1, self.n_max + 1)
+        return bool(np.max((n + 1) / c[n]) > (1 + self.HOPE) / c[0])
+
     def expected_tokens(self) -> np.ndarray:
         """Expected tokens per step for n = 0..n_max drafted tokens."""
         reached = self.tries.sum()
@@ -203,10 +217,13 @@ class DraftLength:
                 # is re-probed soon
                 steady = plan == self._plan
                 self.probe_every = min(self.probe_every * 2, self.PROBE_MAX) if steady else self.PROBE_EVERY
-                if plan == 0 and expected[-1] <= self.DIP:
-                    # a drafter that looks never right: probed no faster than its probes' cost allows
+                hopeless = plan == 0 and (expected[-1] <= self.DIP or not self._could_pay())
+                if hopeless:
+                    # a drafter that looks never right, or one whose every token right would not pay (a
+                    # target so small that a block's rows cost as much as its tokens): probed no faster
+                    # than its probes' cost allows
                     self.probe_every = max(self.probe_every, self._probe_gap())
-                if plan == 0 and not steady and expected[-1] > self.DIP:
+                if plan == 0 and not steady and not hopeless:
                     self.probe_every = self.PROBE_SOON
                     self._next_probe = min(self._next_probe, self.steps + self.PROBE_SOON)
                 if 0 < plan < self.n_max and self.n_max in self._prior:
@@ -230,6 +247,7 @@ class DraftLength:
     def new_run(self) -> None:
         """The next step starts a run (a generation's first, after its prefill): its cost is no steady one."""
         self._run = None
+        self._streak = 0
 
     def record(self, n: int, accepted: int, seconds: float, same_step: bool = False) -> None:
         """A step that drafted ``n`` tokens, ``accepted`` of them, in ``seconds``. ``same_step``: another
@@ -251,7 +269,10 @@ class DraftLength:
             self.hits[:accepted] += 1
         if same_step:
             return
-        steady, self._run = n == self._run, n
+        self._streak = self._streak + 1 if n == self._run else 1
+        self._run = n
+        steady = self._streak > 1                                  # not a switch's (or a prefill's) first step
+        settled = self._streak > self.SETTLE.get(n, 1)
         c = self.cost[n]
         if np.isnan(c):
             self.cost[n] = seconds
@@ -260,11 +281,13 @@ class DraftLength:
             return
         if not steady:
             return                     # a switch's cost, not this length's
-        if self._probe_step == self.steps:
-            # a probe's second step still runs warmer than a plan's steps (on a small pair plain steps
-            # settle over about ten): it may lower a cost, not raise it (a lasting rise shows in the
-            # plan's own steps, and a plan that looks worse is left for the one it underrates)
-            seconds = min(seconds, c)
+        if (self._probe_step == self.steps or not settled) and seconds >= c:
+            # a probe's second step, or a plain step before SETTLE of them, still runs warmer than
+            # settled steps (on a small pair plain steps settle over about ten after a drafting one):
+            # it may lower a cost, not raise it (a prior measured on a busier machine still comes down
+            # at once; a lasting rise shows in the settled steps, and a plan that looks worse is left
+            # for the one it underrates)
+            return
         # one slow step (the OS, a page fault, a collector pause) moves the estimate a little; a
         # lasting change still shows within a few steps
         seconds = min(seconds, self.OUTLIER * c)

@@ -20,7 +20,9 @@ runs are longer (``WARM``). A prior that took the first plain step for plain dec
 gate keep drafting where plain was faster. The gate, too, counts only steps that follow a step of the
 same length (:mod:`dflash_gguf.gate`). At the 1.7B Qwen3 shape (Q4_0, 2 threads) that is 64 steps
 (28 of them plain), about 5 s (0.6B: 2.4 s). The result is cached under
-``$DFLASH_GGUF_CACHE/calibration`` by everything it depends on: both model files (path, size,
+``$DFLASH_GGUF_CACHE/calibration`` (never one measured while another process kept the cores busy:
+a build beside it once left a prior with plain decoding at twice its cost, and the gate drafted where
+plain was faster) by everything it depends on: both model files (path, size,
 mtime), block length, threads, batch sizes, the CPU (model name and flags), the kernel switches ggml
 reads (``GGML_CPU_X86MM``, ``GGML_CPU_AMX``), the patch series and this package's version. The gate
 keeps refining each cost from real steps (the context grows, the machine gets busy), so the prior only
@@ -42,6 +44,7 @@ from dflash_gguf import _bindings as B
 from dflash_gguf import paths
 from dflash_gguf.cpu import cpu_flags, cpu_model
 from dflash_gguf.decoding.proposer import DrafterProposer
+from dflash_gguf.gate import DraftLength
 
 if TYPE_CHECKING:
     from dflash_gguf.decoding.decoder import DFlashDecoder
@@ -50,10 +53,13 @@ log = logging.getLogger("dflash_gguf.decoding")
 
 ROUNDS = 2                         # rounds of the schedule
 COUNTED = 2                        # steps counted per run of a length ...
-WARM = {0: 12}                     # ... after this many (default 1): plain steps take longest to settle
+WARM = DraftLength.SETTLE          # ... after this many (default 1): the steps the gate leaves out too
 SPREAD = 1.5                       # a length whose rounds differ by more than this (max / min) is unsteady
 UNSTEADY = 1 / 3                   # ... and a measurement with more such lengths than this share is not kept
-FORMAT = 2                         # how the costs are measured and kept (2: runs, first steps left out)
+BUSY_SHARE = 0.75                  # the CPU time the decoder's threads got, of wall time x threads, below which
+                                   # another process shared the cores (quiet: 0.9-1.0; beside two busy ones: 0.45-0.5)
+FORMAT = 3                         # how the costs are measured and kept (2: runs, first steps left out;
+                                   # 3: not kept when measured beside another busy process)
 # a neutral prompt: the costs do not depend on what is drafted, only on how many rows
 PROMPT = b"The quick brown fox jumps over the lazy dog. " * 4
 # ggml's run-time switches for the kernels that decide these costs
@@ -97,10 +103,22 @@ class _Schedule:
             self.i += 1
 
 
+def _cpu_seconds() -> float:
+    return time.process_time()   # every thread of this process (ggml's workers included)
+
+
+def had_the_cores(cpu_s: float, wall_s: float, threads: int) -> bool:
+    """Whether the decoder's threads got the CPU for the whole measurement: on a machine where another
+    process is busy (a build, a second model) every step is slower alike, so the rounds agree and
+    only the CPU time the process got tells (a prior measured then has plain decoding twice as dear)."""
+    return wall_s <= 0 or cpu_s >= BUSY_SHARE * wall_s * max(1, min(threads, os.cpu_count() or 1))
+
+
 def measure(decoder: "DFlashDecoder", rounds: int) -> tuple[np.ndarray, bool] | None:
     """Seconds of one step drafting n = 0..n_draft tokens on this decoder's contexts (clears their
-    caches), and whether the rounds agreed (a busy machine - another process, a build - shows as
-    rounds of one length far apart); None when the target's context is too small for the schedule."""
+    caches), and whether to keep them: the rounds agreed (a machine busy now and then shows as rounds of
+    one length far apart) and the threads had the cores (:func:`had_the_cores`); None when the
+    target's context is too small for the schedule."""
     n_max = decoder.n_draft
     lengths = schedule_lengths(n_max)
     sched = _Schedule(lengths, rounds)
@@ -108,11 +126,13 @@ def measure(decoder: "DFlashDecoder", rounds: int) -> tuple[np.ndarray, bool] | 
     saved = decoder.gate, decoder.proposer
     # the drafter's own proposals: a caller's proposer (an oracle, a replay) may not know this prompt
     decoder.gate, decoder.proposer = sched, DrafterProposer()
+    wall0, cpu0 = time.perf_counter(), _cpu_seconds()
     try:
         budget = sum(n + 1 for n in sched.plan) + 1
         for _ in decoder.generate(prompt, budget, stop_tokens=[]):
             if sched.done:
                 break
+        wall, cpu = time.perf_counter() - wall0, _cpu_seconds() - cpu0
     finally:
         decoder.gate, decoder.proposer = saved
         decoder.reset()
@@ -123,7 +143,14 @@ def measure(decoder: "DFlashDecoder", rounds: int) -> tuple[np.ndarray, bool] | 
     costs = np.empty(n_max + 1)
     costs[0] = known[0]
     costs[1:] = np.interp(np.arange(1, n_max + 1), xs, [known[n] for n in xs])
-    return costs, steady(sched.seen)
+    threads = decoder.target.opts.n_threads or os.cpu_count() or 1
+    # with layers on a GPU or an rpc-server the threads wait on it: their CPU time tells nothing
+    offloaded = decoder.target.model.offloaded or decoder.drafter.model.offloaded
+    cores = offloaded or had_the_cores(cpu, wall, threads)
+    if not cores:
+        log.info("the calibration's threads got %.0f%% of %d cores (another process is busy?)",
+                 100 * cpu / (wall * threads), threads)
+    return costs, steady(sched.seen) and cores
 
 
 def steady(seen: dict[int, list[float]]) -> bool:
@@ -177,7 +204,7 @@ def step_costs(decoder: "DFlashDecoder") -> np.ndarray | None:
     t0 = time.perf_counter()
     got = measure(decoder, ROUNDS)
     if got is not None and not got[1]:
-        log.info("step costs unsteady (the machine is busy?): measuring again")
+        log.info("step costs unsteady or measured beside a busy process: measuring again")
         got = measure(decoder, ROUNDS)
     seconds = time.perf_counter() - t0
     if got is None:
@@ -187,8 +214,8 @@ def step_costs(decoder: "DFlashDecoder") -> np.ndarray | None:
     costs, ok = got
     if not ok:
         # good enough to start this decoder (its gate refines every cost it uses), not to keep
-        log.warning("step costs still unsteady after a second measurement (%.1f s): used for now, not cached; "
-                    "the next decoder measures again", seconds)
+        log.warning("step costs still unsteady or measured beside a busy process after a second measurement "
+                    "(%.1f s): used for now, not cached; the next decoder measures again", seconds)
         return costs
     f.parent.mkdir(parents=True, exist_ok=True)
     tmp = f.with_suffix(f".tmp{os.getpid()}")
