@@ -247,7 +247,6 @@ class DraftLength:
     def new_run(self) -> None:
         """The next step starts a run (a generation's first, after its prefill): its cost is no steady one."""
         self._run = None
-        self._streak = 0
 
     def record(self, n: int, accepted: int, seconds: float, same_step: bool = False) -> None:
         """A step that drafted ``n`` tokens, ``accepted`` of them, in ``seconds``. ``same_step``: another

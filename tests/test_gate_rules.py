@@ -525,3 +525,48 @@ def test_a_right_drafter_whose_blocks_could_not_pay_is_probed_by_budget(block, s
         assert g.probe_every == G.PROBE_SOON
     else:
         assert g.probe_every == g._probe_gap() > G.PROBE_EVERY and g._next_probe == g.steps - 1 + 50
+
+
+def test_could_pay_reads_every_length_and_scales_with_the_costs():
+    g = G(7, np.array([1.0, 1.5] + [100.0] * 6))
+    assert g._could_pay()                            # one token drafted: 2 tokens for 1.5 plain steps
+    g = G(7, np.array([1.1, 2.0] + [100.0] * 6))
+    assert not g._could_pay()                        # exactly HOPE better with every token right: not more
+    for scale in (1.0, 2.0, 0.001):
+        assert G(7, scale * np.array([1.0] + [7.0] * 7))._could_pay()
+        assert not G(7, scale * np.array([1.0] + [7.5] * 7))._could_pay()
+
+
+def test_a_plain_step_that_ties_the_prior_leaves_it_standing():
+    """An unsettled step at exactly the prior's cost neither moves it nor ends its stand-in: the first
+    settled step still replaces it."""
+    g = G(7, np.full(8, 4.0))
+    g.record(7, 0, 1.0)
+    for _ in range(G.SETTLE[0]):
+        g.record(0, 0, 4.0)
+    g.record(0, 0, 1.0)
+    assert g.cost[0] == 1.0
+
+
+def test_a_full_block_probe_of_a_middle_plan_may_lower_its_cost_not_raise_it():
+    """A middle plan re-measures the whole block in two steps; the second is the probe's and, like a
+    plain probe's, it may only lower the cost (a settled drafting step of the plan may raise it)."""
+    g = past_warmup(G(7, np.full(8, 1.0)))
+    g._prior.clear()
+    g._plan = 3
+    g._probe_full = False
+    g._next_probe = g.steps + 1
+    g.record(3, 3, 1.0)
+    assert g.choose() == 7
+    g.record(7, 7, 9.0)                              # the switch's step: no cost
+    assert g.choose() == 7
+    g.record(7, 7, 3.0)                              # the probe's second step: would raise, does not
+    assert g.cost[7] == 1.0
+    g.record(3, 3, 1.0)                              # a step of the plan between
+    g._next_probe = g.steps + 1
+    g._probe_full = False
+    assert g.choose() == 7
+    g.record(7, 7, 9.0)
+    assert g.choose() == 7
+    g.record(7, 7, 0.5)                              # ... and lowers it by the EMA
+    assert g.cost[7] == pytest.approx(1.0 - G.COST_EMA * 0.5)
