@@ -97,13 +97,18 @@ def test_the_native_build_takes_the_widest_path():
     assert isa == ("AVX512-VNNI" if AVX512 else isa) and isa in ("AVX512-VNNI", "AVX512VL-VNNI", "AVX-VNNI", "AVX2")
 
 
+def _variant(name: str, where: str = "") -> Path:
+    """A ggml build variant's library folder, or a skip saying how to build it."""
+    d = paths.ggml_variant_dir(name)
+    if d is None:
+        pytest.skip(f"no {name} build variant in the build cache (`make test` builds it{where}: "
+                    f"python -m dflash_gguf.build --ggml-variant {name})")
+    return d
+
+
 @pytest.fixture(scope="module")
 def avx2_lib() -> Path:
-    d = paths.ggml_variant_dir("avx2")
-    if d is None:
-        pytest.skip("no AVX2 build variant in the build cache (`make test` builds it: "
-                    "python -m dflash_gguf.build --ggml-variant avx2)")
-    return d
+    return _variant("avx2")
 
 
 def test_avx2_variant_every_type_and_row_count(avx2_lib):
@@ -120,11 +125,7 @@ def avxvnni_lib() -> Path:
     if not AVX_VNNI:
         pytest.skip("this CPU has no AVX-VNNI (no avx_vnni in /proc/cpuinfo; Intel Alder Lake and later and AMD "
                     "Zen 5 have it): the kernels' AVX-VNNI path cannot run here")
-    d = paths.ggml_variant_dir("avxvnni")
-    if d is None:
-        pytest.skip("no AVX-VNNI build variant in the build cache (`make test` builds it on a CPU with AVX-VNNI: "
-                    "python -m dflash_gguf.build --ggml-variant avxvnni)")
-    return d
+    return _variant("avxvnni", " on a CPU with AVX-VNNI")
 
 
 def test_avx_vnni_variant_every_type_and_row_count(avxvnni_lib):
