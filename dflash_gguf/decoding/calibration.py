@@ -111,7 +111,8 @@ def had_the_cores(cpu_s: float, wall_s: float, threads: int) -> bool:
     """Whether the decoder's threads got the CPU for the whole measurement: on a machine where another
     process is busy (a build, a second model) every step is slower alike, so the rounds agree and
     only the CPU time the process got tells (a prior measured then has plain decoding twice as dear)."""
-    return wall_s <= 0 or cpu_s >= BUSY_SHARE * wall_s * max(1, min(threads, os.cpu_count() or 1))
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    return wall_s <= 0 or cpu_s >= BUSY_SHARE * wall_s * max(1, min(threads, cores))
 
 
 def measure(decoder: "DFlashDecoder", rounds: int) -> tuple[np.ndarray, bool] | None:
