@@ -281,10 +281,13 @@ def test_changing_the_tap_cap_after_a_decode(backend, request, tmp_path):
     context's first decode (copy, or uncapped direct taps, then llama_dflash_set_tap_rows_max: the
     scheduler is reserved again) makes the next decode crash inside the Vulkan driver's command
     execution (SIGSEGV); on the CPU, and with the target on the CPU, it works. The decoder sets its cap
-    once, before the first decode, and is not affected (the tests above)."""
+    once, before the first decode, and is not affected (the tests above). The crash is intermittent: it
+    came in every run on the Zen 4 machines and in most on a Zen 5 one, where one full test run in
+    several got through (not strict: a pass is no fix)."""
     if backend[0] == "vulkan":
         request.applymarker(pytest.mark.xfail(reason="tap cap changed after a decode, target on the device: "
-                                              "crash in the next decode (open)", strict=True, raises=AssertionError))
+                                              "crash in the next decode, most runs (open)", strict=False,
+                                              raises=AssertionError))
     name, lib = backend
     out, arr = child(name, lib, {"target": DEMO_T, "drafter": DEMO_D, "n": 8,
                                  "capi": [{"ngl": FULL, "dngl": 0, "modes": ["uncapped", "direct"],
