@@ -111,8 +111,14 @@ def had_the_cores(cpu_s: float, wall_s: float, threads: int) -> bool:
     """Whether the decoder's threads got the CPU for the whole measurement: on a machine where another
     process is busy (a build, a second model) every step is slower alike, so the rounds agree and
     only the CPU time the process got tells (a prior measured then has plain decoding twice as dear)."""
+    if wall_s <= 0:
+        return True
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-    return wall_s <= 0 or cpu_s >= BUSY_SHARE * wall_s * max(1, min(threads, cores))
+    used = max(1, min(threads, cores))
+    share = cpu_s / (wall_s * used)
+    if share < BUSY_SHARE:
+        log.info("the calibration's threads got %.0f%% of %d cores (another process is busy?)", 100 * share, used)
+    return share >= BUSY_SHARE
 
 
 def measure(decoder: "DFlashDecoder", rounds: int) -> tuple[np.ndarray, bool] | None:
@@ -147,11 +153,7 @@ def measure(decoder: "DFlashDecoder", rounds: int) -> tuple[np.ndarray, bool] | 
     threads = decoder.target.opts.n_threads or os.cpu_count() or 1
     # with layers on a GPU or an rpc-server the threads wait on it: their CPU time tells nothing
     offloaded = decoder.target.model.offloaded or decoder.drafter.model.offloaded
-    cores = offloaded or had_the_cores(cpu, wall, threads)
-    if not cores:
-        log.info("the calibration's threads got %.0f%% of %d cores (another process is busy?)",
-                 100 * cpu / (wall * threads), threads)
-    return costs, steady(sched.seen) and cores
+    return costs, steady(sched.seen) and (offloaded or had_the_cores(cpu, wall, threads))
 
 
 def steady(seen: dict[int, list[float]]) -> bool:
