@@ -159,7 +159,7 @@ class Llama(PairConstructors, RpcTarget, llama_cpp.Llama):
         n_draft = clamp_n_draft(info, self.draft_n_max, n_batch=self.n_batch,
                                 n_ubatch=self.context_params.n_ubatch, hybrid=hybrid)
         def borrowed() -> Context:
-            model = Model.borrow(self._model.model, self.model_path, self._rpc_hook, self.model_params.n_gpu_layers != 0)
+            model = Model.borrow(self._model.model, self.model_path, self._rpc_hook)
             return Context.borrow(model, self._ctx.ctx, ContextOptions(n_ctx=self._n_ctx, n_batch=self.n_batch))
         if hybrid and n_draft > 0 and self._rollback_kind(borrowed(), n_draft) == "snapshot":
             # rollback by recurrent snapshots: n_rs_seq >= n_draft (clamped so that n_ubatch >= n_rs_seq + 2)

@@ -57,13 +57,11 @@ class Model(_Handle):
     """A GGUF model loaded by llama.cpp. Free it with :meth:`close` (or a ``with`` block)."""
 
     rpc_check = None   # with layers on rpc-servers: raises RpcLostError after a decode if one was lost
-    offloaded = False  # some layers on a GPU or an rpc-server (the CPU threads wait on them)
 
     def __init__(self, path: str | os.PathLike, *, n_gpu_layers: int = 0, use_mmap: bool = True,
                  devices: int | None = None, rpc_check=None):
         self.path = Path(path)
         self.rpc_check = rpc_check
-        self.offloaded = n_gpu_layers != 0 or bool(devices)
         if not self.path.is_file():
             raise FileNotFoundError(f"model file not found: {self.path}")
         check_gguf(self.path)   # llama.cpp aborts the process on some inconsistent files: refuse first
@@ -81,13 +79,12 @@ class Model(_Handle):
         self._describe(ptr)
 
     @classmethod
-    def borrow(cls, ptr, path: str | os.PathLike, rpc_check=None, offloaded: bool = False) -> "Model":
+    def borrow(cls, ptr, path: str | os.PathLike, rpc_check=None) -> "Model":
         """A view of a ``llama_model`` owned elsewhere (e.g. by ``llama_cpp.Llama``); never freed here."""
         self = cls.__new__(cls)
         self.path = Path(path)
         self._owned = False
         self.rpc_check = rpc_check
-        self.offloaded = offloaded
         self._describe(ptr)
         return self
 

@@ -17,12 +17,10 @@ PROMPT = b"def read_lines(path):\n    \"\"\"Return the lines of a text file.\"\"
 
 @pytest.fixture
 def cache(tmp_path, monkeypatch):
-    """Calibration files in a folder of this test's own; every measurement taken as steady and as having
-    had the cores (whether a busy machine's is kept: test_unsteady_costs_are_measured_again_and_never_kept,
-    test_a_calibration_beside_a_busy_process_is_not_kept)."""
+    """Calibration files in a folder of this test's own; every measurement taken as steady (whether a
+    busy machine's is kept: test_unsteady_costs_are_measured_again_and_never_kept)."""
     monkeypatch.setattr(calibration, "cache_file", lambda key: tmp_path / f"{key}.json")
     monkeypatch.setattr(calibration, "steady", lambda seen: True)
-    monkeypatch.setattr(calibration, "had_the_cores", lambda cpu_s, wall_s, threads: True)
     return tmp_path
 
 
@@ -144,28 +142,3 @@ def test_unsteady_costs_are_measured_again_and_never_kept(pair, cache, monkeypat
     np.testing.assert_allclose(dec.gate.cost, calls[-1])
     assert len(list(cache.glob("*.json"))) == (1 if second_steady else 0)
 
-
-def test_the_threads_had_the_cores_only_with_their_cpu_time():
-    # 2 threads for 1 s of wall time: 1.9 s of CPU is a quiet machine, 1.0 s one shared with a busy process
-    assert calibration.had_the_cores(1.9, 1.0, 2)
-    assert not calibration.had_the_cores(1.0, 1.0, 2)
-    assert calibration.had_the_cores(1.6, 1.0, 2) and not calibration.had_the_cores(1.4, 1.0, 2)   # BUSY_SHARE 0.75
-    # more threads than cores: judged against the cores there are
-    assert calibration.had_the_cores(0.9 * (__import__("os").cpu_count() or 1), 1.0, 10_000)
-
-
-def test_a_calibration_beside_a_busy_process_is_not_kept(pair, cache, monkeypatch):
-    """Every round slower alike (a build on the other core): the rounds agree, but the process got half
-    of its threads' CPU time - measured again, then used for this decoder only, never cached."""
-    monkeypatch.undo()
-    monkeypatch.setattr(calibration, "cache_file", lambda key: cache / f"{key}.json")
-    monkeypatch.setattr(calibration, "steady", lambda seen: True)
-    clock = iter(range(10**6))
-    monkeypatch.setattr(calibration, "_cpu_seconds", lambda: next(clock) * 1e-9)   # almost no CPU time
-    seen = []
-    real = calibration.had_the_cores
-    monkeypatch.setattr(calibration, "had_the_cores", lambda *a: seen.append(a) or real(*a))
-    dec = pair.decoder(SpecOptions(adaptive=True))
-    assert len(seen) == 2 and not any(real(*a) for a in seen)
-    assert dec.gate.cost is not None and (np.asarray(dec.gate.cost) > 0).all()
-    assert not list(cache.glob("*.json"))

@@ -20,9 +20,7 @@ runs are longer (``WARM``). A prior that took the first plain step for plain dec
 gate keep drafting where plain was faster. The gate, too, counts only steps that follow a step of the
 same length (:mod:`dflash_gguf.gate`). At the 1.7B Qwen3 shape (Q4_0, 2 threads) that is 64 steps
 (28 of them plain), about 5 s (0.6B: 2.4 s). The result is cached under
-``$DFLASH_GGUF_CACHE/calibration`` (never one measured while another process kept the cores busy:
-a build beside it once left a prior with plain decoding at twice its cost, and the gate drafted where
-plain was faster) by everything it depends on: both model files (path, size,
+``$DFLASH_GGUF_CACHE/calibration`` by everything it depends on: both model files (path, size,
 mtime), block length, threads, batch sizes, the CPU (model name and flags), the kernel switches ggml
 reads (``GGML_CPU_X86MM``, ``GGML_CPU_AMX``), the patch series and this package's version. The gate
 keeps refining each cost from real steps (the context grows, the machine gets busy), so the prior only
@@ -56,10 +54,7 @@ COUNTED = 2                        # steps counted per run of a length ...
 WARM = DraftLength.SETTLE          # ... after this many (default 1): the steps the gate leaves out too
 SPREAD = 1.5                       # a length whose rounds differ by more than this (max / min) is unsteady
 UNSTEADY = 1 / 3                   # ... and a measurement with more such lengths than this share is not kept
-BUSY_SHARE = 0.75                  # the CPU time the decoder's threads got, of wall time x threads, below which
-                                   # another process shared the cores (quiet: 0.9-1.0; beside two busy ones: 0.45-0.5)
-FORMAT = 3                         # how the costs are measured and kept (2: runs, first steps left out;
-                                   # 3: not kept when measured beside another busy process)
+FORMAT = 2                         # how the costs are measured and kept (2: runs, first steps left out)
 # a neutral prompt: the costs do not depend on what is drafted, only on how many rows
 PROMPT = b"The quick brown fox jumps over the lazy dog. " * 4
 # ggml's run-time switches for the kernels that decide these costs
@@ -103,29 +98,10 @@ class _Schedule:
             self.i += 1
 
 
-def _cpu_seconds() -> float:
-    return time.process_time()   # every thread of this process (ggml's workers included)
-
-
-def had_the_cores(cpu_s: float, wall_s: float, threads: int) -> bool:
-    """Whether the decoder's threads got the CPU for the whole measurement: on a machine where another
-    process is busy (a build, a second model) every step is slower alike, so the rounds agree and
-    only the CPU time the process got tells (a prior measured then has plain decoding twice as dear)."""
-    if wall_s <= 0:
-        return True
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-    used = max(1, min(threads, cores))
-    share = cpu_s / (wall_s * used)
-    if share < BUSY_SHARE:
-        log.info("the calibration's threads got %.0f%% of %d cores (another process is busy?)", 100 * share, used)
-    return share >= BUSY_SHARE
-
-
 def measure(decoder: "DFlashDecoder", rounds: int) -> tuple[np.ndarray, bool] | None:
     """Seconds of one step drafting n = 0..n_draft tokens on this decoder's contexts (clears their
-    caches), and whether to keep them: the rounds agreed (a machine busy now and then shows as rounds of
-    one length far apart) and the threads had the cores (:func:`had_the_cores`); None when the
-    target's context is too small for the schedule."""
+    caches), and whether the rounds agreed (a busy machine - another process, a build - shows as
+    rounds of one length far apart); None when the target's context is too small for the schedule."""
     n_max = decoder.n_draft
     lengths = schedule_lengths(n_max)
     sched = _Schedule(lengths, rounds)
@@ -133,13 +109,11 @@ def measure(decoder: "DFlashDecoder", rounds: int) -> tuple[np.ndarray, bool] | 
     saved = decoder.gate, decoder.proposer
     # the drafter's own proposals: a caller's proposer (an oracle, a replay) may not know this prompt
     decoder.gate, decoder.proposer = sched, DrafterProposer()
-    wall0, cpu0 = time.perf_counter(), _cpu_seconds()
     try:
         budget = sum(n + 1 for n in sched.plan) + 1
         for _ in decoder.generate(prompt, budget, stop_tokens=[]):
             if sched.done:
                 break
-        wall, cpu = time.perf_counter() - wall0, _cpu_seconds() - cpu0
     finally:
         decoder.gate, decoder.proposer = saved
         decoder.reset()
@@ -150,10 +124,7 @@ def measure(decoder: "DFlashDecoder", rounds: int) -> tuple[np.ndarray, bool] | 
     costs = np.empty(n_max + 1)
     costs[0] = known[0]
     costs[1:] = np.interp(np.arange(1, n_max + 1), xs, [known[n] for n in xs])
-    threads = decoder.target.opts.n_threads or os.cpu_count() or 1
-    # with layers on a GPU or an rpc-server the threads wait on it: their CPU time tells nothing
-    offloaded = decoder.target.model.offloaded or decoder.drafter.model.offloaded
-    return costs, steady(sched.seen) and (offloaded or had_the_cores(cpu, wall, threads))
+    return costs, steady(sched.seen)
 
 
 def steady(seen: dict[int, list[float]]) -> bool:
@@ -207,7 +178,7 @@ def step_costs(decoder: "DFlashDecoder") -> np.ndarray | None:
     t0 = time.perf_counter()
     got = measure(decoder, ROUNDS)
     if got is not None and not got[1]:
-        log.info("step costs unsteady or measured beside a busy process: measuring again")
+        log.info("step costs unsteady (the machine is busy?): measuring again")
         got = measure(decoder, ROUNDS)
     seconds = time.perf_counter() - t0
     if got is None:
@@ -217,8 +188,8 @@ def step_costs(decoder: "DFlashDecoder") -> np.ndarray | None:
     costs, ok = got
     if not ok:
         # good enough to start this decoder (its gate refines every cost it uses), not to keep
-        log.warning("step costs still unsteady or measured beside a busy process after a second measurement "
-                    "(%.1f s): used for now, not cached; the next decoder measures again", seconds)
+        log.warning("step costs still unsteady after a second measurement (%.1f s): used for now, not cached; "
+                    "the next decoder measures again", seconds)
         return costs
     f.parent.mkdir(parents=True, exist_ok=True)
     tmp = f.with_suffix(f".tmp{os.getpid()}")

@@ -73,7 +73,7 @@ class Slots:
         opts = ContextOptions(n_ctx=llm.n_ctx(), n_batch=llm.n_batch, n_ubatch=llm.context_params.n_ubatch,
                               n_threads=llm.n_threads, n_seq=n, flash_attn=flash,
                               draft_window=getattr(llm, "draft_window", None))
-        self.model = Model.borrow(llm._model.model, llm.model_path, offloaded=llm.model_params.n_gpu_layers != 0)
+        self.model = Model.borrow(llm._model.model, llm.model_path)
         self.target = Context(self.model, opts)
         self.drafter = None
         dm = getattr(llm, "_draft_model", None)
