@@ -7,11 +7,20 @@
  * 64 (zmm) or 32 (ymm) int8 multiply-adds = 128 or 64 ops per instruction.
  *
  *   gcc -O2 -mavx512f -mavx512bw -mavx512vl -mavx512vnni -pthread -o int8_peak bench/int8_peak.c && ./int8_peak
+ *
+ * With -mamx-tile -mamx-int8 (a CPU with AMX-INT8) it also times TDPBUSD: four independent 16x16
+ * int32 accumulator tiles, each a 16x64 by 64x16 int8 product (16,384 multiply-adds = 32,768 ops per
+ * instruction), operands loaded into tiles once (Linux: tile data needs arch_prctl permission first).
  */
 #include <immintrin.h>
 #include <pthread.h>
 #include <stdio.h>
+#include <string.h>
 #include <time.h>
+#ifdef __AMX_INT8__
+#include <sys/syscall.h>
+#include <unistd.h>
+#endif
 
 static double now(void) {
     struct timespec t;
@@ -64,6 +73,57 @@ static void * run256(void * arg) {
     return 0;
 }
 
+#ifdef __AMX_INT8__
+static const long AMX_ITERS = 20000000;
+
+struct tile_config {
+    unsigned char palette, start_row, reserved[14];
+    unsigned short colsb[16];
+    unsigned char rows[16];
+};
+
+static void * run_amx(void * arg) {
+    (void) arg;
+    // tmm0..3: accumulators (16 rows x 64 bytes), tmm4, tmm5: A operands (16 x 64), tmm6, tmm7: B (16 x 64)
+    struct tile_config cfg;
+    memset(&cfg, 0, sizeof cfg);
+    cfg.palette = 1;
+    for (int i = 0; i < 8; i++) {
+        cfg.colsb[i] = 64;
+        cfg.rows[i] = 16;
+    }
+    // the asm operand covers the whole struct (GCC's _tile_loadconfig declares 8 bytes: patches/0006)
+    __asm__ volatile("ldtilecfg %0" : : "m"(cfg));
+    _Alignas(64) signed char a[16 * 64], b[16 * 64];
+    _Alignas(64) int c[16 * 16];
+    memset(a, 3, sizeof a);
+    memset(b, 1, sizeof b);
+    memset(c, 0, sizeof c);
+    _tile_loadd(0, c, 64); _tile_loadd(1, c, 64); _tile_loadd(2, c, 64); _tile_loadd(3, c, 64);
+    _tile_loadd(4, a, 64); _tile_loadd(5, a, 64); _tile_loadd(6, b, 64); _tile_loadd(7, b, 64);
+    for (long i = 0; i < AMX_ITERS; i++) {
+        _tile_dpbusd(0, 4, 6); _tile_dpbusd(1, 4, 7); _tile_dpbusd(2, 5, 6); _tile_dpbusd(3, 5, 7);
+    }
+    int out[16 * 16];
+    _tile_stored(0, out, 64);
+    _tile_release();
+    sink = out[0];
+    return 0;
+}
+#endif
+
+static void measure_n(const char * name, void * (*fn)(void *), long iters, int ops_per_insn) {
+    for (int th = 1; th <= 2; th++) {
+        pthread_t t[2];
+        const double t0 = now();
+        for (int i = 0; i < th; i++) pthread_create(&t[i], 0, fn, 0);
+        for (int i = 0; i < th; i++) pthread_join(t[i], 0);
+        const double dt = now() - t0;
+        printf("%s, %d thread(s): %.2f G instructions/s, %.0f G int8 ops/s\n", name, th, th * (double) iters / dt / 1e9,
+               th * (double) iters * ops_per_insn / dt / 1e9);
+    }
+}
+
 static void measure(const char * name, void * (*fn)(void *), int ops_per_insn) {
     for (int th = 1; th <= 2; th++) {
         pthread_t t[2];
@@ -79,5 +139,13 @@ static void measure(const char * name, void * (*fn)(void *), int ops_per_insn) {
 int main(void) {
     measure("VPDPBUSD zmm", run512, 128);
     measure("VPDPBUSD ymm", run256, 64);
+#ifdef __AMX_INT8__
+    // ARCH_REQ_XCOMP_PERM (0x1023) for XFEATURE_XTILEDATA (18): without it the first tile load faults
+    if (syscall(SYS_arch_prctl, 0x1023, 18) != 0) {
+        printf("TDPBUSD: the kernel refused AMX tile data (arch_prctl)\n");
+        return 1;
+    }
+    measure_n("TDPBUSD (AMX)", run_amx, AMX_ITERS * 4, 32768);
+#endif
     return 0;
 }

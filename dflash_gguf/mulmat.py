@@ -352,8 +352,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--time", type=int, default=0, metavar="REPEATS",
-                    help="instead of checking, time one MUL_MAT per row count on this buffer type, the plain "
-                         "CPU path and CPU_REPACK where it claims the type (fastest of REPEATS)")
+                    help="instead of checking, time one MUL_MAT per row count on this buffer type, every other "
+                         "extra one that claims the type (AMX, CPU_REPACK) and the plain CPU path (fastest of REPEATS)")
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(name)s: %(message)s")
     ggml = Ggml(args.lib_dir or default_lib_dir())
@@ -364,9 +364,10 @@ def main(argv: list[str] | None = None) -> int:
     types = ([t.strip().lower() for t in args.types.split(",") if t.strip()] if args.types
              else list(BUFT_TYPES.get(args.buft, ())))
     if args.time:
-        bufts = {args.buft: extra[args.buft], "CPU": ggml.ggml_backend_cpu_buffer_type()}
-        if "CPU_REPACK" in extra and args.buft != "CPU_REPACK":
-            bufts["CPU_REPACK"] = extra["CPU_REPACK"]
+        # this buffer type, then every other extra one that claims a type (AMX beside CPU_X86MM on a
+        # CPU with AMX), then the plain CPU path
+        bufts = {args.buft: extra[args.buft], **{b: extra[b] for b in BUFT_TYPES if b in extra and b != args.buft},
+                 "CPU": ggml.ggml_backend_cpu_buffer_type()}
         for rec in time_bufts(ggml, bufts, types, args.k, args.n, parse_rows(args.rows), args.time, args.threads, args.seed):
             print(json.dumps(rec), flush=True)
         return 0

@@ -64,10 +64,12 @@ def test_mul_mat_broadcast_over_batches():
 
 
 # ---------------------------------------------------------------- end to end
-def _generate(target: Path, drafter: Path, amx: str | None, n: int = 48) -> dict:
-    """Greedy tokens with GGML_CPU_AMX=amx (None: unset, i.e. the default of patches/0004)."""
-    got = kernel_child.run(target, drafter, n, 1, {"GGML_CPU_AMX": amx})
-    got["amx"] = "AMX" in got["bufts"]
+def _generate(target: Path, drafter: Path, amx: str | None, n: int = 48, x86mm: str | None = "0") -> dict:
+    """Greedy tokens with GGML_CPU_AMX=amx (None: unset, i.e. the default of patches/0004) and
+    GGML_CPU_X86MM=x86mm: off unless asked, since patches/0014's buffer type takes Q4_0, Q8_0, Q4_K and
+    Q6_K weights ahead of AMX. "amx": some weight was placed in the AMX buffer type."""
+    got = kernel_child.run(target, drafter, n, 1, {"GGML_CPU_AMX": amx, "GGML_CPU_X86MM": x86mm})
+    got["amx"] = got["placed"].get("AMX", 0) > 0
     return got
 
 
@@ -93,6 +95,7 @@ def test_dflash_amx_on_equals_off_and_plain(demo_pairs, kind):
 def test_tiny_quantized_pair_amx_on_equals_off(models, tmp_path):
     t, d = kernel_child.quantized_tiny_pair(models, tmp_path)
     on, off = _generate(t, d, "1", 32), _generate(t, d, "0", 32)
+    assert on["amx"] and not off["amx"]
     assert on["dflash"] == on["plain"] == off["plain"] == off["dflash"]
 
 
@@ -103,3 +106,14 @@ def test_amx_is_the_default_for_quantized_weights(demo_pairs):
     if not on["amx"]:
         pytest.fail(NO_AMX_BUFT)
     assert default["amx"] and default["dflash"] == on["dflash"] == default["plain"]
+
+
+@pytest.mark.parametrize("kind", ["q4_0", "q8_0"])
+def test_x86mm_takes_its_types_ahead_of_amx(demo_pairs, kind):
+    """patches/0014: with both on (the default), Q4_0/Q8_0 weights go to CPU_X86MM, none to AMX (whose
+    kernels are 2-3x slower at 2..512 rows on this CPU family: BENCHMARKS.md), with AMX's tokens."""
+    target, drafter = demo_pairs[kind]
+    both, amx = _generate(target, drafter, None, 24, x86mm=None), _generate(target, drafter, None, 24)
+    assert both["placed"].get("CPU_X86MM", 0) > 0 and not both["amx"], both["placed"]
+    assert amx["amx"], amx["placed"]
+    assert both["dflash"] == both["plain"] == amx["plain"]

@@ -40,7 +40,7 @@ AVX512 = {"avx512f", "avx512bw", "avx512vl", "avx512_vnni"} <= FLAGS
 AVX_VNNI = "avx_vnni" in FLAGS
 
 
-# on an AMX machine AMX would take these weights first
+# the grid drives CPU_X86MM directly; the plain CPU path it is checked against is ggml's without AMX
 GRID_ENV = {"GGML_CPU_AMX": "0", "GGML_CPU_X86MM": None}
 
 

@@ -47,8 +47,8 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--tag", default=time.strftime("%Y%m%d-%H%M%S"))
     ap.add_argument("--seed", type=int, default=0, help="weights seed of the synthetic pairs")
     ap.add_argument("--kernels", default="x86mm", help="comma list of kernel sets, each case run once per set in "
-                    "this run: x86mm (patches/0014's CPU_X86MM, the default on x86) and ggml (GGML_CPU_X86MM=0: "
-                    "ggml's own kernels, as before 0014)")
+                    "this run: x86mm (patches/0014's CPU_X86MM, the default on x86), amx (ggml's AMX path, as before "
+                    "0014 on a CPU with AMX-INT8) and ggml (ggml's own kernels without AMX, as before 0014 elsewhere)")
     return ap
 
 
@@ -63,8 +63,11 @@ def _mem_ok(shape: str, wtype: str) -> bool:
     return avail > need * 1.5
 
 
-# kernel sets: the ggml switches each sets for the case's child processes (ours and upstream's)
-KERNELS = {"x86mm": {"GGML_CPU_X86MM": "1"}, "ggml": {"GGML_CPU_X86MM": "0"}}
+# kernel sets: the ggml switches each sets for the case's child processes (ours and upstream's); AMX's
+# switch only matters on a CPU with AMX-INT8 (patches/0004: on by default, after CPU_X86MM)
+KERNELS = {"x86mm": {"GGML_CPU_X86MM": "1"},
+           "amx": {"GGML_CPU_X86MM": "0", "GGML_CPU_AMX": "1"},
+           "ggml": {"GGML_CPU_X86MM": "0", "GGML_CPU_AMX": "0"}}
 
 
 @contextlib.contextmanager
