@@ -142,3 +142,49 @@ def test_unsteady_costs_are_measured_again_and_never_kept(pair, cache, monkeypat
     np.testing.assert_allclose(dec.gate.cost, calls[-1])
     assert len(list(cache.glob("*.json"))) == (1 if second_steady else 0)
 
+
+
+def _scaled_prior(cache, factor_plain: float, factor_drafting: float) -> np.ndarray:
+    """Rewrite the one cached prior: plain steps x factor_plain, drafting steps x factor_drafting."""
+    (f,) = cache.glob("*.json")
+    data = json.loads(f.read_text())
+    costs = np.asarray(data["costs"])
+    costs[0] *= factor_plain
+    costs[1:] *= factor_drafting
+    data["costs"] = costs.tolist()
+    f.write_text(json.dumps(data))
+    return costs
+
+
+def test_a_prior_measured_busy_is_dropped_once_plain_steps_show_it(pair, cache, monkeypatch):
+    """A cached prior whose plain step costs 3x what this machine's plain steps cost (measured during a
+    build) is dropped after a generation whose gate decoded plainly, and the next decoder measures again;
+    the output stays plain decoding's."""
+    pair.decoder(SpecOptions(adaptive=True))
+    # drafting 10x dearer than measured keeps the gate plain; plain 3x dearer than real
+    prior = _scaled_prior(cache, 3.0, 10.0)
+    dec = pair.decoder(SpecOptions(adaptive=True))
+    np.testing.assert_allclose(dec.gate.cost, prior)
+    prompt = pair.target.tokenize(PROMPT)
+    assert list(dec.generate(prompt, 96, stop_tokens=[])) == list(pair.plain().generate(prompt, 96, stop_tokens=[]))
+    assert 0 not in dec.gate._prior and dec.gate.cost[0] < calibration.STALE * prior[0], dec.gate.cost
+    assert not list(cache.glob("*.json")), "the stale prior is still cached"
+    measured = []
+    real = calibration.measure
+    monkeypatch.setattr(calibration, "measure", lambda d, r: measured.append(1) or real(d, r))
+    pair.decoder(SpecOptions(adaptive=True))
+    assert measured and len(list(cache.glob("*.json"))) == 1
+
+
+def test_a_prior_cheaper_than_the_steps_is_kept(pair, cache):
+    """Real steps costing more than the prior (longer contexts, a busier moment) leave it cached: only
+    a prior too dear for this machine is a busy one."""
+    pair.decoder(SpecOptions(adaptive=True))
+    before = _scaled_prior(cache, 0.5, 10.0)
+    dec = pair.decoder(SpecOptions(adaptive=True))
+    prompt = pair.target.tokenize(PROMPT)
+    list(dec.generate(prompt, 96, stop_tokens=[]))
+    assert 0 not in dec.gate._prior               # plain steps were measured ...
+    (f,) = cache.glob("*.json")                   # ... and the prior stays
+    np.testing.assert_allclose(json.loads(f.read_text())["costs"], before)
+    assert not calibration.prior_is_stale(before, dec.gate)

@@ -24,7 +24,10 @@ same length (:mod:`dflash_gguf.gate`). At the 1.7B Qwen3 shape (Q4_0, 2 threads)
 mtime), block length, threads, batch sizes, the CPU (model name and flags), the kernel switches ggml
 reads (``GGML_CPU_X86MM``, ``GGML_CPU_AMX``), the patch series and this package's version. The gate
 keeps refining each cost from real steps (the context grows, the machine gets busy), so the prior only
-has to be right enough to start.
+has to be right enough to start. A prior measured while the machine was busy (a build on the other
+core) would start every later decoder wrong, though: :func:`check_prior` drops the cached file once a
+gate's own plain steps cost under ``STALE`` x the prior's plain step (real steps run at longer contexts,
+so they cost more than the calibration's, not less), and the pair's next decoder measures again.
 """
 from __future__ import annotations
 
@@ -54,6 +57,7 @@ COUNTED = 2                        # steps counted per run of a length ...
 WARM = DraftLength.SETTLE          # ... after this many (default 1): the steps the gate leaves out too
 SPREAD = 1.5                       # a length whose rounds differ by more than this (max / min) is unsteady
 UNSTEADY = 1 / 3                   # ... and a measurement with more such lengths than this share is not kept
+STALE = 0.7                        # a gate's plain steps under this x the prior's: the prior was measured busy
 FORMAT = 2                         # how the costs are measured and kept (2: runs, first steps left out)
 # a neutral prompt: the costs do not depend on what is drafted, only on how many rows
 PROMPT = b"The quick brown fox jumps over the lazy dog. " * 4
@@ -199,3 +203,24 @@ def step_costs(decoder: "DFlashDecoder") -> np.ndarray | None:
     log.info("step costs measured in %.1f s: plain %.2f ms, full block (%d) %.2f ms", seconds,
              costs[0] * 1e3, decoder.n_draft, costs[-1] * 1e3)
     return costs
+
+
+def prior_is_stale(prior: np.ndarray, gate: DraftLength) -> bool:
+    """Whether ``gate``'s steady plain steps (no longer the prior's word: :meth:`DraftLength.record`)
+    cost under STALE x what the prior says a plain step costs."""
+    return 0 not in gate._prior and np.isfinite(gate.cost[0]) and gate.cost[0] < STALE * prior[0]
+
+
+def check_prior(decoder: "DFlashDecoder", prior: np.ndarray, gate: DraftLength) -> bool:
+    """After a generation: drop this pair's cached prior if ``gate`` shows it was measured on a busier
+    machine (:func:`prior_is_stale`); the next decoder measures again. Returns whether it dropped it."""
+    if not prior_is_stale(prior, gate):
+        return False
+    f = cache_file(cache_key(decoder))
+    log.info("plain steps cost %.2f ms here, the cached prior says %.2f ms (measured while the machine was "
+             "busy?): dropping %s, the next decoder of this pair measures again", gate.cost[0] * 1e3, prior[0] * 1e3, f)
+    try:
+        f.unlink()
+    except FileNotFoundError:
+        pass
+    return True

@@ -140,8 +140,10 @@ class DFlashDecoder(Scheduling):
         self._argmax = np.zeros(self.n_seq * bs, dtype=np.int32)
         self.eog = frozenset(int(t) for t in target.model.eog_tokens)   # default stop tokens
         self.reset()   # the decoder owns both caches from here on
+        self._prior_checked = True   # the calibration's own generation checks nothing
         costs = calibration.step_costs(self) if self._gated and self.opts.calibrate else None   # cached per pair and machine
         self._costs = costs          # one sequence's step costs: the batch gates' priors come from them
+        self._prior_checked = costs is None   # whether the prior was found stale (or there is none to check)
         if costs is not None:
             self.gate = DraftLength(self.n_draft, costs)
             self.gate_sampled = DraftLength(self.n_draft, costs)
@@ -487,6 +489,9 @@ class DFlashDecoder(Scheduling):
                 s.features.clear()
             s.stats.t_inject += time.perf_counter() - t0
         s.stats.t_total += time.perf_counter() - s.t_start
+        if not self._prior_checked and not self.closed:
+            self._prior_checked = any(calibration.check_prior(self, self._costs, g)
+                                      for g in (self.gate, self.gate_sampled) if g is not None)
 
     def _check_servers(self) -> None:
         """Raise RpcLostError if a model of this decoder lost an rpc-server (dflash_gguf.rpc)."""
