@@ -25,9 +25,10 @@ mtime), block length, threads, batch sizes, the CPU (model name and flags), the 
 reads (``GGML_CPU_X86MM``, ``GGML_CPU_AMX``), the patch series and this package's version. The gate
 keeps refining each cost from real steps (the context grows, the machine gets busy), so the prior only
 has to be right enough to start. A prior measured while the machine was busy (a build on the other
-core) would start every later decoder wrong, though: :func:`check_prior` drops the cached file once a
-gate's own plain steps cost under ``STALE`` x the prior's plain step (real steps run at longer contexts,
-so they cost more than the calibration's, not less), and the pair's next decoder measures again.
+core) would start every later decoder wrong, though: :func:`check_prior` marks the cached file stale once
+a gate's own plain steps cost under ``STALE`` x the prior's plain step (real steps run at longer
+contexts, so they cost more than the calibration's, not less), and the pair's next decoder measures
+again - once: a prior measured a second time is kept.
 """
 from __future__ import annotations
 
@@ -168,15 +169,21 @@ def step_costs(decoder: "DFlashDecoder") -> np.ndarray | None:
     (None, and nothing cached, where the target's context cannot hold the schedule's steps)."""
     key = cache_key(decoder)
     f = cache_file(key)
+    measured_before = 0
     if f.exists():
         try:
             data = json.loads(f.read_text())
-            costs = np.asarray(data["costs"], dtype=float)
-            if len(costs) == decoder.n_draft + 1 and np.isfinite(costs).all() and (costs > 0).all():
-                return costs
-        except (OSError, ValueError, KeyError):
+            times = int(data.get("measured", 1))
+            if data.get("stale"):
+                measured_before = times       # dropped by check_prior: measure again
+            else:
+                costs = np.asarray(data["costs"], dtype=float)
+                if len(costs) == decoder.n_draft + 1 and np.isfinite(costs).all() and (costs > 0).all():
+                    return costs
+        except (OSError, ValueError, KeyError, TypeError):
             pass
-        log.warning("ignoring an unreadable calibration file %s", f)
+        if not measured_before:
+            log.warning("ignoring an unreadable calibration file %s", f)
     log.info("measuring DFlash step costs of %s + %s on this machine (once; cached)",
              decoder.target.model.path.name, decoder.drafter.model.path.name)
     t0 = time.perf_counter()
@@ -197,7 +204,7 @@ def step_costs(decoder: "DFlashDecoder") -> np.ndarray | None:
         return costs
     f.parent.mkdir(parents=True, exist_ok=True)
     tmp = f.with_suffix(f".tmp{os.getpid()}")
-    tmp.write_text(json.dumps({"costs": costs.tolist(), "seconds": round(seconds, 3),
+    tmp.write_text(json.dumps({"costs": costs.tolist(), "seconds": round(seconds, 3), "measured": measured_before + 1,
                                "target": decoder.target.model.path.name, "drafter": decoder.drafter.model.path.name}))
     os.replace(tmp, f)   # no partial file: readers see the old one or the whole new one
     log.info("step costs measured in %.1f s: plain %.2f ms, full block (%d) %.2f ms", seconds,
@@ -212,15 +219,25 @@ def prior_is_stale(prior: np.ndarray, gate: DraftLength) -> bool:
 
 
 def check_prior(decoder: "DFlashDecoder", prior: np.ndarray, gate: DraftLength) -> bool:
-    """After a generation: drop this pair's cached prior if ``gate`` shows it was measured on a busier
-    machine (:func:`prior_is_stale`); the next decoder measures again. Returns whether it dropped it."""
+    """After a generation: mark this pair's cached prior stale if ``gate`` shows it was measured on a
+    busier machine (:func:`prior_is_stale`); the next decoder measures again. A prior is dropped so once:
+    one measured again is kept whatever follows (a pair whose calibration always reads dearer than its
+    real steps would otherwise be measured by every decoder). Returns True once the check is done for
+    this decoder (dropped, or kept for good)."""
     if not prior_is_stale(prior, gate):
         return False
     f = cache_file(cache_key(decoder))
-    log.info("plain steps cost %.2f ms here, the cached prior says %.2f ms (measured while the machine was "
-             "busy?): dropping %s, the next decoder of this pair measures again", gate.cost[0] * 1e3, prior[0] * 1e3, f)
     try:
-        f.unlink()
-    except FileNotFoundError:
-        pass
+        data = json.loads(f.read_text())
+    except (OSError, ValueError):
+        return True                         # not cached (unsteady, or dropped by another decoder)
+    cached = np.asarray(data.get("costs", []), dtype=float)
+    if data.get("stale") or int(data.get("measured", 1)) > 1 or cached.shape != prior.shape \
+            or not np.allclose(cached, prior):
+        return True                         # measured again already, or not this decoder's prior
+    log.info("plain steps cost %.2f ms here, the cached prior says %.2f ms (measured while the machine was "
+             "busy?): the next decoder of this pair measures again", gate.cost[0] * 1e3, prior[0] * 1e3)
+    tmp = f.with_suffix(f".tmp{os.getpid()}")
+    tmp.write_text(json.dumps({"stale": True, "measured": int(data.get("measured", 1))}))
+    os.replace(tmp, f)
     return True
