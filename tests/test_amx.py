@@ -111,7 +111,7 @@ def test_amx_is_the_default_for_quantized_weights(demo_pairs):
 @pytest.mark.parametrize("kind", ["q4_0", "q8_0"])
 def test_x86mm_takes_its_types_ahead_of_amx(demo_pairs, kind):
     """patches/0014: with both on (the default), Q4_0/Q8_0 weights go to CPU_X86MM, none to AMX (whose
-    kernels are 2-3x slower at 2..512 rows on this CPU family: BENCHMARKS.md), with AMX's tokens."""
+    kernels take 1.2-3.9x longer at 2..512 rows on a Sapphire Rapids-generation Xeon: BENCHMARKS.md 16), with AMX's tokens."""
     target, drafter = demo_pairs[kind]
     both, amx = _generate(target, drafter, None, 24, x86mm=None), _generate(target, drafter, None, 24)
     assert both["placed"].get("CPU_X86MM", 0) > 0 and not both["amx"], both["placed"]

@@ -143,7 +143,6 @@ def test_unsteady_costs_are_measured_again_and_never_kept(pair, cache, monkeypat
     assert len(list(cache.glob("*.json"))) == (1 if second_steady else 0)
 
 
-
 def _set_prior(cache, plain: float, drafting: float) -> np.ndarray:
     """Rewrite the one cached prior (its other fields kept): a plain step costs ``plain`` seconds, a
     drafting step of any length ``drafting`` (so much dearer that the gate decodes plainly)."""

@@ -173,9 +173,8 @@ def step_costs(decoder: "DFlashDecoder") -> np.ndarray | None:
     if f.exists():
         try:
             data = json.loads(f.read_text())
-            times = int(data.get("measured", 1))
             if data.get("stale"):
-                measured_before = times       # dropped by check_prior: measure again
+                measured_before = int(data.get("measured", 1))   # dropped by check_prior: measure again
             else:
                 costs = np.asarray(data["costs"], dtype=float)
                 if len(costs) == decoder.n_draft + 1 and np.isfinite(costs).all() and (costs > 0).all():
