@@ -8,6 +8,11 @@
  *
  *   gcc -O2 -mavx512f -mavx512bw -mavx512vl -mavx512vnni -pthread -o int8_peak bench/int8_peak.c && ./int8_peak
  *
+ * Then the 512-bit loop again with two other instructions per ten VPDPBUSDs, on independent registers:
+ * VMULPS, VFMADD231PS, VCVTDQ2PS, VPAND+VPSRLW, VPADDD. Where the VPDPBUSD rate drops, the other
+ * instruction takes the units VPDPBUSD runs on (a kernel's per-block float scaling, its unpacking):
+ * on AMD Zen 4 the float multiplies and FMAs do, the conversions, logic and integer adds do not.
+ *
  * With -mamx-tile -mamx-int8 (a CPU with AMX-INT8) it also times TDPBUSD: four independent 16x16
  * int32 accumulator tiles, each a 16x64 by 64x16 int8 product (16,384 multiply-adds = 32,768 ops per
  * instruction), operands loaded into tiles once (Linux: tile data needs arch_prctl permission first).
@@ -50,6 +55,44 @@ static void * run512(void * arg) {
                                  _mm512_add_epi32(_mm512_add_epi32(c4, c5), _mm512_add_epi32(_mm512_add_epi32(c6, c7),
                                                                                              _mm512_add_epi32(c8, c9))));
     sink = _mm512_reduce_add_epi32(s);
+    return 0;
+}
+
+enum mix { MIX_MUL, MIX_FMA, MIX_CVT, MIX_LOGIC, MIX_ADD };
+static const char * const MIX_NAMES[] = { "+ 2 VMULPS", "+ 2 VFMADD231PS", "+ 2 VCVTDQ2PS", "+ VPAND, VPSRLW",
+                                          "+ 2 VPADDD" };
+
+/* run512's ten chains, plus two instructions of another kind per step (*(enum mix *) arg) */
+static void * run512_mix(void * arg) {
+    const enum mix m = *(const enum mix *) arg;
+    const __m512i a = _mm512_set1_epi8(3);
+    const __m512i b0 = _mm512_set1_epi8(1), b1 = _mm512_set1_epi8(2), b2 = _mm512_set1_epi8(3), b3 = _mm512_set1_epi8(4),
+                  b4 = _mm512_set1_epi8(5), b5 = _mm512_set1_epi8(6), b6 = _mm512_set1_epi8(7), b7 = _mm512_set1_epi8(8),
+                  b8 = _mm512_set1_epi8(9), b9 = _mm512_set1_epi8(10);
+    __m512i c0 = _mm512_setzero_si512(), c1 = c0, c2 = c0, c3 = c0, c4 = c0, c5 = c0, c6 = c0, c7 = c0, c8 = c0, c9 = c0;
+    __m512 f0 = _mm512_set1_ps(1.0f), f1 = _mm512_set1_ps(2.0f);
+    const __m512 g = _mm512_set1_ps(0.999f);
+    __m512i i0 = _mm512_set1_epi32(1), i1 = _mm512_set1_epi32(2);
+    const __m512i m4 = _mm512_set1_epi8(15);
+    for (long i = 0; i < ITERS; i++) {
+        STEP(_mm512_dpbusd_epi32, c0, 0); STEP(_mm512_dpbusd_epi32, c1, 1); STEP(_mm512_dpbusd_epi32, c2, 2);
+        STEP(_mm512_dpbusd_epi32, c3, 3); STEP(_mm512_dpbusd_epi32, c4, 4); STEP(_mm512_dpbusd_epi32, c5, 5);
+        STEP(_mm512_dpbusd_epi32, c6, 6); STEP(_mm512_dpbusd_epi32, c7, 7); STEP(_mm512_dpbusd_epi32, c8, 8);
+        STEP(_mm512_dpbusd_epi32, c9, 9);
+        switch (m) {
+            case MIX_MUL:   f0 = _mm512_mul_ps(f0, g); f1 = _mm512_mul_ps(f1, g); break;
+            case MIX_FMA:   f0 = _mm512_fmadd_ps(f0, g, g); f1 = _mm512_fmadd_ps(f1, g, g); break;
+            case MIX_CVT:   f0 = _mm512_cvtepi32_ps(i0); f1 = _mm512_cvtepi32_ps(i1); i0 = _mm512_castps_si512(f1);
+                            i1 = _mm512_castps_si512(f0); break;
+            case MIX_LOGIC: i0 = _mm512_and_si512(i0, m4); i1 = _mm512_srli_epi16(i1, 1); break;
+            case MIX_ADD:   i0 = _mm512_add_epi32(i0, m4); i1 = _mm512_add_epi32(i1, m4); break;
+        }
+        __asm__ volatile("" : "+v"(f0), "+v"(f1), "+v"(i0), "+v"(i1));
+    }
+    __m512i s = _mm512_add_epi32(_mm512_add_epi32(_mm512_add_epi32(c0, c1), _mm512_add_epi32(c2, c3)),
+                                 _mm512_add_epi32(_mm512_add_epi32(c4, c5), _mm512_add_epi32(_mm512_add_epi32(c6, c7),
+                                                                                             _mm512_add_epi32(c8, c9))));
+    sink = _mm512_reduce_add_epi32(s) + _mm512_reduce_add_epi32(i0) + (int) _mm512_reduce_add_ps(_mm512_add_ps(f0, f1));
     return 0;
 }
 
@@ -112,12 +155,12 @@ static void * run_amx(void * arg) {
 }
 #endif
 
-/* fn on 1 and 2 threads: each thread runs `iters` instructions of ops_per_insn int8 ops */
-static void measure(const char * name, void * (*fn)(void *), long iters, int ops_per_insn) {
+/* fn(arg) on 1 and 2 threads: each thread runs `iters` instructions of ops_per_insn int8 ops */
+static void measure(const char * name, void * (*fn)(void *), void * arg, long iters, int ops_per_insn) {
     for (int th = 1; th <= 2; th++) {
         pthread_t t[2];
         const double t0 = now();
-        for (int i = 0; i < th; i++) pthread_create(&t[i], 0, fn, 0);
+        for (int i = 0; i < th; i++) pthread_create(&t[i], 0, fn, arg);
         for (int i = 0; i < th; i++) pthread_join(t[i], 0);
         const double dt = now() - t0;
         printf("%s, %d thread(s): %.2f G instructions/s, %.0f G int8 ops/s\n", name, th, th * (double) iters / dt / 1e9,
@@ -126,15 +169,20 @@ static void measure(const char * name, void * (*fn)(void *), long iters, int ops
 }
 
 int main(void) {
-    measure("VPDPBUSD zmm", run512, ITERS * 10, 128);
-    measure("VPDPBUSD ymm", run256, ITERS * 10, 64);
+    measure("VPDPBUSD zmm", run512, 0, ITERS * 10, 128);
+    measure("VPDPBUSD ymm", run256, 0, ITERS * 10, 64);
+    for (enum mix m = MIX_MUL; m <= MIX_ADD; m++) {
+        char name[64];
+        snprintf(name, sizeof name, "VPDPBUSD zmm %s", MIX_NAMES[m]);
+        measure(name, run512_mix, &m, ITERS * 10, 128);
+    }
 #ifdef __AMX_INT8__
     // ARCH_REQ_XCOMP_PERM (0x1023) for XFEATURE_XTILEDATA (18): without it the first tile load faults
     if (syscall(SYS_arch_prctl, 0x1023, 18) != 0) {
         printf("TDPBUSD: the kernel refused AMX tile data (arch_prctl)\n");
         return 1;
     }
-    measure("TDPBUSD (AMX)", run_amx, AMX_ITERS * 4, 32768);
+    measure("TDPBUSD (AMX)", run_amx, 0, AMX_ITERS * 4, 32768);
 #endif
     return 0;
 }

@@ -87,6 +87,7 @@ class DraftLength:
             self._prior = set(range(n_max + 1))
         self.steps = 0
         self._plan: int | None = None
+        self._probe_seen = np.nan                   # what probes while decoding plainly cost (seconds, EMA)
         self.probe_len = self._probe_length()
         self.probe_every = self._probe_gap()
         # with a prior: probes until one is right, at most WARMUP_GIVE_UP (a good drafter's first probe can
@@ -152,8 +153,13 @@ class DraftLength:
     def _probe_gap(self) -> int:
         """Steps between probes while decoding plainly: PROBE_EVERY, or more where a probe costs so
         much more than a plain step (a drafter call that costs more than the target's decode) that
-        probing every PROBE_EVERY steps would cost a never-right drafter over PROBE_BUDGET."""
+        probing every PROBE_EVERY steps would cost a never-right drafter over PROBE_BUDGET. A probe
+        costs what its steps took, where that is more than the cost of a settled step of its length:
+        it also injects the features kept while decoding plainly and follows a plain step (on the
+        demo pair about 3 ms where a settled 1-token step costs 1.9 ms and a plain one 0.55)."""
         c0, cp = self.cost[0], self.cost[self.probe_len]
+        if np.isfinite(self._probe_seen):
+            cp = max(cp, self._probe_seen) if np.isfinite(cp) else self._probe_seen
         if not (c0 > 0 and np.isfinite(cp)):   # unknown yet (nan)
             return self.PROBE_EVERY
         need = int(np.ceil(max(cp - c0, 0.0) / (self.PROBE_BUDGET * c0)))
@@ -218,10 +224,12 @@ class DraftLength:
                 steady = plan == self._plan
                 self.probe_every = min(self.probe_every * 2, self.PROBE_MAX) if steady else self.PROBE_EVERY
                 hopeless = plan == 0 and (expected[-1] <= self.DIP or not self._could_pay())
-                if hopeless:
+                if hopeless or (plan == 0 and steady and self.probe_every >= self.PROBE_MAX):
                     # a drafter that looks never right, or one whose every token right would not pay (a
                     # target so small that a block's rows cost as much as its tokens): probed no faster
-                    # than its probes' cost allows
+                    # than its probes' cost allows; so is one that probes have found not paying, again
+                    # and again, once the gap has grown to PROBE_MAX (probes costing over PROBE_BUDGET
+                    # there: a tiny pair, where a probe costs several plain steps)
                     self.probe_every = max(self.probe_every, self._probe_gap())
                 if plan == 0 and not steady and not hopeless:
                     self.probe_every = self.PROBE_SOON
@@ -251,6 +259,9 @@ class DraftLength:
     def record(self, n: int, accepted: int, seconds: float, same_step: bool = False) -> None:
         """A step that drafted ``n`` tokens, ``accepted`` of them, in ``seconds``. ``same_step``: another
         sequence of the step recorded last (a batch: its acceptance counts, the step's cost once)."""
+        if n > 0 and self._plan == 0 and not same_step:
+            # a probe while decoding plainly: what it cost, all told (the gap between probes spends the budget)
+            self._probe_seen = seconds if np.isnan(self._probe_seen) else 0.5 * (self._probe_seen + seconds)
         if n > 0 and self._plan == 0 and 2 * accepted >= n and \
                 not (1 + accepted) * self.cost[0] <= seconds:
             # a probe while decoding plainly found the drafter right, and its step beat a plain one (or

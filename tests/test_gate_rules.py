@@ -120,6 +120,46 @@ def test_probe_gap_spends_the_budget(scale):
         assert G(7, prior).probe_every == gap, (extra, gap)
 
 
+def test_probe_gap_counts_what_probes_cost_when_that_is_more():
+    """A probe while decoding plainly costs its whole step (the kept features injected, the switch from
+    plain): its measured cost sets the gap where it exceeds the settled cost of a step of its length,
+    as an EMA; a probe cheaper than that leaves the settled cost in charge."""
+    prior = np.array([1.0] + [2.5] * 7)
+    g = G(7, prior)
+    g._plan = 0
+    assert g._probe_gap() == 60                     # (2.5 - 1) / 0.025
+    g.record(g.probe_len, 0, 4.0)
+    assert g._probe_seen == 4.0 and g._probe_gap() == 120      # (4 - 1) / 0.025
+    g.record(g.probe_len, 0, 6.0)
+    assert g._probe_seen == 5.0 and g._probe_gap() == 160      # the EMA: (4 + 6) / 2
+    h = G(7, prior)
+    h._plan = 0
+    h.record(h.probe_len, 0, 1.5)
+    assert h._probe_gap() == 60
+    k = G(7, prior)                                  # a drafting plan's steps are no probes of plain
+    k._plan = 7
+    k.record(7, 0, 9.0)
+    assert np.isnan(k._probe_seen)
+
+
+def test_a_steady_plain_plan_at_the_longest_gap_probes_within_the_budget():
+    """Plain decoding re-chosen at every re-plan doubles the gap up to PROBE_MAX (a drafter that can pay
+    comes back soon after a dip); from there, probes that cost more than PROBE_BUDGET allows at that gap
+    (a tiny pair) are spaced by the budget, and cheap ones keep PROBE_MAX."""
+    exp = np.linspace(1.0, 3.0, 8)                  # right often enough that a full block could pay
+    for extra, want in [(5.0, 200), (1.0, G.PROBE_MAX)]:
+        cost = np.array([1.0] + [4.0] * 7)
+        g = past_warmup(Fixed(7, exp, cost, prior=np.array([1.0] + [1.0 + extra] * 7)))
+        assert g._could_pay()
+        gaps = []
+        for _ in range(12):
+            g._next_probe = 10**9                   # re-plans only (the probes' own steps aside)
+            replan(g)
+            gaps.append(g.probe_every)
+        assert gaps[:5] == [G.PROBE_SOON * 2 ** i for i in range(5)], gaps     # 4, 8, 16, 32, 64
+        assert gaps[5:] == [want] * 7, (extra, gaps)
+
+
 def test_probe_gap_is_the_default_while_plain_is_unmeasured():
     g = G(7)
     g.cost[g.probe_len] = 3.0
