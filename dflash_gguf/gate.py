@@ -157,9 +157,7 @@ class DraftLength:
         costs what its steps took, where that is more than the cost of a settled step of its length:
         it also injects the features kept while decoding plainly and follows a plain step (on the
         demo pair about 3 ms where a settled 1-token step costs 1.9 ms and a plain one 0.55)."""
-        c0, cp = self.cost[0], self.cost[self.probe_len]
-        if np.isfinite(self._probe_seen):
-            cp = max(cp, self._probe_seen) if np.isfinite(cp) else self._probe_seen
+        c0, cp = self.cost[0], np.fmax(self.cost[self.probe_len], self._probe_seen)   # fmax: nan where both are
         if not (c0 > 0 and np.isfinite(cp)):   # unknown yet (nan)
             return self.PROBE_EVERY
         need = int(np.ceil(max(cp - c0, 0.0) / (self.PROBE_BUDGET * c0)))

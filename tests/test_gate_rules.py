@@ -140,6 +140,16 @@ def test_probe_gap_counts_what_probes_cost_when_that_is_more():
     k._plan = 7
     k.record(7, 0, 9.0)
     assert np.isnan(k._probe_seen)
+    m = G(7, prior)                                  # nor are plain steps; a 1-token probe is one
+    m._plan = 0
+    m.record(0, 0, 9.0)
+    assert np.isnan(m._probe_seen)
+    m.record(1, 0, 4.0)
+    assert m._probe_seen == 4.0
+    u = G(7)                                         # a probe's length not measured yet: the probes' cost
+    u.cost[0] = 1.0
+    u._probe_seen = 4.0
+    assert u._probe_gap() == 120
 
 
 def test_a_steady_plain_plan_at_the_longest_gap_probes_within_the_budget():
