@@ -29,8 +29,10 @@ class FeatureFeed:
         self.target, self.drafter = target, drafter
         self.seq = seq
         self.taps = np.asarray(info.target_layers, dtype=np.int32)
+        self._taps_c = B.ffi.from_buffer("int32_t[]", self.taps)
         self.row = len(self.taps) * target.model.n_embd
         self.buf: np.ndarray | None = None      # allocated on first use
+        self._buf_c = None                      # ... and its C view (keep() runs once per plain step)
         self.start = 0
         self.n = 0
         self.window = drafter.window
@@ -65,11 +67,11 @@ class FeatureFeed:
             self.flush()
         if self.buf is None:
             self.buf = np.empty((MAX_ROWS, self.row), dtype=np.float32)
+            self._buf_c = B.ffi.from_buffer("float[]", self.buf)
         if not self.n:
             self.start = pos
-        out = self.buf[self.n:self.n + n_rows]
-        B.check(B.lib.llama_dflash_get_taps(self.target.cptr, B.ffi.from_buffer("int32_t[]", self.taps), len(self.taps),
-                                            row0, n_rows, B.ffi.from_buffer("float[]", out), out.size),
+        B.check(B.lib.llama_dflash_get_taps(self.target.cptr, self._taps_c, len(self.taps), row0, n_rows,
+                                            self._buf_c + self.n * self.row, n_rows * self.row),
                 "keeping the features of a plain step")
         self.n += n_rows
 
