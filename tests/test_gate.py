@@ -299,6 +299,33 @@ def test_probes_of_a_never_right_drafter_cost_at_most_the_budget(draft_cost):
         assert gaps.min() == DraftLength.PROBE_EVERY
 
 
+@pytest.mark.parametrize("surcharge", [0.0, 3.0])
+def test_probes_of_a_drafter_that_could_pay_but_does_not_keep_to_the_budget(surcharge):
+    """A tiny pair: a drafting step costs the plain step (1.0) plus a drafter call (2.4) plus 0.5 a row,
+    so a full block would pay only with nearly every token right, and this drafter gets its first token
+    right and no other: plain decoding wins, but the drafter is not "never right". Its probes come soon
+    at first (a dip may pass) and back off to PROBE_MAX; from there they cost at most PROBE_BUDGET of
+    plain decoding's time, counting what each probe step cost (``surcharge``: the features kept while
+    decoding plainly injected, the switch from plain steps, on top of a settled step of its length)."""
+    cost = lambda n: 1.0 if n == 0 else 3.4 + 0.5 * n  # noqa: E731
+    g = DraftLength(7, np.array([cost(n) for n in range(8)]))
+    assert g._could_pay()
+    steps, settled = 3000, 600
+    chosen = [0]
+    for _ in range(steps):
+        n = g.choose()
+        g.record(n, min(n, 1), cost(n) + (surcharge if n and not chosen[-1] else 0.0))   # after a plain step
+        chosen.append(n)
+    chosen = chosen[1:]
+    assert g._could_pay() and chosen.count(0) > 0.95 * steps
+    probes = [i for i, n in enumerate(chosen) if n > 0]
+    late = [i for i in probes if i >= settled]
+    assert len(late) >= (steps - settled) // (4 * DraftLength.PROBE_MAX), probes     # they still happen
+    extra = sum(cost(chosen[i]) + surcharge - cost(0) for i in late)
+    assert extra <= 1.05 * DraftLength.PROBE_BUDGET * (steps - settled) * cost(0), (extra, np.diff(late))
+    assert np.diff(late).min() > DraftLength.PROBE_MAX
+
+
 def test_target_passes_count_every_pass_that_commits(models):
     """GenerationStats.passes (the demo's "target passes") counts the gate's plain steps too, not only
     the drafting steps: every target decode after the prompt's."""
