@@ -47,7 +47,8 @@ class DraftLength:
     PROBE_SHORT = 4                                          # tokens drafted by a probe while decoding plainly (at most)
     PROBE_FREE = 0.1                                         # ... with a cost prior: the longest probe costing at most
                                                              #     this x a plain step more than drafting one token
-    PROBE_BUDGET = 0.025                                     # probes of a never-right drafter: at most this share of
+    PROBE_BUDGET = 0.025                                     # probes of a never-right drafter (or of one plain decoding
+                                                             #     keeps beating, past PROBE_MAX): at most this share of
                                                              #     plain decoding's time (sets the gap between them)
     PROBE_EVERY = 24                                         # re-measure n_max and plain now and then ...
     PROBE_SOON = 4                                           # ... sooner after leaving a drafter that
