@@ -38,32 +38,12 @@ static const long ITERS = 100000000;
 
 #define STEP(W, c, k) do { c = W(c, a, b##k); __asm__ volatile("" : "+v"(c)); } while (0)
 
+enum mix { MIX_NONE, MIX_MUL, MIX_FMA, MIX_CVT, MIX_LOGIC, MIX_ADD };
+static const char * const MIX_NAMES[] = { "", " + 2 VMULPS", " + 2 VFMADD231PS", " + 2 VCVTDQ2PS", " + VPAND, VPSRLW",
+                                          " + 2 VPADDD" };
+
+/* ten VPDPBUSD zmm chains, plus (unless MIX_NONE) two instructions of another kind per step (*(enum mix *) arg) */
 static void * run512(void * arg) {
-    (void) arg;
-    const __m512i a = _mm512_set1_epi8(3);
-    const __m512i b0 = _mm512_set1_epi8(1), b1 = _mm512_set1_epi8(2), b2 = _mm512_set1_epi8(3), b3 = _mm512_set1_epi8(4),
-                  b4 = _mm512_set1_epi8(5), b5 = _mm512_set1_epi8(6), b6 = _mm512_set1_epi8(7), b7 = _mm512_set1_epi8(8),
-                  b8 = _mm512_set1_epi8(9), b9 = _mm512_set1_epi8(10);
-    __m512i c0 = _mm512_setzero_si512(), c1 = c0, c2 = c0, c3 = c0, c4 = c0, c5 = c0, c6 = c0, c7 = c0, c8 = c0, c9 = c0;
-    for (long i = 0; i < ITERS; i++) {
-        STEP(_mm512_dpbusd_epi32, c0, 0); STEP(_mm512_dpbusd_epi32, c1, 1); STEP(_mm512_dpbusd_epi32, c2, 2);
-        STEP(_mm512_dpbusd_epi32, c3, 3); STEP(_mm512_dpbusd_epi32, c4, 4); STEP(_mm512_dpbusd_epi32, c5, 5);
-        STEP(_mm512_dpbusd_epi32, c6, 6); STEP(_mm512_dpbusd_epi32, c7, 7); STEP(_mm512_dpbusd_epi32, c8, 8);
-        STEP(_mm512_dpbusd_epi32, c9, 9);
-    }
-    __m512i s = _mm512_add_epi32(_mm512_add_epi32(_mm512_add_epi32(c0, c1), _mm512_add_epi32(c2, c3)),
-                                 _mm512_add_epi32(_mm512_add_epi32(c4, c5), _mm512_add_epi32(_mm512_add_epi32(c6, c7),
-                                                                                             _mm512_add_epi32(c8, c9))));
-    sink = _mm512_reduce_add_epi32(s);
-    return 0;
-}
-
-enum mix { MIX_MUL, MIX_FMA, MIX_CVT, MIX_LOGIC, MIX_ADD };
-static const char * const MIX_NAMES[] = { "+ 2 VMULPS", "+ 2 VFMADD231PS", "+ 2 VCVTDQ2PS", "+ VPAND, VPSRLW",
-                                          "+ 2 VPADDD" };
-
-/* run512's ten chains, plus two instructions of another kind per step (*(enum mix *) arg) */
-static void * run512_mix(void * arg) {
     const enum mix m = *(const enum mix *) arg;
     const __m512i a = _mm512_set1_epi8(3);
     const __m512i b0 = _mm512_set1_epi8(1), b1 = _mm512_set1_epi8(2), b2 = _mm512_set1_epi8(3), b3 = _mm512_set1_epi8(4),
@@ -80,6 +60,7 @@ static void * run512_mix(void * arg) {
         STEP(_mm512_dpbusd_epi32, c6, 6); STEP(_mm512_dpbusd_epi32, c7, 7); STEP(_mm512_dpbusd_epi32, c8, 8);
         STEP(_mm512_dpbusd_epi32, c9, 9);
         switch (m) {
+            case MIX_NONE:  break;
             case MIX_MUL:   f0 = _mm512_mul_ps(f0, g); f1 = _mm512_mul_ps(f1, g); break;
             case MIX_FMA:   f0 = _mm512_fmadd_ps(f0, g, g); f1 = _mm512_fmadd_ps(f1, g, g); break;
             case MIX_CVT:   f0 = _mm512_cvtepi32_ps(i0); f1 = _mm512_cvtepi32_ps(i1); i0 = _mm512_castps_si512(f1);
@@ -169,12 +150,13 @@ static void measure(const char * name, void * (*fn)(void *), void * arg, long it
 }
 
 int main(void) {
-    measure("VPDPBUSD zmm", run512, 0, ITERS * 10, 128);
+    enum mix none = MIX_NONE;
+    measure("VPDPBUSD zmm", run512, &none, ITERS * 10, 128);
     measure("VPDPBUSD ymm", run256, 0, ITERS * 10, 64);
     for (enum mix m = MIX_MUL; m <= MIX_ADD; m++) {
         char name[64];
-        snprintf(name, sizeof name, "VPDPBUSD zmm %s", MIX_NAMES[m]);
-        measure(name, run512_mix, &m, ITERS * 10, 128);
+        snprintf(name, sizeof name, "VPDPBUSD zmm%s", MIX_NAMES[m]);
+        measure(name, run512, &m, ITERS * 10, 128);
     }
 #ifdef __AMX_INT8__
     // ARCH_REQ_XCOMP_PERM (0x1023) for XFEATURE_XTILEDATA (18): without it the first tile load faults
