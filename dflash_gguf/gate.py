@@ -88,7 +88,9 @@ class DraftLength:
             self._prior = set(range(n_max + 1))
         self.steps = 0
         self._plan: int | None = None
-        self._probe_seen = np.nan                   # what probes while decoding plainly cost (seconds, EMA)
+        self._probe_seen = np.nan                   # what probes while decoding plainly cost (seconds, EMA) ...
+        self._probe_after = False                   # ... with the step after one (the last step was one,
+        self._probe_after_w = 1.0                   #     and its weight in that EMA)
         self.probe_len = self._probe_length()
         self.probe_every = self._probe_gap()
         # with a prior: probes until one is right, at most WARMUP_GIVE_UP (a good drafter's first probe can
@@ -252,15 +254,25 @@ class DraftLength:
         self._blocks, self._right = other._blocks, other._right
 
     def new_run(self) -> None:
-        """The next step starts a run (a generation's first, after its prefill): its cost is no steady one."""
+        """The next step starts a run (a generation's first, after its prefill): its cost is no steady one
+        (nor a probe's aftermath)."""
         self._run = None
+        self._probe_after = False
 
     def record(self, n: int, accepted: int, seconds: float, same_step: bool = False) -> None:
         """A step that drafted ``n`` tokens, ``accepted`` of them, in ``seconds``. ``same_step``: another
         sequence of the step recorded last (a batch: its acceptance counts, the step's cost once)."""
+        if self._probe_after and not same_step:
+            # the step after a probe: a plain one pays for the switch back (on the demo pair about a plain
+            # step more), which is the probe's cost too
+            self._probe_after = False
+            if n == 0 and self.cost[0] > 0:
+                self._probe_seen += self._probe_after_w * max(seconds - float(self.cost[0]), 0.0)
         if n > 0 and self._plan == 0 and not same_step:
             # a probe while decoding plainly: what it cost, all told (the gap between probes spends the budget)
-            self._probe_seen = seconds if np.isnan(self._probe_seen) else 0.5 * (self._probe_seen + seconds)
+            first = np.isnan(self._probe_seen)
+            self._probe_seen = seconds if first else 0.5 * (self._probe_seen + seconds)
+            self._probe_after, self._probe_after_w = True, (1.0 if first else 0.5)
         if n > 0 and self._plan == 0 and 2 * accepted >= n and \
                 not (1 + accepted) * self.cost[0] <= seconds:
             # a probe while decoding plainly found the drafter right, and its step beat a plain one (or

@@ -321,8 +321,9 @@ def test_probes_of_a_drafter_that_could_pay_but_does_not_keep_to_the_budget(surc
     probes = [i for i, n in enumerate(chosen) if n > 0]
     late = [i for i in probes if i >= settled]
     assert len(late) >= (steps - settled) // (4 * DraftLength.PROBE_MAX), probes     # they still happen
-    extra = sum(cost(chosen[i]) + surcharge - cost(0) for i in late)
-    assert extra <= 1.05 * DraftLength.PROBE_BUDGET * (steps - settled) * cost(0), (extra, np.diff(late))
+    each = [cost(chosen[i]) + surcharge - cost(0) for i in late]
+    # the budget over the late steps, give or take one probe (where the first of them falls)
+    assert sum(each) <= DraftLength.PROBE_BUDGET * (steps - settled) * cost(0) + max(each), (each, np.diff(late))
     assert np.diff(late).min() > DraftLength.PROBE_MAX
 
 

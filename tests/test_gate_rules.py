@@ -152,6 +152,33 @@ def test_probe_gap_counts_what_probes_cost_when_that_is_more():
     assert u._probe_gap() == 120
 
 
+def test_the_plain_step_after_a_probe_charges_its_excess_to_the_probe():
+    """The first plain step after a probe runs slow (the switch back: on the demo pair about a plain step
+    more); that excess over a plain step is the probe's cost too, weighted as the probe was in the EMA.
+    A drafting step after it, a step of another sequence of the same batch, or a new call adds nothing."""
+    prior = np.array([1.0] + [2.5] * 7)
+    g = G(7, prior)
+    g._plan = 0
+    g.record(g.probe_len, 0, 4.0)
+    g.record(0, 0, 1.0, same_step=True)             # the probe step's other sequence: not the step after
+    g.record(0, 0, 3.0)                             # 2.0 over a plain step
+    assert g._probe_seen == 6.0 and g._probe_gap() == 200      # (6 - 1) / 0.025
+    g.record(0, 0, 3.0)                             # the step after that: a plain step's own
+    assert g._probe_seen == 6.0
+    g.record(g.probe_len, 0, 4.0)                   # a second probe: half of the EMA, so is its excess
+    g.record(0, 0, 2.0)
+    assert g._probe_seen == 5.0 + 0.5
+    for follow, new_run in [((7, 0, 9.0), False), ((0, 0, 9.0), True)]:
+        h = G(7, prior)
+        h._plan = 0
+        h.record(h.probe_len, 0, 4.0)
+        if new_run:
+            h.new_run()
+        h._plan = follow[0]                         # the gate drafts now (a plan's step, not a probe)
+        h.record(*follow)
+        assert h._probe_seen == 4.0, (follow, new_run)
+
+
 def test_a_steady_plain_plan_at_the_longest_gap_probes_within_the_budget():
     """Plain decoding re-chosen at every re-plan doubles the gap up to PROBE_MAX (a drafter that can pay
     comes back soon after a dip); from there, probes that cost more than PROBE_BUDGET allows at that gap

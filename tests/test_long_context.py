@@ -159,7 +159,9 @@ def test_long_context_lossless_and_sized_as_predicted(arch_pair, n_ctx):
         out2 = list(dec.generate(prompt, N_GEN, stats=st2, stop_tokens=[]))
         assert out2 == plain
         assert st2.accepted > 0 and st2.accepted < st2.drafted and st2.finish == "context"
-        # the drafter's cache slid with the context: exactly the last `window` committed positions
+        # the drafter's cache slid with the context: exactly the last `window` committed positions (once the
+        # rows of the last plain steps, kept on the host, are in: what the next draft does first)
+        dec.features.flush()
         n_done = len(dec.cache)
         assert dc.pos_max() == n_done - 1
         assert dc.pos_min() == n_done - WINDOW
@@ -238,6 +240,7 @@ def test_drafter_window_bounds_the_cache_and_stays_lossless(models, window):
             st = GenerationStats()
             assert list(dec.generate(prompt, 40, stats=st, stop_tokens=[])) == plain
             assert 0 < st.accepted < st.drafted
+            dec.features.flush()   # rows of plain steps kept on the host: the next draft's first work
             n_done = len(dec.cache)
             assert dc.pos_max() == n_done - 1 and dc.pos_min() == n_done - window
             # the real drafter on the same windowed cache: still exact

@@ -39,7 +39,7 @@ import numpy as np
 from dflash_gguf import _bindings as B
 from dflash_gguf.constraints import Constraints
 from dflash_gguf.engine import Context, DrafterInfo, clamp_n_draft
-from dflash_gguf.errors import ContextOverflowError, DecodeError, DFlashError, InvalidArgumentError, UnsupportedError
+from dflash_gguf.errors import ContextOverflowError, DecodeError, InvalidArgumentError, UnsupportedError
 from dflash_gguf.gate import DraftLength, batch_prior
 from dflash_gguf.decoding import calibration
 from dflash_gguf.sampling import SamplingParams, TokenChooser
@@ -473,21 +473,13 @@ class DFlashDecoder(Scheduling):
         return True
 
     def _end(self, s: Slot) -> None:
-        """A request leaves slot ``s``: at the end of a generation the drafter's cache holds every committed
-        row again (rows of plain steps are batched on the host only within a generation)."""
+        """A request leaves slot ``s``. Rows its plain steps kept on the host stay there: the next draft
+        on this slot injects them if the next request shares them, keep_prefix drops them if not."""
         if s.done:
             return
         s.done = True
         if s.chooser is not None and s.chooser.constraints is not None:
             s.chooser.constraints.close()
-        if s.features is not None and not self.closed and s.features.n:
-            t0 = time.perf_counter()
-            try:
-                s.features.flush()
-            except DFlashError as e:     # e.g. the drafter's context is full: drafting loses context, not exactness
-                log.debug("drafter features not injected: %s", e)
-                s.features.clear()
-            s.stats.t_inject += time.perf_counter() - t0
         s.stats.t_total += time.perf_counter() - s.t_start
         if not self._prior_checked and not self.closed:
             self._prior_checked = any(calibration.check_prior(self, self._costs, g)
