@@ -166,38 +166,47 @@ class DraftLength:
         need = int(np.ceil(max(cp - c0, 0.0) / (self.PROBE_BUDGET * c0)))
         return int(min(max(need, self.PROBE_EVERY), 4 * self.PROBE_MAX))
 
-    def _could_pay(self) -> bool:
-        """Whether drafting could beat plain decoding by HOPE if every drafted token were right."""
-        c = self.step_cost()
+    def _could_pay(self, c: np.ndarray | None = None) -> bool:
+        """Whether drafting could beat plain decoding by HOPE if every drafted token were right (``c``:
+        the step costs, when known already)."""
+        c = self.step_cost() if c is None else c
         n = np.arange(1, self.n_max + 1)
         return bool(np.max((n + 1) / c[n]) > (1 + self.HOPE) / c[0])
 
     def expected_tokens(self) -> np.ndarray:
         """Expected tokens per step for n = 0..n_max drafted tokens."""
-        reached = self.tries.sum()
-        prior = self.hits.sum() / reached if reached > 0 else 0.0    # position 1: the pooled rate
-        cond = np.empty(self.n_max)
-        for i in range(self.n_max):          # position i + 1 leans on position i's estimate
-            cond[i] = prior = (self.hits[i] + self.PRIOR * prior) / (self.tries[i] + self.PRIOR)
-        return 1.0 + np.concatenate([[0.0], np.cumsum(np.cumprod(cond))])
+        # Python floats: re-planning runs every REPLAN_EVERY steps, also while decoding plainly, where a
+        # step of a small pair is a few hundred microseconds and numpy's per-call cost would show
+        hits, tries = self.hits.tolist(), self.tries.tolist()
+        reached = sum(tries)
+        prior = sum(hits) / reached if reached > 0 else 0.0    # position 1: the pooled rate
+        out, p, total = [1.0], 1.0, 1.0
+        for h, t in zip(hits, tries):        # position i + 1 leans on position i's estimate
+            prior = (h + self.PRIOR * prior) / (t + self.PRIOR)
+            p *= prior
+            total += p
+            out.append(total)
+        return np.array(out)
 
     def step_cost(self) -> np.ndarray:
         """Seconds per step for n = 0..n_max: measured where known, else a line through the measured
         drafting steps (n >= 1). A plain step (n = 0) has no drafter call, so it stays out of the fit:
         the drafter's cost is a step at n = 1, not a slope."""
-        known = ~np.isnan(self.cost)
-        ns = np.arange(self.n_max + 1)
-        fit = known & (ns >= 1)
-        if fit.sum() < 2:
+        cost = self.cost.tolist()
+        known = [i for i, c in enumerate(cost) if c == c]      # not nan
+        fit = [i for i in known if i >= 1]
+        if len(fit) < 2:
             fit = known
-        if fit.sum() >= 2:   # least-squares line
-            x, y = ns[fit], self.cost[fit]
-            dx = x - x.mean()
-            slope = max(float((dx * (y - y.mean())).sum() / (dx * dx).sum()), 0.0)
-            model = np.maximum(y.mean() + slope * (ns - x.mean()), 1e-9)
+        if len(fit) >= 2:   # least-squares line
+            xm = sum(fit) / len(fit)
+            ym = sum(cost[i] for i in fit) / len(fit)
+            sxy = sum((i - xm) * (cost[i] - ym) for i in fit)
+            sxx = sum((i - xm) ** 2 for i in fit)
+            slope = max(sxy / sxx, 0.0)
+            model = [max(ym + slope * (i - xm), 1e-9) for i in range(self.n_max + 1)]
         else:
-            model = np.full(self.n_max + 1, np.nanmax(self.cost) if known.any() else 1.0)
-        return np.where(known, self.cost, model)
+            model = [max(cost[i] for i in known) if known else 1.0] * (self.n_max + 1)
+        return np.array([c if c == c else m for c, m in zip(cost, model)])
 
     def choose(self) -> int:
         self.steps += 1
@@ -211,7 +220,8 @@ class DraftLength:
             if self._plan is None or due or self._replan_due:
                 self._replan_due = False
                 expected = self.expected_tokens()
-                rate = expected / self.step_cost()
+                costs = self.step_cost()
+                rate = expected / costs
                 plan = int(np.argmax(rate))
                 if plan and rate[self.n_max] >= (1 - self.PREFER_FULL) * rate[plan]:
                     # near a tie, the whole block: its cost is measured, not read off a line, and it
@@ -224,7 +234,7 @@ class DraftLength:
                 # is re-probed soon
                 steady = plan == self._plan
                 self.probe_every = min(self.probe_every * 2, self.PROBE_MAX) if steady else self.PROBE_EVERY
-                hopeless = plan == 0 and (expected[-1] <= self.DIP or not self._could_pay())
+                hopeless = plan == 0 and (expected[-1] <= self.DIP or not self._could_pay(costs))
                 if hopeless or (plan == 0 and steady and self.probe_every >= self.PROBE_MAX):
                     # a drafter that looks never right, or one whose every token right would not pay (a
                     # target so small that a block's rows cost as much as its tokens): probed no faster
@@ -316,4 +326,12 @@ class DraftLength:
         # the first steady step of that length, as a first step after a switch does without a prior
         w = 1.0 if n in self._prior else self.COST_EMA
         self._prior.discard(n)
-        self.cost[n] = (1 - w) * c + w * seconds
+        new = (1 - w) * c + w * seconds
+        if n == self._plan and self._probe_step != self.steps and c > 0:
+            # the plan's own steps track the machine: one that gets busier (or quieter) makes every length
+            # cost more (or less), so the others' costs move with it; only steps of another length (probes)
+            # change how they compare. Left alone, a stale cost taken in a quieter minute beats the plan's
+            # fresh one: the demo pair's gate drafted at 0.83x plain after a busy minute raised plain's cost
+            # by 30% while the whole block's stood
+            self.cost *= new / c
+        self.cost[n] = new

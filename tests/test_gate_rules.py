@@ -647,3 +647,46 @@ def test_a_full_block_probe_of_a_middle_plan_may_lower_its_cost_not_raise_it():
     assert g.choose() == 7
     g.record(7, 7, 0.5)                              # ... and lowers it by the EMA
     assert g.cost[7] == pytest.approx(1.0 - G.COST_EMA * 0.5)
+
+
+def test_the_plans_own_steps_move_every_cost_with_the_machine():
+    """A settled step of the plan that moves its cost moves every other length's by the same factor (the
+    machine got busier or quieter); a step of another length moves its own cost only."""
+    prior = np.array([0.5, 1.4, 1.6, 1.9, 2.3, 2.6, 2.9, 3.0])
+    g = past_warmup(G(7, prior.copy()))
+    g._plan = 0
+    for _ in range(G.SETTLE[0] + 1):                 # a run's first step, then settled ones at the prior
+        g.steps += 1
+        g.record(0, 0, 0.5)
+    np.testing.assert_allclose(g.cost, prior)
+    g.steps += 1
+    g.record(0, 0, 0.65)                             # a busier minute
+    moved = 0.5 + G.COST_EMA * 0.15
+    np.testing.assert_allclose(g.cost, prior * moved / 0.5)
+    before = g.cost.copy()
+    g._plan = 7
+    for _ in range(2):                               # steps of another length than the plan's
+        g.steps += 1
+        g.record(3, 0, 1.0)
+    assert g.cost[3] != before[3]
+    np.testing.assert_allclose(np.delete(g.cost, 3), np.delete(before, 3))
+
+
+def test_a_busy_spell_while_decoding_plainly_does_not_switch_to_drafting():
+    """The demo pair's case: a drafter that is right (85% a position) whose blocks still cost more than
+    their tokens (plain 0.5 ms a token, a full block 3 ms for ~4.9 tokens). When the machine slows by 35%
+    while the gate decodes plainly, plain decoding's cost rises - and so must the costs it compares it
+    with: the gate keeps decoding plainly."""
+    true = np.array([0.5, 1.4, 1.6, 1.9, 2.3, 2.6, 2.9, 3.0])
+    g = G(7, true.copy())
+    rng = np.random.default_rng(1)
+    chosen = []
+    for t in range(600):
+        n = g.choose()
+        acc = 0
+        while acc < n and rng.random() < 0.85:
+            acc += 1
+        g.record(n, acc, (1.0 if t < 150 else 1.35) * true[n])
+        chosen.append(n)
+    busy = np.array(chosen[150:])                    # without the rule: 50 of its first 100 steps drafted
+    assert np.mean(busy == 0) >= 0.95, np.bincount(busy)

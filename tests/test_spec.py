@@ -241,7 +241,8 @@ def _propose(rig, pos, pending, ctx, n=7):
 
 @pytest.mark.parametrize("kind", ["dflash", "dflash2"])
 def test_plain_steps_keep_features_on_the_host(models, kind):
-    """Rows of plain steps go to the host and reach the drafter in one call before the next draft:
+    """Rows of the prompt and of plain steps go to the host and reach the drafter in one call before the
+    next draft:
     its cache then holds what injecting each row at once gives (same proposals), and DFlash after a
     plain stretch still equals plain decoding."""
     pair = models.pair("qwen3", kind, 8)
@@ -252,12 +253,13 @@ def test_plain_steps_keep_features_on_the_host(models, kind):
         # A: 20 plain steps (features kept on the host), then draft once
         gen = rig.dec.generate(prompt, 20, stop_tokens=[], use_draft=False)
         first = [next(gen) for _ in range(20)]
-        assert first == plain[:20] and rig.dec.features.n == 19    # the plain steps' rows, on the host
-        assert rig.dc.pos_max() == len(prompt) - 2                 # the drafter has the prompt only
+        # the prompt's rows and the plain steps', on the host: the drafter has run for none of them
+        assert first == plain[:20] and rig.dec.features.n == len(prompt) - 1 + 19
+        assert rig.dc.pos_max() == -1
         with pytest.raises(StopIteration):
             next(gen)
         # still on the host after the call: a request that decodes plainly to its end injects nothing
-        assert rig.dec.features.n == 20 and rig.dc.pos_max() == len(prompt) - 2
+        assert rig.dec.features.n == len(prompt) - 1 + 20 and rig.dc.pos_max() == -1
         ctx = prompt + first
         pos, pending = len(ctx) - 1, ctx[-1]
         rig.dec.features.flush()                                   # what the next draft does first
@@ -273,3 +275,34 @@ def test_plain_steps_keep_features_on_the_host(models, kind):
     finally:
         rig.close()
         ref_rig.close()
+
+
+@pytest.mark.parametrize("cap", [None, 16])
+def test_the_host_buffer_grows_then_injects_at_its_cap(models, cap):
+    """Rows of a long plain stretch stay on the host past the buffer's first size (no drafter run mid-way:
+    it would push a small target out of the caches); at the buffer's cap they are injected, the rest kept
+    after them; either way the drafter then covers every position once, and drafting resumes losslessly."""
+    from dflash_gguf.decoding import features
+    pair = models.pair("qwen3", "dflash", 8)
+    rig = Rig(pair)
+    try:
+        prompt = rig.tm.tokenize(PROMPTS[0])
+        n = features.FIRST_ROWS + 36
+        plain, _ = rig.run(rig.plain, prompt, n + 20, stop_tokens=[])
+        feed = rig.dec.features
+        if cap is not None:
+            feed.max_rows = cap
+        first, _ = rig.run(rig.dec, prompt, n, stop_tokens=[], use_draft=False)
+        assert first == plain[:n]
+        if cap is None:
+            assert feed.n == len(prompt) - 1 + n and rig.dc.pos_max() == -1   # nothing injected yet
+            assert len(feed.buf) == 2 * features.FIRST_ROWS
+        else:
+            assert 0 < feed.n <= cap                                        # injected at the cap, in order
+            assert len(feed.buf) <= max(cap, len(prompt) - 1)               # (a prompt's chunk may pass it)
+        assert drafter_covers(rig.dc, feed) == len(prompt) - 1 + n
+        ctx = prompt + first
+        rest, st = rig.run(rig.dec, ctx, 20, stop_tokens=[])
+        assert rest == plain[n:n + 20] and st.steps > 0
+    finally:
+        rig.close()

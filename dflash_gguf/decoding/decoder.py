@@ -223,7 +223,8 @@ class DFlashDecoder(Scheduling):
         end = pos0 + len(tokens) if end is None else end
         feed = s.features
         # rows the drafter will attend to (its window's worth at the end) are decoded tap_rows at a
-        # time and injected; the rest in whole ubatches (one per decode: direct taps), nothing kept
+        # time and kept on the host for the next draft; the rest in whole ubatches (one per decode:
+        # direct taps), nothing kept
         split = 0
         if feed is not None and feed.window:
             split = min(max(end - feed.window - pos0, 0), len(tokens))
@@ -240,7 +241,7 @@ class DFlashDecoder(Scheduling):
             chunk = tokens[off:off + step]
             self.target.decode(chunk, pos0 + off, out_row0=0 if sink else len(chunk), seq=s.slot)
             self._sink_rows(s, pos0 + off, 0, len(chunk))
-            feed.inject(pos0 + off, len(chunk), "injecting prompt features into the drafter", end)
+            feed.keep(pos0 + off, len(chunk), end=end)   # on the host until a draft needs them (features.py)
         stats.t_prefill += time.perf_counter() - t0
 
     def _sink_rows(self, s: Slot, pos: int, row0: int, n: int) -> None:

@@ -5,7 +5,7 @@ hidden states at that position). While the speed gate decodes plainly, injecting
 costs a drafter graph run per token for nothing; :class:`FeatureFeed` instead copies the row's taps to
 a host buffer (``llama_dflash_get_taps``) and injects all buffered rows in one call
 (``llama_dflash_inject_features``, patch 0007) when the drafter next needs them: before a draft, or
-before rows are injected straight from a decode. They stay on the host between generations (a
+before rows are injected straight from a decode, or when the buffer reaches ``MAX_BYTES``. They stay on the host between generations (a
 decoder's caches are its token list, ``Slot.cache``: the drafter's KV plus these rows), so rows no
 draft ever reads - a request that decodes plainly to its end, then a new prompt - are never injected.
 Buffered rows always cover the contiguous positions ``[start, start + n)``, right after the drafter's cache.
@@ -24,8 +24,11 @@ from dflash_gguf import _bindings as B
 from dflash_gguf.engine import Context, DrafterInfo
 from dflash_gguf.errors import DFlashError
 
-MAX_ROWS = 64    # injected when this many rows are buffered (host memory: MAX_ROWS * n_taps * n_embd floats;
-                 # a larger one saves little: injecting costs about 6.5 us a row and 60 us a call on the demo pair)
+MAX_BYTES = 16 << 20   # rows are injected when the buffer would pass this (per sequence; it grows by doubling
+                       # from FIRST_ROWS: 3,276 rows of the demo pair, 409 at the Qwen3-1.7B shape with 5 taps). A
+                       # flush mid-run costs more than its 6.5 us a row and 60 us a call: the drafter's graph
+                       # run pushes a small target out of the CPU's caches for the plain steps after it
+FIRST_ROWS = 64
 
 
 class FeatureFeed:
@@ -35,8 +38,9 @@ class FeatureFeed:
         self.taps = np.asarray(info.target_layers, dtype=np.int32)
         self._taps_c = B.ffi.from_buffer("int32_t[]", self.taps)
         self.row = len(self.taps) * target.model.n_embd
-        self.buf: np.ndarray | None = None      # allocated on first use
+        self.buf: np.ndarray | None = None      # allocated on first use, grown by doubling up to max_rows
         self._buf_c = None                      # ... and its C view (keep() runs once per plain step)
+        self.max_rows = max(FIRST_ROWS, MAX_BYTES // (4 * self.row))
         self.start = 0
         self.n = 0
         self.window = drafter.window
@@ -63,15 +67,37 @@ class FeatureFeed:
             B.check(B.lib.llama_dflash_inject(self.drafter.cptr, self.target.cptr, self.seq, pos + skip, row0 + skip,
                                               n_rows - skip), what)
 
-    def keep(self, pos: int, n_rows: int, row0: int = 0) -> None:
-        """Rows ``row0..row0+n_rows`` of the target's last decode, at ``pos``, into the host buffer."""
+    def keep(self, pos: int, n_rows: int, row0: int = 0, end: int | None = None) -> None:
+        """Rows ``row0..row0+n_rows`` of the target's last decode, at ``pos``, into the host buffer.
+
+        ``end``: as for :meth:`inject` (a prompt's chunk): with a window, the drafter's cache slides to end
+        there now (the prompt's untapped head leaves it) and rows it would drop are not kept.
+        """
         if n_rows == 0:
             return
-        if self.n and self.start + self.n != pos or self.n + n_rows > MAX_ROWS:
+        if not self.window and pos + n_rows > self.drafter.n_ctx:
+            # past what the drafter's cache holds: inject now, so that the error comes where it did (with
+            # the rows that do not fit), not at some later draft
+            self.inject(pos, n_rows, "injecting features into the drafter", row0=row0)
+            return
+        if self.n and self.start + self.n != pos or self.n + n_rows > self.max_rows:
             self.flush()
-        if self.buf is None:
-            self.buf = np.empty((MAX_ROWS, self.row), dtype=np.float32)
-            self._buf_c = B.ffi.from_buffer("float[]", self.buf)
+        if end is not None and self.window:
+            if self.n and end - self.window > self.start:
+                self.flush()          # buffered rows the slide would pass: into the drafter first
+            skip = self._first_kept(pos, n_rows, end)
+            pos, row0, n_rows = pos + skip, row0 + skip, n_rows - skip
+            if n_rows == 0:
+                return
+        need = self.n + n_rows
+        if self.buf is None or len(self.buf) < need:
+            size = FIRST_ROWS if self.buf is None else len(self.buf)
+            while size < need:
+                size *= 2
+            buf = np.empty((min(size, max(self.max_rows, need)), self.row), dtype=np.float32)
+            if self.n:
+                buf[:self.n] = self.buf[:self.n]
+            self.buf, self._buf_c = buf, B.ffi.from_buffer("float[]", buf)
         if not self.n:
             self.start = pos
         B.check(B.lib.llama_dflash_get_taps(self.target.cptr, self._taps_c, len(self.taps), row0, n_rows,
