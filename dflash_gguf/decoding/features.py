@@ -4,11 +4,13 @@ Every token the target commits must reach the drafter's cache (its features: the
 hidden states at that position). While the speed gate decodes plainly, injecting one row per token
 costs a drafter graph run per token for nothing; :class:`FeatureFeed` instead copies the row's taps to
 a host buffer (``llama_dflash_get_taps``) and injects all buffered rows in one call
-(``llama_dflash_inject_features``, patch 0007) when the drafter next needs them: before a draft, or
-before rows are injected straight from a decode, or when the buffer reaches ``MAX_BYTES``. They stay on the host between generations (a
-decoder's caches are its token list, ``Slot.cache``: the drafter's KV plus these rows), so rows no
-draft ever reads - a request that decodes plainly to its end, then a new prompt - are never injected.
-Buffered rows always cover the contiguous positions ``[start, start + n)``, right after the drafter's cache.
+(``llama_dflash_inject_features``, patch 0007) when the drafter next needs them: before a draft,
+before rows are injected straight from a decode, or when the buffer would pass ``MAX_BYTES``. A
+prompt's rows are kept the same way. They stay on the host between generations (a decoder's caches
+are its token list, ``Slot.cache``: the drafter's KV plus these rows), so rows no draft ever reads - a
+request that decodes plainly to its end, then a new prompt - are never injected, and a decoder whose
+gate decodes plainly never runs the drafter between its probes. Buffered rows always cover the
+contiguous positions ``[start, start + n)``, right after the drafter's cache.
 
 A drafter context with a window (``Context.window``, see :func:`dflash_gguf.engine.drafter_options`)
 keeps the features of the last ``window`` positions only: before rows are written, older positions
