@@ -115,6 +115,7 @@ def _proposals(target: Path, drafter: Path, prompt_len: int = 24, steps: int = 6
             dec.reset()
             toks = list(dec.generate(prompt, 1 + 3 * k, stop_tokens=[]))
             pos, pending = len(prompt) + len(toks) - 1, toks[-1]
+            dec.features.flush()   # rows kept on the host: what the decoder's next draft injects first
             got = B.check(B.lib.llama_dflash_draft(dctx.cptr, 0, pos, pending, n, B.ffi.from_buffer("llama_token[]", buf)),
                           "draft")
             out.append(buf[:got].tolist())

@@ -89,7 +89,8 @@ def profile(tctx, dctx, prompt_ids: list[int], repeats: int = 15, max_rows: int 
     from dflash_gguf.decoding import DFlashDecoder
 
     dec = DFlashDecoder(tctx, dctx)
-    toks = list(dec.generate(prompt_ids, 1))   # prompt in both caches, features injected
+    toks = list(dec.generate(prompt_ids, 1))   # prompt in both caches ...
+    dec.features.flush()                       # ... and its features in the drafter (kept on the host till now)
     pos = len(prompt_ids)
     pending = toks[-1]
     rng = np.random.default_rng(0)

@@ -42,6 +42,7 @@ def measure_costs(tctx, dctx, prompt_ids: list[int], n_draft: int, repeats: int,
     dec = DFlashDecoder(tctx, dctx)
     first = list(dec.generate(prompt_ids, 1, stop_tokens=[]))
     pos, pending = len(prompt_ids), first[-1]
+    dec.features.flush()   # the rows kept on the host: what the decoder's next draft injects first
     rng = np.random.default_rng(0)
     verify = {}
     for rows in range(1, max_rows + 1):
