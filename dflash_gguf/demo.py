@@ -16,7 +16,6 @@ import argparse
 import codecs
 import logging
 import os
-import statistics
 import sys
 import time
 from pathlib import Path
@@ -44,7 +43,8 @@ def _parse(argv):
     ap.add_argument("--threads", "-t", type=int, default=None, help="CPU threads (default: all cores, at most 8)")
     ap.add_argument("--n-gpu-layers", "-ngl", type=int, default=0, help="layers of both models to offload to "
                     "a GPU (default 0; 99: all; needs a GPU build, see README 'GPU offload')")
-    ap.add_argument("--trials", type=int, default=3, help="timed runs of each mode; the median is shown (default 3)")
+    ap.add_argument("--trials", type=int, default=5,
+                    help="timed runs of each mode, alternating; shown: all tokens over all time (default 5)")
     ap.add_argument("--no-stream", action="store_true", help="do not print the completion as it is generated")
     ap.add_argument("--no-scale", action="store_true", help="skip the line at a realistic size (a Qwen3-0.6B-shaped "
                     "pair with this pair's acceptance replayed; written once, about 0.5 GB, then cached)")
@@ -150,34 +150,36 @@ def main(argv=None) -> int:
             print("ERROR: DFlash output differs from plain decoding - this is a bug, please report it", file=sys.stderr)
             return 1
 
-    def med(runs, attr):
-        return statistics.median(getattr(r, attr) for r in runs)
-
-    tps_plain = med(plain_runs, "tokens_per_second")
-    tps_spec = med(spec_runs, "tokens_per_second")
-    best = spec_runs[0]
+    # what a Llama delivers over these calls: all their tokens over all their time (a probe of the speed
+    # gate lands in some calls and not others: a median would show the calls without one)
+    plain_all, spec_all = GenerationStats(), GenerationStats()
+    for p_st, s_st in zip(plain_runs, spec_runs):
+        plain_all.merge(p_st)
+        spec_all.merge(s_st)
+    tps_plain, tps_spec = plain_all.tokens_per_second, spec_all.tokens_per_second
     speedup = tps_spec / tps_plain if tps_plain else float("nan")
     print()
-    print(f"Results (median of {len(spec_runs)} runs, {len(plain_tokens)} tokens each, prompt {len(ids)} tokens):")
+    print(f"Results ({len(spec_runs)} runs of each, alternating, {len(plain_tokens)} tokens each, prompt {len(ids)} "
+          "tokens; all tokens over all time):")
     print(f"  plain decoding   : {tps_plain:8.1f} tokens/s   (one target pass per token)")
-    print(f"  DFlash decoding  : {tps_spec:8.1f} tokens/s   ({best.passes} target passes for {best.n_generated} tokens, "
-          f"{best.steps} of them verifying drafted blocks)")
+    print(f"  DFlash decoding  : {tps_spec:8.1f} tokens/s   ({spec_all.passes} target passes for "
+          f"{spec_all.n_generated} tokens, {spec_all.steps} of them verifying drafted blocks)")
     print(f"  speed-up         : {speedup:8.2f} x")
-    print(f"  acceptance length: {best.tau:8.2f} tokens per target pass "
-          f"({best.accepted} of {best.drafted} drafted tokens accepted)")
+    print(f"  acceptance length: {spec_all.tau:8.2f} tokens per drafting pass "
+          f"({spec_all.accepted} of {spec_all.drafted} drafted tokens accepted)")
     print("  same output as plain decoding: yes (checked token by token)")
-    rates = best.acceptance_rate_per_pos
+    rates = st_stream.acceptance_rate_per_pos
     if rates:
-        print("  how often the drafter's k-th guess was accepted:")
+        print("  how often the drafter's k-th guess was accepted (the streamed completion above):")
         for k, r in enumerate(rates, 1):
             print(f"    position {k}: {_bar(r)} {r * 100:5.1f}%")
-    t = {k: med(spec_runs, f"t_{k}") for k in ("draft", "verify", "inject", "rollback", "python")}
+    t = {k: v for k, v in spec_all.phase_times().items() if k != "prefill"}
     tot = sum(t.values()) or 1.0
     print("  where DFlash spends its time: " + ", ".join(f"{k} {v / tot * 100:.0f}%" for k, v in t.items()))
     if speedup < 1.0:
         print("  note: a 6 M-parameter target is not bound by reading its weights, so checking a block costs"
               " several one-token passes here")
-        if best.steps * 4 < best.passes:
+        if spec_all.steps * 4 < spec_all.passes:
             print("        and the speed gate decoded plainly; what is left is its probes, whose drafter runs push"
                   " a model this small out of the CPU's caches")
         else:
