@@ -177,6 +177,18 @@ def test_the_plain_step_after_a_probe_charges_its_excess_to_the_probe():
         h._plan = follow[0]                         # the gate drafts now (a plan's step, not a probe)
         h.record(*follow)
         assert h._probe_seen == 4.0, (follow, new_run)
+    # no prior: a 4-token probe's cost is known, a 1-token step's is not - plain's cost is what counts
+    u = G(7)
+    u.cost[0], u._plan = 1.0, 0
+    u.record(4, 0, 4.0)
+    u.record(0, 0, 3.0)
+    assert np.isnan(u.cost[1]) and u._probe_seen == 6.0
+    # a plain cost of 0 (nothing known to compare with): the step after adds nothing
+    z = G(7, np.array([0.0] + [2.5] * 7))
+    z._plan = 0
+    z.record(z.probe_len, 0, 4.0)
+    z.record(0, 0, 3.0)
+    assert z._probe_seen == 4.0
 
 
 def test_a_steady_plain_plan_at_the_longest_gap_probes_within_the_budget():
@@ -670,6 +682,13 @@ def test_the_plans_own_steps_move_every_cost_with_the_machine():
         g.record(3, 0, 1.0)
     assert g.cost[3] != before[3]
     np.testing.assert_allclose(np.delete(g.cost, 3), np.delete(before, 3))
+    # a plan's cost of 0 (a test's prior; no real step costs nothing) scales nothing: no infinities
+    z = past_warmup(G(7, np.array([0.0] + [2.5] * 7)))
+    z._plan = 0
+    for _ in range(G.SETTLE[0] + 2):
+        z.steps += 1
+        z.record(0, 0, 0.5)
+    assert np.array_equal(z.cost, np.array([0.0] + [2.5] * 7))
 
 
 def test_a_busy_spell_while_decoding_plainly_does_not_switch_to_drafting():
