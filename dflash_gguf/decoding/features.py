@@ -57,14 +57,10 @@ class FeatureFeed:
             raise DFlashError(f"the drafter refused to drop positions before {low}")
         return min(max(low - pos, 0), n_rows)
 
-    def inject(self, pos: int, n_rows: int, what: str, end: int | None = None, row0: int = 0) -> None:
-        """Rows ``row0..row0+n_rows`` of the target's last decode, at ``pos``, straight into the drafter.
-
-        ``end``: the position the cache will reach once a longer fill (a prompt in chunks) is done;
-        rows the window drops by then are skipped now.
-        """
+    def inject(self, pos: int, n_rows: int, what: str, row0: int = 0) -> None:
+        """Rows ``row0..row0+n_rows`` of the target's last decode, at ``pos``, straight into the drafter."""
         self.flush()
-        skip = self._first_kept(pos, n_rows, end)
+        skip = self._first_kept(pos, n_rows, None)
         if n_rows > skip:
             B.check(B.lib.llama_dflash_inject(self.drafter.cptr, self.target.cptr, self.seq, pos + skip, row0 + skip,
                                               n_rows - skip), what)
@@ -72,8 +68,9 @@ class FeatureFeed:
     def keep(self, pos: int, n_rows: int, row0: int = 0, end: int | None = None) -> None:
         """Rows ``row0..row0+n_rows`` of the target's last decode, at ``pos``, into the host buffer.
 
-        ``end``: as for :meth:`inject` (a prompt's chunk): with a window, the drafter's cache slides to end
-        there now (the prompt's untapped head leaves it) and rows it would drop are not kept.
+        ``end``: the position the cache will reach once a longer fill (a prompt in chunks) is done: with
+        a window, the drafter's cache slides to end there now (the prompt's untapped head leaves it) and
+        rows it would drop by then are not kept.
         """
         if n_rows == 0:
             return
