@@ -61,6 +61,8 @@ class DraftLength:
                                                              # much with every token right: probed as a never-right
                                                              # drafter is (its dips are no reason to look soon)
     REPLAN_EVERY = 8                                         # steps between re-evaluations of the choice
+    FEW_DRAWS = 4                                            # ... or the next step, after a block with nothing right
+                                                             #     while fewer blocks than this reached position 1
     DECAY = 0.97                                             # acceptance memory, per drafting step
     PRIOR = 2.0                                              # pseudo-draws of the previous position's rate
     COST_EMA = 0.2
@@ -108,6 +110,7 @@ class DraftLength:
         self._right = False                         # ... whether one of them got a token accepted
         self._again: int | None = None              # a cost-measuring probe's second step
         self._replan_due = False                    # a re-planning step was taken by a probe
+        self._recheck = False                       # a block of the plan got nothing accepted: re-plan next step
         self._probe_step = -1                       # the last step that was a cost probe's second
         self._run: int | None = None                # the length of the last step recorded (None: a new run)
         self._streak = 0                            # ... and how many steps of it in a row
@@ -220,8 +223,11 @@ class DraftLength:
             # every PROBE_SOON steps fall on every re-planning step: the plan would never back off)
             self._replan_due |= due
         else:
-            if self._plan is None or due or self._replan_due:
-                self._replan_due = False
+            if self._plan is None or due or self._replan_due or self._recheck:
+                # a re-check only (a block of the plan got nothing accepted, before the schedule's turn):
+                # a changed plan takes effect now, a held one leaves the probing schedule as it was
+                early = self._recheck and not (due or self._replan_due or self._plan is None)
+                self._replan_due = self._recheck = False
                 expected = self.expected_tokens()
                 costs = self.step_cost()
                 rate = expected / costs
@@ -231,6 +237,8 @@ class DraftLength:
                     # keeps drawing every position's acceptance (shorter blocks leave the deep ones to
                     # extrapolation); the most this gives up is PREFER_FULL
                     plan = self.n_max
+                if early and plan == self._plan:
+                    return plan
                 # a choice that survives re-measuring is probed less often (a never-right drafter then
                 # costs one short block every PROBE_MAX steps); a change restarts frequent probing, and
                 # plain decoding chosen over a drafter that does get tokens right (a dip, or few draws)
@@ -294,6 +302,14 @@ class DraftLength:
             # adds its draws: probing soon after it, again and again, would cost more than it finds.
             self._plan = None
             self._next_probe = self.steps + 2
+        if n > 0 and n == self._plan and accepted == 0 and self.tries[0] < self.FEW_DRAWS:
+            # a block of a plan taken on few draws with nothing right: re-plan at the next step, not up to
+            # REPLAN_EVERY steps on. A probe right on both its tokens sends the acceptance estimate,
+            # extrapolated to the deep positions, to whole blocks, which otherwise run on for up to eight
+            # steps of a drafter that is not right (a 0.6B-shaped pair's server spent 0.1-0.3 s a block on
+            # them at one slot); past FEW_DRAWS a miss is what the estimate expects (a good drafter's
+            # first token is wrong about one block in five) and the schedule re-plans
+            self._recheck = True
         if n > 0:
             self._blocks += 1
             self._right |= accepted > 0

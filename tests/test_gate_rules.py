@@ -318,6 +318,43 @@ def test_a_plain_step_is_no_probe():
     assert g._plan == 0
 
 
+def lucky_start(n_max: int = 15) -> G:
+    """A gate with a prior (a plain step 1, a block 3 + 0.1 n) whose first warm-up probe was right on
+    both its tokens: the extrapolated estimate says every token is right, so it plans whole blocks."""
+    g = G(n_max, np.array([1.0] + [3 + 0.1 * n for n in range(1, n_max + 1)]))
+    n = g.choose()
+    assert n == g.probe_len == 2
+    g.record(n, 2, 3.2)
+    assert g.choose() == n_max
+    return g
+
+
+def test_a_block_with_nothing_right_on_few_draws_replans_at_the_next_step():
+    g = lucky_start()
+    g.record(15, 0, 4.5)
+    assert g.steps % G.REPLAN_EVERY != 0
+    assert g.choose() == 0          # not REPLAN_EVERY steps of whole blocks of a drafter that was lucky once
+
+
+def test_a_block_with_nothing_right_past_few_draws_waits_for_the_schedule():
+    g = lucky_start()
+    g.hits[:], g.tries[:] = 0.8 * G.FEW_DRAWS, G.FEW_DRAWS     # many draws of a drafter right 4 times in 5
+    g.record(15, 0, 4.5)
+    assert g.choose() == 15 and g.steps % G.REPLAN_EVERY != 0
+    g.hits[:] = 0.0                                            # (the estimate now says never right)
+    chosen = [g.choose() for _ in range(G.REPLAN_EVERY)]
+    assert chosen[-1] == 0 and chosen[0] == 15                 # the schedule's re-planning step changes it
+
+
+def test_a_held_plan_after_an_early_recheck_keeps_the_probing_schedule():
+    g = lucky_start()
+    g.hits[:], g.tries[:] = 3.0, 3.0                           # few draws, all right
+    every, nxt = g.probe_every, g._next_probe
+    g.record(15, 0, 4.5)
+    assert g.choose() == 15                                    # re-checked, still whole blocks
+    assert (g.probe_every, g._next_probe) == (every, nxt)      # a re-check is no scheduled re-plan
+
+
 # ----------------------------------------------------------------------------- choose()
 def test_the_whole_block_wins_within_the_tie_band():
     exp = 1 + np.arange(8.0)                     # always right
