@@ -70,7 +70,8 @@ _TO_FLOAT = ctypes.CFUNCTYPE(None, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_in
 
 
 class Ggml:
-    """The few ggml entry points the check needs, bound with ctypes."""
+    """The few ggml entry points the checks need (MUL_MAT here, FLASH_ATTN_EXT in
+    :mod:`dflash_gguf.fattn`), bound with ctypes."""
 
     def __init__(self, lib_dir: Path):
         mode = ctypes.RTLD_GLOBAL
@@ -83,7 +84,10 @@ class Ggml:
             (self.base, "ggml_free"): (None, [P]),
             (self.base, "ggml_new_tensor_2d"): (P, [P, I, I64, I64]),
             (self.base, "ggml_new_tensor_3d"): (P, [P, I, I64, I64, I64]),
+            (self.base, "ggml_new_tensor_4d"): (P, [P, I, I64, I64, I64, I64]),
             (self.base, "ggml_mul_mat"): (P, [P, P, P]),
+            (self.base, "ggml_flash_attn_ext"): (P, [P, P, P, P, P, ctypes.c_float, ctypes.c_float, ctypes.c_float]),
+            (self.base, "ggml_flash_attn_ext_set_prec"): (None, [P, I]),
             (self.base, "ggml_new_graph"): (P, [P]),
             (self.base, "ggml_build_forward_expand"): (None, [P, P]),
             (self.base, "ggml_tensor_overhead"): (S, []),
