@@ -111,6 +111,8 @@ class DraftLength:
         self._again: int | None = None              # a cost-measuring probe's second step
         self._replan_due = False                    # a re-planning step was taken by a probe
         self._recheck = False                       # a block of the plan got nothing accepted: re-plan next step
+        self.probing = False                        # the last choice was an acceptance probe (is the drafter
+                                                    # right?), not a length the plan or a cost probe drafts
         self._probe_step = -1                       # the last step that was a cost probe's second
         self._run: int | None = None                # the length of the last step recorded (None: a new run)
         self._streak = 0                            # ... and how many steps of it in a row
@@ -129,12 +131,14 @@ class DraftLength:
             self._warmup = self.steps - 1       # a probe was right: the costs are known, the plan can start
         if self.steps <= self._warmup:
             w = self._warmup_plan[self.steps - 1]
+            self.probing = self._prior_warmup      # with a prior the warm-up only asks for acceptance
         elif self.steps >= self._next_probe:
             # probe what the plan does not use: a short block while decoding plainly (is the drafter
             # right again?), a full block while drafting shorter ones, plain decoding while drafting
             # full blocks
             self._next_probe = self.steps + self.probe_every
             if not self._plan:
+                self.probing = True
                 return self.probe_len      # acceptance: one step (its cost is the prior's or a warm-up's)
             if self._plan == self.n_max:
                 self._again = 0            # costs: two steps, the second one's is the steady cost
@@ -216,6 +220,7 @@ class DraftLength:
 
     def choose(self) -> int:
         self.steps += 1
+        self.probing = False
         n = self._scheduled()
         due = self.steps % self.REPLAN_EVERY == 0
         if n is not None:

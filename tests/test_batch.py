@@ -231,6 +231,36 @@ def test_batch_gates_start_from_a_prior_and_the_known_acceptance(models):
         rig.close()
 
 
+def test_a_batch_probe_drafts_for_one_sequence(models):
+    """While a batch's gate decodes plainly, its acceptance probes draft for one sequence of the step
+    (the one with the fewest rows kept on the host to inject), not for all of them: a probe asks whether
+    the drafter is right again, and one draft answers it without verifying b (n + 1) rows. The draw is
+    the probed sequence's; the output stays each request's own."""
+    pair = models.pair("qwen3", "dflash", 8)
+    rig = BatchRig(pair, 4, proposer=lambda ctx, n: [(t + 1) % 512 for t in ctx[-n:]], adaptive=True)
+    try:
+        dec, probes = rig.dec, []
+        propose = dec._propose_all
+
+        def spy(seqs, ns):
+            gate = dec._prev_gate
+            if len(seqs) > 1 and gate is not None and gate.probing:
+                probes.append((len(seqs), [n for s, n in zip(seqs, ns) if s.gate is not None],
+                               [s.features.n for s in seqs]))
+            return propose(seqs, ns)
+        dec._propose_all = spy
+        prompts = [rig.tm.tokenize(t) for t in TEXTS]
+        reqs = [Request(prompts[i % len(prompts)], 12 + 7 * (i % 3), stop_tokens=[]) for i in range(12)]
+        assert dec.generate_batch(reqs) == [rig.alone(r) for r in reqs]
+        assert probes, "no batch step probed the drafter"
+        for b, ns, kept in probes:
+            drafting = [i for i, n in enumerate(ns) if n > 0]
+            assert len(drafting) == 1, (b, ns)
+            assert kept[drafting[0]] == min(kept), (ns, kept)
+    finally:
+        rig.close()
+
+
 def test_mismatched_sequence_counts_are_refused(models):
     pair = models.pair("qwen3", "dflash", 8)
     tm, dm = Model(pair.target), Model(pair.drafter)

@@ -244,6 +244,25 @@ def test_a_cost_probe_takes_two_steps_an_acceptance_probe_one(plan, probe):
     assert got == probe
 
 
+@pytest.mark.parametrize("plan", [0, 7, 3])
+def test_only_acceptance_probes_are_marked_probing(plan):
+    """``probing`` (a batch then drafts for one sequence) marks the plain plan's short blocks and a
+    prior's warm-up probes; the plan's own steps and probes that re-measure a cost draft for all."""
+    g = past_warmup(G(7))
+    g._plan = plan
+    g._next_probe = g.steps + 1
+    marks = []
+    for _ in range(3):
+        n = g.choose()
+        marks.append((n, g.probing))
+    assert marks[0] == ((4, True) if plan == 0 else (marks[0][0], False))
+    assert not any(p for _, p in marks[1:])
+    warm = G(7, np.array([1.0] + [3.0] * 7))
+    assert warm.choose() == warm.probe_len and warm.probing              # with a prior: an acceptance probe
+    cold = G(7)
+    assert cold.choose() == 7 and not cold.probing                        # without: the warm-up measures costs
+
+
 def test_warmup_without_a_prior():
     """Runs of two full blocks and two plain steps (each second step's cost is a settled one), half a
     block, a full block."""

@@ -75,6 +75,8 @@ class _Schedule:
     """Stands in for the gate during calibration: a fixed sequence of runs of lengths, the last
     ``COUNTED`` steps of every run recorded."""
 
+    probing = False   # every step drafts its length for every sequence (no acceptance probes)
+
     def __init__(self, lengths: list[int], rounds: int):
         self.plan: list[int] = []
         self.counted: list[bool] = []

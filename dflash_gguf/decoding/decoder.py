@@ -280,6 +280,15 @@ class DFlashDecoder(Scheduling):
         for s in seqs:
             want = choice if s.gate is not None else s.n_draft
             ns.append(max(0, min(want, s.max_tokens - s.produced - 1, self.n_ctx - len(s.cache) - 1)))
+        if gate is not None and gate.probing and len(seqs) > 1:
+            # an acceptance probe asks whether the drafter is right again: one sequence's draft answers
+            # that at a fraction of the whole batch's cost (b + n verify rows instead of b (n + 1), one
+            # drafter row set, one sequence's kept rows injected: the one with the fewest); the other
+            # gated sequences decode plainly this step
+            can = [i for i, s in enumerate(seqs) if s.gate is not None and ns[i] > 0]
+            if can:
+                probe = min(can, key=lambda i: seqs[i].features.n)
+                ns = [n if i == probe or seqs[i].gate is None else 0 for i, n in enumerate(ns)]
         return ns, gate, choice
 
     def _propose_all(self, seqs: list[Slot], ns: list[int]) -> list:
@@ -388,7 +397,9 @@ class DFlashDecoder(Scheduling):
         if gate is None:
             return
         gated = [st for s, st in steps if s.gate is not None]
-        for i, st in enumerate(gated):
+        # an acceptance probe of a batch drafted for one sequence (_lengths): the others drew nothing
+        draws = [st for st in gated if st.n > 0] if gate.probing and len(steps) > 1 else gated
+        for i, st in enumerate(draws or gated[:1]):
             gate.record(choice if len(steps) > 1 else st.n, st.accepted, seconds / len(gated), same_step=i > 0)
 
     # ------------------------------------------------------------------ requests
