@@ -133,11 +133,15 @@ def _batch_child(spec: dict, n: int, lines: list[str], base: dict) -> dict:
     out = llm.generate(prompts, max_tokens=spec["tokens"])
     end = time.perf_counter()
     after = _status()
+    # the drafter's features kept on the host per slot (decoding/features.py: rows of plain steps and of the
+    # prompt, up to MAX_BYTES a slot), which llama.cpp's buffer figures do not count
+    kept = [s.features.buf.nbytes for s in llm.decoder.seqs if s.features is not None and s.features.buf is not None]
     llm.close()
     bufs = [m.groups() for m in map(_BUF.match, lines) if m]
     n_tok = sum(len(c.tokens) for c in out)
     return {"base": base, "loaded": loaded, "after": after, "buffers": bufs, "t_load": t_load,
-            "t_prompt": 0.0, "tps": n_tok / (end - t0), "n": n_tok, "n_parallel": n}
+            "t_prompt": 0.0, "tps": n_tok / (end - t0), "n": n_tok, "n_parallel": n,
+            "host_features_bytes": int(sum(kept))}
 
 
 # --------------------------------------------------------------------------- parent
@@ -198,22 +202,24 @@ def table(results: dict[str, dict], target_mb: float, drafter_mb: float) -> str:
 
 
 def _batch_lines(results: dict[str, dict]) -> list[str]:
-    """Memory at N slots: predicted from one slot's run (its KV buffers, llama.cpp's own figures, x N;
-    the rest as one slot's) beside the measured peak."""
+    """Memory at N slots: predicted from one slot's run (its KV buffers, llama.cpp's own figures, and the
+    drafter features it kept on the host, x N; the rest as one slot's) beside the measured peak."""
     one = results.get("batch n_parallel=1")
     if one is None:
         return []
     kv1 = sum(summarize(one)["kv"])
+    host1 = one.get("host_features_bytes", 0) / 2**20
     out = []
     for name, r in results.items():
         n = r.get("n_parallel")
         if not n or n == 1:
             continue
         kv = sum(summarize(r)["kv"])
-        pred = one["after"]["VmHWM"] + (n - 1) * kv1
+        pred = one["after"]["VmHWM"] + (n - 1) * (kv1 + host1)
         got = r["after"]["VmHWM"]
-        out.append(f"- {name}: KV buffers {kv:.0f} MiB (one slot's x {n}: {kv1 * n:.0f}); peak RSS {got:.0f} MiB, "
-                   f"predicted {pred:.0f} (one slot's peak + {n - 1} x its KV), {got / pred:.2f}x")
+        out.append(f"- {name}: KV buffers {kv:.0f} MiB (one slot's x {n}: {kv1 * n:.0f}), host features "
+                   f"{r.get('host_features_bytes', 0) / 2**20:.0f} MiB (one slot's x {n}: {host1 * n:.0f}); peak RSS {got:.0f} "
+                   f"MiB, predicted {pred:.0f} (one slot's peak + {n - 1} x its KV and host features), {got / pred:.2f}x")
     return out
 
 
