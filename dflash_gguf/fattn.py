@@ -22,12 +22,12 @@ import json
 import logging
 import sys
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
-from dflash_gguf.mulmat import GGML_TYPES, Ggml, _InitParams, cpu_backend, default_lib_dir
+from dflash_gguf.mulmat import GGML_TYPES, Ggml, _InitParams, cpu_backend, default_lib_dir, report
 
 log = logging.getLogger(__name__)
 
@@ -77,11 +77,24 @@ class Attention:
         self.ggml.ggml_backend_tensor_get(self.out, out.ctypes.data, 0, out.nbytes)
         return out
 
+    def __call__(self, q: np.ndarray, k: np.ndarray, v: np.ndarray, mask: np.ndarray) -> np.ndarray:
+        """:meth:`set`, :meth:`compute`, :meth:`result`."""
+        self.set(q, k, v, mask)
+        self.compute()
+        return self.result()
+
     def close(self) -> None:
         if self.buf:
             self.ggml.ggml_backend_buffer_free(self.buf)
             self.buf = None
             self.ggml.ggml_free(self.ctx)
+
+
+def random_qkv(rng: np.random.Generator, d: int, rows: int, kv: int, heads: int, kv_heads: int):
+    """Q (heads, rows, d) f32, K and V (kv_heads, kv, d) f16, standard normal."""
+    return (rng.standard_normal((heads, rows, d)).astype(np.float32),
+            rng.standard_normal((kv_heads, kv, d)).astype(np.float16),
+            rng.standard_normal((kv_heads, kv, d)).astype(np.float16))
 
 
 def exact(q: np.ndarray, k: np.ndarray, v: np.ndarray, mask: np.ndarray, scale: float) -> np.ndarray:
@@ -177,12 +190,8 @@ def run_grid(ggml: Ggml, rows_list: list[int], kvs: list[int], threads: int, see
                              ("interleaved-3", interleaved_mask(rows, kv, 3, rng, max_run=70)),
                              *edge_masks(rows, kv)]
                     for name, mask in masks:
-                        q = rng.standard_normal((heads, rows, d)).astype(np.float32)
-                        k = rng.standard_normal((kv_heads, kv, d)).astype(np.float16)
-                        v = rng.standard_normal((kv_heads, kv, d)).astype(np.float16)
-                        att.set(q, k, v, mask)
-                        att.compute()
-                        y = att.result()
+                        q, k, v = random_qkv(rng, d, rows, kv, heads, kv_heads)
+                        y = att(q, k, v, mask)
                         ref = exact(q, k, v, mask, scale)
                         err = float(np.abs(y - ref).max() / (np.abs(ref).max() or 1.0))
                         yield CaseResult(name, rows, kv, heads, threads, err,
@@ -201,17 +210,11 @@ def same_bits(ggml: Ggml, backend: int, att: Attention, rng: np.random.Generator
     mask = interleaved_mask(rows, kv, 8, rng)
     mask[:] = mask[0]                                    # every row is sequence 0's
     mine = np.flatnonzero(np.isfinite(mask[0].astype(np.float32)))
-    q = rng.standard_normal((heads, rows, d)).astype(np.float32)
-    k = rng.standard_normal((kv_heads, kv, d)).astype(np.float16)
-    v = rng.standard_normal((kv_heads, kv, d)).astype(np.float16)
-    att.set(q, k, v, mask)
-    att.compute()
-    y = att.result()
+    q, k, v = random_qkv(rng, d, rows, kv, heads, kv_heads)
+    y = att(q, k, v, mask)
     alone = Attention(ggml, backend, d, rows, len(mine), heads, kv_heads, scale)
     try:
-        alone.set(q, k[:, mine], v[:, mine], np.zeros((rows, len(mine)), dtype=np.float16))
-        alone.compute()
-        diff = float(np.abs(alone.result() - y).max())
+        diff = float(np.abs(alone(q, k[:, mine], v[:, mine], np.zeros((rows, len(mine)), dtype=np.float16)) - y).max())
     finally:
         alone.close()
     return CaseResult("same-bits-as-alone", rows, kv, heads, threads, diff, diff == 0.0)
@@ -230,8 +233,7 @@ def time_masks(ggml: Ggml, rows: int, kv: int, seqs: int, threads: int, repeats:
             try:
                 mask = interleaved_mask(rows, n_kv, seqs, rng) if name == "interleaved" else \
                     np.zeros((rows, n_kv), dtype=np.float16)
-                att.set(rng.standard_normal((heads, rows, d)), rng.standard_normal((kv_heads, n_kv, d)),
-                        rng.standard_normal((kv_heads, n_kv, d)), mask)
+                att.set(*random_qkv(rng, d, rows, n_kv, heads, kv_heads), mask)
                 ts = []
                 for _ in range(repeats + 1):
                     t0 = time.perf_counter()
@@ -263,12 +265,7 @@ def main(argv: list[str] | None = None) -> int:
             for kv in kvs:
                 print(json.dumps(time_masks(ggml, r, kv, args.seqs, args.threads, args.time, seed=args.seed)), flush=True)
         return 0
-    failed = 0
-    for res in run_grid(ggml, rows, kvs, args.threads, args.seed):
-        failed += not res.ok
-        print(json.dumps(asdict(res)), flush=True)
-    log.info("%s", "all cases match" if not failed else f"{failed} case(s) differ")
-    return 1 if failed else 0
+    return report(run_grid(ggml, rows, kvs, args.threads, args.seed))
 
 
 if __name__ == "__main__":

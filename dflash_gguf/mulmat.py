@@ -375,8 +375,15 @@ def main(argv: list[str] | None = None) -> int:
         for rec in time_bufts(ggml, bufts, types, args.k, args.n, parse_rows(args.rows), args.time, args.threads, args.seed):
             print(json.dumps(rec), flush=True)
         return 0
+    return report(run_grid(ggml, args.buft, types, parse_rows(args.rows), args.k, args.n, args.batch, args.threads,
+                           args.seed))
+
+
+def report(cases) -> int:
+    """Print each case (a dataclass with ``ok``) as a JSON line as it finishes; the exit code: 1 if one
+    differs, else 0."""
     failed = 0
-    for res in run_grid(ggml, args.buft, types, parse_rows(args.rows), args.k, args.n, args.batch, args.threads, args.seed):
+    for res in cases:
         failed += not res.ok
         print(json.dumps(asdict(res)), flush=True)
     log.info("%s", "all cases match" if not failed else f"{failed} case(s) differ")
