@@ -374,6 +374,57 @@ def test_a_held_plan_after_an_early_recheck_keeps_the_probing_schedule():
     assert (g.probe_every, g._next_probe) == (every, nxt)      # a re-check is no scheduled re-plan
 
 
+def planned(p: int) -> Fixed:
+    """A gate past its warm-up, every token right, whose costs make length ``p`` the plan, with no
+    acceptance draws yet; its next step is not a re-planning one."""
+    cost = np.full(8, 50.0)
+    cost[0], cost[p] = 1.0, (0.5 if p else 1.0)
+    g = past_warmup(Fixed(7, 1 + np.arange(8.0), cost))
+    g.steps = 2 * G.REPLAN_EVERY
+    assert g.choose() == p
+    return g
+
+
+PLAIN_WINS = np.array([1.0] + [50.0] * 7)
+ONE_WINS = np.array([1.0, 0.1] + [50.0] * 6)
+
+
+def test_a_plain_step_is_no_miss_of_the_plan():
+    g = planned(0)
+    g.record(0, 0, 1.0)
+    g.fixed_cost = ONE_WINS
+    assert g.choose() == 0              # not re-planned before the schedule's step
+
+
+def test_a_one_token_plan_rechecks_on_a_miss():
+    g = planned(1)
+    g.record(1, 0, 0.5)
+    g.fixed_cost = PLAIN_WINS
+    assert g.choose() == 0
+
+
+def test_few_draws_count_position_one_only():
+    g = planned(7)
+    g.tries[0], g.tries[1:] = G.FEW_DRAWS + 1, 0.5     # position 1 drawn often, the later ones seldom
+    g.record(7, 0, 0.5)
+    g.fixed_cost = PLAIN_WINS
+    assert g.choose() == 7
+
+
+@pytest.mark.parametrize("scheduled", ["due", "put off"])
+def test_a_recheck_on_a_scheduled_replan_is_the_scheduled_replan(scheduled):
+    """A miss that falls on a re-planning step (or one a probe put off) re-plans as the schedule does: a
+    plan that holds backs off its probing."""
+    g = planned(7)
+    if scheduled == "due":
+        g.steps = 3 * G.REPLAN_EVERY - 1
+    else:
+        g._replan_due = True
+    every = g.probe_every
+    g.record(7, 0, 0.5)
+    assert g.choose() == 7 and g.probe_every == min(2 * every, G.PROBE_MAX)
+
+
 # ----------------------------------------------------------------------------- choose()
 def test_the_whole_block_wins_within_the_tie_band():
     exp = 1 + np.arange(8.0)                     # always right
