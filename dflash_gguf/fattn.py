@@ -27,7 +27,7 @@ from pathlib import Path
 
 import numpy as np
 
-from dflash_gguf.mulmat import GGML_TYPES, Ggml, _InitParams, cpu_backend, default_lib_dir, report
+from dflash_gguf.mulmat import GGML_TYPES, Ggml, _InitParams, cpu_backend, default_lib_dir, parse_rows, report
 
 log = logging.getLogger(__name__)
 
@@ -36,8 +36,8 @@ NINF = np.float16(-np.inf)
 
 
 class Attention:
-    """One FLASH_ATTN_EXT graph (F32 Q, F16 K/V and mask) on the CPU backend; ``run`` sets the inputs
-    and returns the output as (rows, heads, DV)."""
+    """One FLASH_ATTN_EXT graph (F32 Q, F16 K/V and mask) on the CPU backend; calling it sets the inputs,
+    computes and returns the output as (rows, heads, DV)."""
 
     def __init__(self, ggml: Ggml, backend: int, d: int, rows: int, kv: int, heads: int, kv_heads: int,
                  scale: float):
@@ -248,7 +248,7 @@ def time_masks(ggml: Ggml, rows: int, kv: int, seqs: int, threads: int, repeats:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--lib-dir", type=Path, default=None, help="directory with libggml*.so (default: the llama_cpp wheel's)")
-    ap.add_argument("--rows", default="1,2,8,17", help="query rows per op (comma list)")
+    ap.add_argument("--rows", default="1,2,8,17", help="query rows per op, e.g. 1,2,8 or 1-17")
     ap.add_argument("--kv", default="96,600,1000", help="KV cells (comma list; one row at 512 or more: split-KV path)")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--seed", type=int, default=0)
@@ -258,8 +258,7 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(name)s: %(message)s")
     ggml = Ggml(args.lib_dir or default_lib_dir())
-    rows = [int(x) for x in args.rows.split(",")]
-    kvs = [int(x) for x in args.kv.split(",")]
+    rows, kvs = parse_rows(args.rows), parse_rows(args.kv)
     if args.time:
         for r in rows:
             for kv in kvs:
