@@ -88,3 +88,23 @@ def test_the_cli_takes_the_key_from_flag_or_environment(fast, monkeypatch, caplo
         assert cli.main(argv) == 0
     assert seen["api_key"] == key and seen["host"] == host
     assert any("without an API key" in r.getMessage() for r in caplog.records) is warns
+
+
+@pytest.mark.parametrize("missing, expect", [((), ("uvloop", "httptools")), (("uvloop",), ("asyncio", "httptools")),
+                                             (("httptools",), ("uvloop", "h11")),
+                                             (("uvloop", "httptools"), ("asyncio", "h11"))])
+def test_the_cli_serves_on_uvloop_and_httptools_where_installed(fast, monkeypatch, missing, expect):
+    import importlib.util
+    real = importlib.util.find_spec
+
+    def find_spec(name, *a):
+        if name in ("uvloop", "httptools"):     # installed or not, as the case says
+            return None if name in missing else object()
+        return real(name, *a)
+
+    monkeypatch.setattr(importlib.util, "find_spec", find_spec)
+    seen = {}
+    monkeypatch.setattr(options, "load_llama", lambda args: fast)
+    monkeypatch.setattr(uvicorn, "run", lambda app, **kw: seen.update(**kw))
+    assert cli.main(["-m", "unused.gguf"]) == 0
+    assert (seen["loop"], seen["http"]) == expect

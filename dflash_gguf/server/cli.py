@@ -61,6 +61,17 @@ def loopback(host: str) -> bool:
         return False
 
 
+def io_stack() -> tuple[str, str]:
+    """uvicorn's event loop and HTTP parser: uvloop and httptools where installed (the ``server`` extra
+    has them: a streamed token costs the event loop about a third less CPU than on asyncio's loop with
+    h11, time it takes from ggml's threads on the same cores; BENCHMARKS.md section 20), else the pure
+    Python ones."""
+    import importlib.util
+
+    have = lambda name: importlib.util.find_spec(name) is not None  # noqa: E731
+    return ("uvloop" if have("uvloop") else "asyncio"), ("httptools" if have("httptools") else "h11")
+
+
 def main(argv: list[str] | None = None, prog: str = "python -m dflash_gguf.server") -> int:
     import uvicorn
 
@@ -76,7 +87,12 @@ def main(argv: list[str] | None = None, prog: str = "python -m dflash_gguf.serve
     app = create_app(llm, args.model_alias, max_queue=args.max_queue, request_timeout=args.request_timeout,
                      parallel=args.parallel,
                      api_key=api_key)
-    uvicorn.run(app, host=args.host, port=args.port, log_level="debug" if args.verbose else "info")
+    loop, http = io_stack()
+    if (loop, http) != ("uvloop", "httptools"):
+        log.info("event loop %s, HTTP parser %s (pip install uvloop httptools: less CPU per streamed token)",
+                 loop, http)
+    uvicorn.run(app, host=args.host, port=args.port, loop=loop, http=http,
+                log_level="debug" if args.verbose else "info")
     return 0
 
 

@@ -293,11 +293,23 @@ def chunk(job_id: str, model_id: str, text: str | None, finish: str | None, chat
 
 
 # ---------------------------------------------------------------------- serving a job (the event loop)
+if hasattr(asyncio, "timeout"):         # Python 3.11+: a timer on this task (wait_for makes a task per call)
+    async def _get_within(q: asyncio.Queue, seconds: float):
+        async with asyncio.timeout(seconds):
+            return await q.get()
+else:
+    async def _get_within(q: asyncio.Queue, seconds: float):
+        return await asyncio.wait_for(q.get(), seconds)
+
+
 async def _next(job, request, deadline: float | None):
     """The job's next item from the engine thread, or (None, "timeout" | "disconnect")."""
+    q = job.queue
     while True:
+        if not q.empty():                       # what a step already sent: no wait, no timer
+            return q.get_nowait(), None
         try:
-            return await asyncio.wait_for(job.queue.get(), POLL_S), None
+            return await _get_within(q, POLL_S), None
         except asyncio.TimeoutError:
             if deadline is not None and time.monotonic() >= deadline:
                 return None, "timeout"
