@@ -34,12 +34,18 @@ def batch_prior(costs: np.ndarray, b: int) -> np.ndarray:
     (``costs[n]``: a step drafting n tokens, n + 1 verify rows): a step of b sequences drafting n each
     verifies R = b (n + 1) rows, costed as one sequence's step of that many rows where the calibration
     measured one (R <= n_max + 1), else as its full block's, growing with the rows (a CPU verify is
-    compute-bound there); each sequence is charged a b-th. Drafting then looks costlier as the batch
-    grows, as it is on a CPU; the batch's gate refines each cost it uses from its own steps."""
-    costs = np.asarray(costs)
+    compute-bound there), less the drafter's call for a plain step; each sequence is charged a b-th.
+    Drafting then looks costlier as the batch grows, as it is on a CPU; the batch's gate refines each
+    cost it uses from its own steps."""
+    costs = np.asarray(costs, dtype=float)
     n_max = len(costs) - 1
     rows = b * (np.arange(n_max + 1) + 1)
     whole = np.where(rows <= n_max + 1, costs[np.minimum(rows, n_max + 1) - 1], costs[n_max] * rows / (n_max + 1))
+    if b > 1 and n_max >= 1:
+        # a plain step of b rows runs no drafter, where the one-sequence step of b rows it is costed as
+        # did: take the drafter's call back off (what one drafted token adds to a plain step: the call,
+        # and a second verify row that costs next to nothing where one row is bound by the weights)
+        whole[0] = max(whole[0] - max(costs[1] - costs[0], 0.0), costs[0])
     return whole / b
 
 
@@ -71,6 +77,10 @@ class DraftLength:
                                                              # plain steps settle over about ten after a drafting
                                                              # step or a prefill (the drafter's runs push a small
                                                              # target out of the caches); a drafting block after one
+    SWITCHES = 3                                             # steps of the plan, each the first of a run (its
+                                                             # gate's steps always follow others': batch sizes
+                                                             # that come and go): from the SWITCHES-th on, their
+                                                             # costs count (they are what this plan costs)
     PREFER_FULL = 0.03                                       # the whole block unless another length is this much faster
 
     def __init__(self, n_max: int, costs: np.ndarray | None = None):
@@ -116,6 +126,7 @@ class DraftLength:
         self._probe_step = -1                       # the last step that was a cost probe's second
         self._run: int | None = None                # the length of the last step recorded (None: a new run)
         self._streak = 0                            # ... and how many steps of it in a row
+        self._switches = 0                          # steps of the plan in a row that were each a run's first
 
     def _scheduled(self) -> int | None:
         if self._again is not None:
@@ -279,10 +290,14 @@ class DraftLength:
         self.hits[:], self.tries[:] = other.hits, other.tries
         self._blocks, self._right = other._blocks, other._right
 
-    def new_run(self) -> None:
+    def new_run(self, after: "DraftLength | None" = None) -> None:
         """The next step starts a run (a generation's first, after its prefill): its cost is no steady one
-        (nor a probe's aftermath)."""
-        self._run = None
+        (nor a probe's aftermath). ``after``: the step before was that gate's (another batch size's), and
+        this gate's run goes on from where it stands: a plain step of three sequences after plain steps of
+        two is as settled as after its own. (Without it, a server whose batch size changes every few steps
+        never records a steady cost in a small batch's gate, which then plans on its prior for good: a
+        4-client server's two-sequence gate drafted on a noisy prior's word, every step of its life.)"""
+        self._run, self._streak = (after._run, after._streak) if isinstance(after, DraftLength) else (None, 0)
         self._probe_after = False
 
     def record(self, n: int, accepted: int, seconds: float, same_step: bool = False) -> None:
@@ -334,9 +349,19 @@ class DraftLength:
             if not steady:
                 self._prior.add(n)     # the first steady step of this length replaces it
             return
+        switched = False
         if not steady:
-            return                     # a switch's cost, not this length's
-        if (self._probe_step == self.steps or not settled) and seconds >= c:
+            # a switch's cost, not this length's; unless the plan's steps are all switches (a batch size's
+            # gate whose every step follows another size's or a prefill: a server's batch that changes
+            # every few steps), where it is what the plan costs, and a prior that underrates it would
+            # otherwise stand for good
+            self._switches = self._switches + 1 if n == self._plan else 0
+            if self._switches < self.SWITCHES:
+                return
+            switched = True
+        elif n == self._plan:
+            self._switches = 0
+        if not switched and (self._probe_step == self.steps or not settled) and seconds >= c:
             # a probe's second step, or a plain step before SETTLE of them, still runs warmer than
             # settled steps (on a small pair plain steps settle over about ten after a drafting one):
             # it may lower a cost, not raise it (a prior measured on a busier machine still comes down
@@ -351,11 +376,12 @@ class DraftLength:
         w = 1.0 if n in self._prior else self.COST_EMA
         self._prior.discard(n)
         new = (1 - w) * c + w * seconds
-        if n == self._plan and self._probe_step != self.steps and c > 0:
+        if n == self._plan and self._probe_step != self.steps and c > 0 and not switched:
             # the plan's own steps track the machine: one that gets busier (or quieter) makes every length
             # cost more (or less), so the others' costs move with it; only steps of another length (probes)
             # change how they compare. Left alone, a stale cost taken in a quieter minute beats the plan's
             # fresh one: the demo pair's gate drafted at 0.83x plain after a busy minute raised plain's cost
-            # by 30% while the whole block's stood
+            # by 30% while the whole block's stood. (Not a switch's step: it costs what it does for being
+            # one, which says nothing of the machine.)
             self.cost *= new / c
         self.cost[n] = new

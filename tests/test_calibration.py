@@ -196,3 +196,28 @@ def test_a_prior_cheaper_than_the_steps_is_kept(pair, cache):
     (f,) = cache.glob("*.json")                   # ... and the prior stays
     np.testing.assert_allclose(json.loads(f.read_text())["costs"], before)
     assert not calibration.prior_is_stale(before, dec.gate)
+
+
+def test_monotone_is_the_least_squares_non_decreasing_fit():
+    from scipy.optimize import isotonic_regression
+
+    rng = np.random.default_rng(0)
+    for n in (1, 2, 3, 7, 16):
+        for _ in range(50):
+            v = rng.normal(size=n).cumsum() if rng.random() < 0.5 else rng.normal(size=n)
+            np.testing.assert_allclose(calibration.monotone(v.tolist()), isotonic_regression(v).x, atol=1e-12)
+    assert calibration.monotone([]).size == 0
+
+
+def test_a_cached_prior_with_a_cheap_draft_is_tidied(pair, cache):
+    """A prior whose one-token step costs more than longer ones (a noisy median), or a drafting step less
+    than a plain one, is read as the closest prior without either: never a reason to draft."""
+    dec = pair.decoder(SpecOptions(adaptive=False))
+    n = dec.n_draft
+    noisy = np.linspace(0.9, 2.0, n + 1)
+    noisy[0], noisy[1], noisy[2] = 1.0, 2.2, 0.8          # one token dearer than n_max; two below plain
+    calibration.cache_file(calibration.cache_key(dec)).write_text(json.dumps({"costs": noisy.tolist()}))
+    costs = calibration.step_costs(dec)
+    assert costs[0] == 1.0 and (np.diff(costs[1:]) >= 0).all() and (costs[1:] >= costs[0]).all()
+    np.testing.assert_allclose(costs, calibration.tidy(noisy))
+    assert costs[1] < noisy[1] and costs[2] > noisy[2]     # the outlier pooled with its neighbours

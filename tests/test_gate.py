@@ -367,9 +367,10 @@ def test_a_wrong_prior_gives_way_to_measured_steps():
 
 
 def test_a_step_whose_gate_did_not_take_the_step_before_starts_a_run(models, monkeypatch):
-    """Batched steps use one gate per batch size: a step after another size's step, a plain step or a
-    prefill is the first of its gate's run (its cost is a switch's), so the decoder starts a new run on
-    that gate right before it chooses; steps of the same gate in a row do not."""
+    """Batched steps use one gate per batch size: before a step after another size's step, a plain step or
+    a prefill, the decoder starts a new run on that gate right before it chooses; steps of the same gate
+    in a row do not. After a prefill the run is a switch's; after another size's step it goes on from
+    that gate's run (a step of the same length in a row is as settled, whatever the batch size)."""
     pair = models.pair("qwen3", "dflash", 8)
     tm, dm = Model(pair.target), Model(pair.drafter)
     opts = ContextOptions(n_ctx=256, n_batch=64, n_ubatch=64, n_threads=1, n_seq=2)
@@ -378,7 +379,9 @@ def test_a_step_whose_gate_did_not_take_the_step_before_starts_a_run(models, mon
     events = []
     choose, new_run = DraftLength.choose, DraftLength.new_run
     monkeypatch.setattr(DraftLength, "choose", lambda g: (events.append(("choose", g)), choose(g))[1])
-    monkeypatch.setattr(DraftLength, "new_run", lambda g: (events.append(("new", g)), new_run(g))[1])
+    monkeypatch.setattr(DraftLength, "new_run",
+                        lambda g, after=None: (events.append(("new", g)), afters.append(after), new_run(g, after))[2])
+    afters = []
     prefill = DFlashDecoder._prefill
     monkeypatch.setattr(DFlashDecoder, "_prefill",
                         lambda self, *a, **k: (events.append(("prefill", None)), prefill(self, *a, **k))[1])
@@ -396,6 +399,8 @@ def test_a_step_whose_gate_did_not_take_the_step_before_starts_a_run(models, mon
         if g is not before or prefilled:
             switched += g is not before
             assert started, "the first step of a gate after another gate's step (or a prefill) starts a run"
+            after = afters[sum(1 for kind, _ in events[:i - 1] if kind == "new")]
+            assert after is (None if prefilled else before), "it goes on from the other gate's run, not a prefill's"
         else:
             settled += 1
             assert not started, "a step right after its own gate's step is a settled one"

@@ -687,19 +687,23 @@ def test_a_gate_can_start_from_anothers_acceptance():
 
 def test_batch_prior_scales_one_sequences_costs_by_the_rows():
     """A step of b sequences drafting n each verifies b (n + 1) rows: costed as one sequence's step of
-    that many rows (within the calibrated block), beyond it as the full block's per row, a b-th each."""
+    that many rows (within the calibrated block), beyond it as the full block's per row, a b-th each; a
+    plain step of b rows without the drafter's call that one sequence's step of b rows made."""
     from dflash_gguf.gate import batch_prior
 
     c = np.array([10.0, 12.0, 13.0, 15.0, 16.0, 18.0, 19.0, 21.0])    # n = 0..7: 1..8 rows
     assert np.allclose(batch_prior(c, 1), c)
     two = batch_prior(c, 2)
-    assert np.allclose(two[:4], [c[1] / 2, c[3] / 2, c[5] / 2, c[7] / 2])        # 2, 4, 6, 8 rows
+    call = c[1] - c[0]                                                           # the drafter's, about
+    assert np.allclose(two[:4], [c[0] / 2, c[3] / 2, c[5] / 2, c[7] / 2])        # 2 (plain), 4, 6, 8 rows
     assert np.allclose(two[4:], c[7] * np.array([10, 12, 14, 16]) / 8 / 2)       # past the block: per row
     three = batch_prior(c, 3)                                                    # 3, 6, 9, 12 ... rows
-    assert np.allclose(three[:2], [c[2] / 3, c[5] / 3]) and np.allclose(three[2], c[7] * 9 / 8 / 3)
+    assert np.allclose(three[:2], [(c[2] - call) / 3, c[5] / 3]) and np.allclose(three[2], c[7] * 9 / 8 / 3)
     assert np.allclose(batch_prior([10, 12, 13, 15, 16, 18, 19, 21], 3), three)  # integer costs alike
     eight = batch_prior(c, 8)
-    assert np.allclose(eight[0], c[7] / 8) and (np.diff(eight) > 0).all()
+    assert np.allclose(eight[0], (c[7] - call) / 8) and (np.diff(eight) > 0).all()
+    # never below what one sequence's plain step costs, the batch's whole step
+    assert np.allclose(batch_prior([10.0, 30.0, 25.0, 32.0], 3)[0], 10.0 / 3)
     # drafting looks dearer, per sequence, the larger the batch (as on a CPU); plain steps cheaper
     assert eight[7] / eight[0] > two[7] / two[0] > c[7] / c[0]
     assert eight[0] < two[0] < c[0]
@@ -816,3 +820,27 @@ def test_a_busy_spell_while_decoding_plainly_does_not_switch_to_drafting():
         chosen.append(n)
     busy = np.array(chosen[150:])                    # without the rule: 50 of its first 100 steps drafted
     assert np.mean(busy == 0) >= 0.95, np.bincount(busy)
+
+
+def test_a_run_goes_on_across_batch_sizes_but_not_across_a_prefill():
+    """Steps of one length in a row are settled whichever batch size's gate took them: a server whose batch
+    size changes every few steps must still measure each batch size's costs. (Without it a gate whose
+    steps all follow another gate's keeps its prior for good: a noisy one that says one drafted token costs
+    less than a plain step had a 4-client server draft for two sequences at every such step.)"""
+    wrong = np.array([20.0, 14.0, 16.0, 18.0])          # drafting looks cheaper than decoding plainly
+    small, big = G(3, wrong.copy()), G(3, np.array([10.0, 30.0, 40.0, 50.0]))
+    seen = []
+    for _ in range(30):                                  # the two batch sizes alternate, step by step
+        big.new_run(small)
+        big.record(0, 0, 10.0)
+        small.new_run(big)
+        n = small.choose()
+        small.record(n, 0, 45.0 if n else 20.0)
+        seen.append(n)
+    assert small.cost[1] > 1.5 * wrong[1] and small.cost[3] > 2 * wrong[3], "the plans' real costs replaced the prior's"
+    assert seen[-10:] == [0] * 10, "and the gate decodes plainly, as it should with nothing ever right"
+    fresh = G(3, wrong.copy())
+    for _ in range(30):                                  # a prefill before every step: never a settled one
+        fresh.new_run()
+        fresh.record(1, 0, 45.0)
+    assert fresh.cost[1] == wrong[1]

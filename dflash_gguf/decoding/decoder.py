@@ -271,9 +271,10 @@ class DFlashDecoder(Scheduling):
                 if seen:
                     gate.learn_acceptance(max(seen, key=lambda g: g.tries.sum()))
         if gate is not None and gate is not self._prev_gate:
-            # the step before was not this gate's (another batch size, a plain step, a prefill, a new
-            # call): this step's cost is a switch's, not a settled one
-            gate.new_run()
+            # the step before was not this gate's: after a prefill, a new call or a step of sequences that
+            # no gate drafts for, this step's cost is a switch's, not a settled one; after another batch
+            # size's step, the run goes on from that gate's (the same length in a row is as settled)
+            gate.new_run(self._prev_gate)
         self._prev_gate = gate
         choice = gate.choose() if gate is not None else 0
         ns = []
