@@ -704,6 +704,9 @@ def test_batch_prior_scales_one_sequences_costs_by_the_rows():
     assert np.allclose(eight[0], (c[7] - call) / 8) and (np.diff(eight) > 0).all()
     # never below what one sequence's plain step costs, the batch's whole step
     assert np.allclose(batch_prior([10.0, 30.0, 25.0, 32.0], 3)[0], 10.0 / 3)
+    assert np.allclose(batch_prior(c / 1000, 3), three / 1000)                  # seconds, as the gate's are
+    assert np.allclose(batch_prior([10.0, 14.0], 2), [10.0 / 2, 14.0 * 4 / 2 / 2])  # a one-token block
+    assert np.allclose(batch_prior([10.0], 2), [10.0])                          # no drafting at all
     # drafting looks dearer, per sequence, the larger the batch (as on a CPU); plain steps cheaper
     assert eight[7] / eight[0] > two[7] / two[0] > c[7] / c[0]
     assert eight[0] < two[0] < c[0]
@@ -844,3 +847,39 @@ def test_a_run_goes_on_across_batch_sizes_but_not_across_a_prefill():
         fresh.new_run()
         fresh.record(1, 0, 45.0)
     assert fresh.cost[1] == wrong[1]
+
+
+def test_the_plans_switch_steps_count_from_the_switches_th_in_a_row():
+    """SWITCHES - 1 steps of the plan that each begin a run move no cost; the next does. A steady step of
+    the plan in between starts the count again."""
+    g = G(3, np.array([20.0, 14.0, 16.0, 18.0]))
+    g._plan = 1
+    for _ in range(G.SWITCHES - 1):
+        g.new_run()
+        g.record(1, 0, 21.0)
+    assert g.cost[1] == 14.0
+    g.record(1, 0, 14.0)                                 # a steady step of the plan, at its known cost
+    assert g.cost[1] == 14.0
+    for _ in range(G.SWITCHES - 1):
+        g.new_run()
+        g.record(1, 0, 21.0)
+    assert g.cost[1] == 14.0, "the steady step started the count again"
+    g.new_run()
+    g.record(1, 0, 21.0)
+    assert g.cost[1] == pytest.approx(14.0 + G.COST_EMA * 7.0) and g.cost[0] == 20.0, \
+        "the SWITCHES-th moves the plan's cost (the steady step replaced the prior: an average now), and only its"
+
+
+def test_a_plain_step_after_another_gates_plain_steps_is_a_settled_one():
+    """new_run(after): the run goes on from the other gate's: past SETTLE[0] plain steps in a row, a
+    plain step of this gate may raise its cost; after new_run() (a prefill) it is a switch's."""
+    other = G(3, np.full(4, 10.0))
+    for _ in range(G.SETTLE[0] + 1):
+        other.record(0, 0, 10.0)
+    g = G(3, np.array([5.0, 30.0, 40.0, 50.0]))
+    g.new_run()
+    g.record(0, 0, 10.0)
+    assert g.cost[0] == 5.0
+    g.new_run(other)
+    g.record(0, 0, 10.0)
+    assert g.cost[0] == 10.0
