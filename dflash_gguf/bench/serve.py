@@ -113,6 +113,16 @@ def one_request(url: str, prompt: str, n_tokens: int) -> tuple[float, float, int
     return (first if first is not None else total), total, n
 
 
+def main_thread_cpu(pid: int) -> float | None:
+    """CPU seconds (user + system) the process's main thread has used, or None where /proc cannot say."""
+    try:
+        stat = Path(f"/proc/{pid}/task/{pid}/stat").read_text()
+        fields = stat[stat.rindex(")") + 2:].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError):
+        return None
+
+
 def run_clients(url: str, n_clients: int, n_requests: int, n_tokens: int) -> dict:
     jobs = list(range(n_requests))
     lock = threading.Lock()
@@ -160,7 +170,12 @@ def bench(pair: str, servers: list[str], clients: list[int], n_requests: int, n_
         try:
             url = f"http://127.0.0.1:{port}"
             one_request(url, PROMPTS[0], 4)   # warm-up (and the gate's calibration, ours)
+            cpu0 = main_thread_cpu(proc.pid)
             r = run_clients(url, c, max(n_requests, c), n_tokens)
+            cpu1 = main_thread_cpu(proc.pid)
+            if cpu0 is not None and cpu1 is not None and r["tokens"]:
+                # ours: the event loop's CPU per streamed token (taken from ggml's threads on these cores)
+                r["main_ms_per_token"] = 1e3 * (cpu1 - cpu0) / r["tokens"]
         finally:
             proc.terminate()
             try:
@@ -169,8 +184,8 @@ def bench(pair: str, servers: list[str], clients: list[int], n_requests: int, n_
                 proc.kill()
         rows.append({"pair": pair, "clients": c, "server": server, "run": rep,
                      **{k: round(v, 4) for k, v in r.items()}})
-        log.info("  %.1f tok/s, ttft p50 %.0f ms, request p50 %.0f ms", r["tok_s"], 1e3 * r["ttft_p50"],
-                 1e3 * r["lat_p50"])
+        log.info("  %.1f tok/s, ttft p50 %.0f ms, request p50 %.0f ms, main thread %.3f ms CPU a token", r["tok_s"],
+                 1e3 * r["ttft_p50"], 1e3 * r["lat_p50"], r.get("main_ms_per_token", float("nan")))
     return rows
 
 
