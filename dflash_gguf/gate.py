@@ -355,6 +355,9 @@ class DraftLength:
             # gate whose every step follows another size's or a prefill: a server's batch that changes
             # every few steps), where it is what the plan costs, and a prior that underrates it would
             # otherwise stand for good
+            # (counted across plans: what the count measures is the traffic - this gate's steps all follow
+            # other gates' - which a new plan does not change; counted per plan, a 4-client server's gate
+            # whose plans change as the prior gives way takes about twice as many steps to decode plainly)
             self._switches = self._switches + 1 if n == self._plan else 0
             if self._switches < self.SWITCHES:
                 return

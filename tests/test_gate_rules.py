@@ -870,6 +870,27 @@ def test_the_plans_switch_steps_count_from_the_switches_th_in_a_row():
         "the SWITCHES-th moves the plan's cost (the steady step replaced the prior: an average now), and only its"
 
 
+def test_the_switch_count_runs_on_when_the_plan_changes():
+    """The count of switch steps is the gate's, not a plan's: it says that every step of this gate follows
+    another gate's, which a new plan does not change. After SWITCHES - 1 of one plan, a new plan's first
+    switch step moves its cost; a step of another length (a probe) starts the count again."""
+    g = G(3, np.array([20.0, 14.0, 16.0, 18.0]))
+    g._plan = 1
+    for _ in range(G.SWITCHES - 1):
+        g.new_run()
+        g.record(1, 0, 21.0)
+    g._plan = 2
+    g.new_run()
+    g.record(2, 0, 30.0)
+    assert g.cost[2] == 30.0 and g.cost[1] == 14.0, "the new plan's first switch step counts, for its own length"
+    g.new_run()
+    g.record(3, 0, 40.0)                                 # a probe's switch step: not the plan
+    assert g.cost[3] == 18.0
+    g.new_run()
+    g.record(2, 0, 20.0)
+    assert g.cost[2] == 30.0, "the probe started the count again"
+
+
 def test_a_plain_step_after_another_gates_plain_steps_is_a_settled_one():
     """new_run(after): the run goes on from the other gate's: past SETTLE[0] plain steps in a row, a
     plain step of this gate may raise its cost; after new_run() (a prefill) it is a switch's."""

@@ -156,36 +156,77 @@ def run_clients(url: str, n_clients: int, n_requests: int, n_tokens: int) -> dic
             "lat_p50": statistics.median(lat), "lat_p95": pct(lat, 0.95)}
 
 
+def _stop(proc: subprocess.Popen) -> None:
+    proc.terminate()
+    try:
+        proc.wait(30)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+
+
+def _measure(proc: subprocess.Popen, url: str, n_clients: int, n_requests: int, n_tokens: int) -> dict:
+    """One run of ``n_clients`` clients against a warm server, with its main thread's CPU per token."""
+    cpu0 = main_thread_cpu(proc.pid)
+    r = run_clients(url, n_clients, max(n_requests, n_clients), n_tokens)
+    cpu1 = main_thread_cpu(proc.pid)
+    if cpu0 is not None and cpu1 is not None and r["tokens"]:
+        # ours: the event loop's CPU per streamed token (taken from ggml's threads on these cores)
+        r["main_ms_per_token"] = 1e3 * (cpu1 - cpu0) / r["tokens"]
+    return r
+
+
 def bench(pair: str, servers: list[str], clients: list[int], n_requests: int, n_tokens: int, threads: int,
-          ctx: int, repeats: int = 1) -> list[dict]:
+          ctx: int, repeats: int = 1, all_up: bool = False) -> list[dict]:
     """Every server at every client count, ``repeats`` times over in turn (the servers alternate, so a
-    slow spell of the machine falls on all of them); one row per run (``run``: 0..repeats-1)."""
+    slow spell of the machine falls on all of them); one row per run (``run``: 0..repeats-1).
+
+    ``all_up``: at each client count every server is started (and warmed up) once and stays up while the
+    others run, so that the runs alternate within seconds, not a server start apart (on a VM whose speed
+    swings within minutes, that is what makes a few percent visible); otherwise each run has a fresh
+    server, started after the last one stopped."""
     target, drafter = pair_files(pair)
     rows = []
-    for c, rep, server in ((c, rep, server) for c in clients for rep in range(repeats) for server in servers):
+
+    def up(server: str, c: int) -> tuple[subprocess.Popen, str]:
         port = _free_port()
-        cmd = command(server, target, drafter, c, threads, ctx, port)
-        log.info("%s, %d client(s): %s", pair, c, server)
-        proc = start(cmd, port)
+        log.info("%s, %d client(s): starting %s", pair, c, server)
+        proc = start(command(server, target, drafter, c, threads, ctx, port), port)
+        url = f"http://127.0.0.1:{port}"
         try:
-            url = f"http://127.0.0.1:{port}"
             one_request(url, PROMPTS[0], 4)   # warm-up (and the gate's calibration, ours)
-            cpu0 = main_thread_cpu(proc.pid)
-            r = run_clients(url, c, max(n_requests, c), n_tokens)
-            cpu1 = main_thread_cpu(proc.pid)
-            if cpu0 is not None and cpu1 is not None and r["tokens"]:
-                # ours: the event loop's CPU per streamed token (taken from ggml's threads on these cores)
-                r["main_ms_per_token"] = 1e3 * (cpu1 - cpu0) / r["tokens"]
-        finally:
-            proc.terminate()
-            try:
-                proc.wait(30)
-            except subprocess.TimeoutExpired:
-                proc.kill()
+        except BaseException:
+            _stop(proc)
+            raise
+        return proc, url
+
+    def record(c: int, rep: int, server: str, r: dict) -> None:
         rows.append({"pair": pair, "clients": c, "server": server, "run": rep,
                      **{k: round(v, 4) for k, v in r.items()}})
-        log.info("  %.1f tok/s, ttft p50 %.0f ms, request p50 %.0f ms, main thread %.3f ms CPU a token", r["tok_s"],
-                 1e3 * r["ttft_p50"], 1e3 * r["lat_p50"], r.get("main_ms_per_token", float("nan")))
+        log.info("  %s: %.1f tok/s, ttft p50 %.0f ms, request p50 %.0f ms, main thread %.3f ms CPU a token", server,
+                 r["tok_s"], 1e3 * r["ttft_p50"], 1e3 * r["lat_p50"], r.get("main_ms_per_token", float("nan")))
+
+    for c in clients:
+        if all_up:
+            procs: dict[str, tuple[subprocess.Popen, str]] = {}
+            try:
+                for server in servers:
+                    procs[server] = up(server, c)
+                for rep in range(repeats):
+                    for server in servers:
+                        proc, url = procs[server]
+                        record(c, rep, server, _measure(proc, url, c, n_requests, n_tokens))
+            finally:
+                for proc, _ in procs.values():
+                    _stop(proc)
+            continue
+        for rep in range(repeats):
+            for server in servers:
+                proc, url = up(server, c)
+                try:
+                    r = _measure(proc, url, c, n_requests, n_tokens)
+                finally:
+                    _stop(proc)
+                record(c, rep, server, r)
     return rows
 
 
@@ -284,6 +325,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--tag", default="serve")
     ap.add_argument("--repeats", type=int, default=1,
                     help="runs of every server per client count, alternating; the table shows their medians")
+    ap.add_argument("--all-up", action="store_true",
+                    help="keep every server of a client count up at once, warmed once, and alternate the runs "
+                         "between them (default: a fresh server per run)")
     ap.add_argument("--engine", action="store_true",
                     help="also time the batched engine in this process (no HTTP): C sequences in one generate_batch")
     a = ap.parse_args(argv)
@@ -292,7 +336,7 @@ def main(argv: list[str] | None = None) -> int:
     rows = []
     servers = list(a.servers)
     for pair in a.pairs:
-        rows += bench(pair, a.servers, clients, a.requests, a.tokens, a.threads, a.ctx_size, a.repeats)
+        rows += bench(pair, a.servers, clients, a.requests, a.tokens, a.threads, a.ctx_size, a.repeats, a.all_up)
         if a.engine:
             rows += engine_only(pair, clients, 2 * a.tokens, a.threads, a.ctx_size)
     if a.engine:
@@ -301,7 +345,8 @@ def main(argv: list[str] | None = None) -> int:
     cmd = "python -m dflash_gguf.bench.serve " + " ".join(argv if argv is not None else sys.argv[1:])
     md = (f"Server benchmark. {cmd}\n\nMachine: {cpu}, {os.cpu_count()} cores; {a.threads} threads per server; "
           f"{a.requests} greedy streamed requests of {a.tokens} tokens per run"
-          f"{f'; medians of {a.repeats} alternating runs' if a.repeats > 1 else ''}.\n\n{table(medians(rows), servers)}\n")
+          f"{f'; medians of {a.repeats} alternating runs' if a.repeats > 1 else ''}"
+          f"{' (all servers up at once)' if a.all_up else ''}.\n\n{table(medians(rows), servers)}\n")
     print(md)
     if a.out:
         a.out.mkdir(parents=True, exist_ok=True)
