@@ -47,6 +47,7 @@ from dflash_gguf import paths
 from dflash_gguf.cpu import cpu_flags, cpu_model
 from dflash_gguf.decoding.proposer import DrafterProposer
 from dflash_gguf.gate import DraftLength
+from dflash_gguf.threads import run_in_own_thread
 
 if TYPE_CHECKING:
     from dflash_gguf.decoding.decoder import DFlashDecoder
@@ -210,13 +211,15 @@ def step_costs(decoder: "DFlashDecoder") -> np.ndarray | None:
             pass
         if not measured_before:
             log.warning("ignoring an unreadable calibration file %s", f)
+    # on a thread of its own, which ends with it: a decoder is often built on a thread that never decodes
+    # again (a server's main thread), whose OpenMP pool would slow every other thread's decodes for good
     log.info("measuring DFlash step costs of %s + %s on this machine (once; cached)",
              decoder.target.model.path.name, decoder.drafter.model.path.name)
     t0 = time.perf_counter()
-    got = measure(decoder, ROUNDS)
+    got = run_in_own_thread(measure, decoder, ROUNDS, name="dflash-calibration")
     if got is not None and not got[1]:
         log.info("step costs unsteady (the machine is busy?): measuring again")
-        got = measure(decoder, ROUNDS)
+        got = run_in_own_thread(measure, decoder, ROUNDS, name="dflash-calibration")
     seconds = time.perf_counter() - t0
     if got is None:
         log.info("no step-cost prior: the target's context (%d) is too small for the calibration's steps; "

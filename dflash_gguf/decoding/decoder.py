@@ -231,23 +231,31 @@ class DFlashDecoder(Scheduling):
         elif feed is None:
             split = len(tokens)
         step = self.target.n_ubatch   # llama.cpp keeps n_ubatch <= n_batch
-        sink = s.logits_sink
         for off in range(0, split, step):
             chunk = tokens[off:min(off + step, split)]
-            self.target.decode(chunk, pos0 + off, out_row0=0 if sink else len(chunk), seq=s.slot)
+            self.target.decode(chunk, pos0 + off, out_row0=self._out_row0(s, pos0 + off, len(chunk)), seq=s.slot)
             self._sink_rows(s, pos0 + off, 0, len(chunk))
         step = min(self.tap_rows, TAP_ROWS)
         for off in range(split, len(tokens), step):
             chunk = tokens[off:off + step]
-            self.target.decode(chunk, pos0 + off, out_row0=0 if sink else len(chunk), seq=s.slot)
+            self.target.decode(chunk, pos0 + off, out_row0=self._out_row0(s, pos0 + off, len(chunk)), seq=s.slot)
             self._sink_rows(s, pos0 + off, 0, len(chunk))
             feed.keep(pos0 + off, len(chunk), end=end)   # on the host until a draft needs them (features.py)
         stats.t_prefill += time.perf_counter() - t0
 
+    @staticmethod
+    def _out_row0(s: Slot, pos: int, n: int) -> int:
+        """The first of a prefill chunk's ``n`` rows (at ``pos..``) whose logits the request's sink takes
+        (``n``: none of them)."""
+        if s.logits_sink is None:
+            return n
+        return min(max(s.sink_from - pos, 0), n)
+
     def _sink_rows(self, s: Slot, pos: int, row0: int, n: int) -> None:
-        """Hand rows ``row0..row0+n`` of the last decode (positions ``pos..``) to the request's sink."""
+        """Hand rows ``row0..row0+n`` of the last decode (positions ``pos..``) to the request's sink (those
+        at ``s.sink_from`` and after)."""
         if s.logits_sink is not None:
-            for j in range(n):
+            for j in range(max(s.sink_from - pos, 0), n):
                 s.logits_sink(pos + j, self.target.logits_row(row0 + j))
 
     def _lengths(self, seqs: list[Slot]) -> tuple[list[int], DraftLength | None, int]:
@@ -416,13 +424,13 @@ class DFlashDecoder(Scheduling):
 
     def _begin(self, s: Slot, prompt: list[int], max_tokens: int, sp: SamplingParams, stats: GenerationStats,
                stop: set[int] | frozenset[int], use_draft: bool, index: int = -1, defer: bool = False,
-               constraints: Constraints | None = None, logits_sink=None) -> None:
+               constraints: Constraints | None = None, logits_sink=None, sink_from: int = 0) -> None:
         """Start a request on slot ``s``: both caches to ``prompt[:-1]`` (reusing what they share); with
         ``defer``, only the reuse: the rest of the prompt waits in ``s.todo`` (see :meth:`_prefill_chunk`).
         ``constraints``: the request's logits processors and grammar (closed when it ends); ``logits_sink``:
         see :class:`~dflash_gguf.decoding.sequence.Request`."""
         s.t_start = time.perf_counter()
-        s.logits_sink = logits_sink
+        s.logits_sink, s.sink_from = logits_sink, sink_from
         s.index, s.produced, s.max_tokens, s.stop, s.stats = index, 0, max_tokens, stop, stats
         s.chooser = TokenChooser(sp, constraints)
         # greedy rows read the target's argmax ids; penalties, processors and grammars judge the logits

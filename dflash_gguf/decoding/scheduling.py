@@ -60,7 +60,8 @@ class Scheduling:
         try:
             self._begin(s, prompt, r.max_tokens, sp, stats,
                         self.eog if r.stop_tokens is None else set(map(int, r.stop_tokens)), r.use_draft, index,
-                        defer=True, constraints=r.constraints, logits_sink=r.logits_sink)
+                        defer=True, constraints=r.constraints, logits_sink=r.logits_sink,
+                        sink_from=r.sink_from)
         except BaseException:
             self._free.append(s)
             raise

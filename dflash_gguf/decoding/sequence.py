@@ -31,6 +31,8 @@ class Request:
     # called with (position, logits row) for every prompt row and every committed token's row, before the
     # tokens are handed over (what llama_cpp keeps with logits_all=True)
     logits_sink: Callable[[int, np.ndarray], None] | None = None
+    sink_from: int = 0   # ... from this position on (rows before it are neither computed nor handed over:
+                         # len(prompt) - 1 gives only the rows that predict generated tokens)
 
 
 @dataclass
@@ -62,6 +64,7 @@ class Slot:
     stop: frozenset[int] | set[int] = frozenset()
     chooser: TokenChooser | None = None
     logits_sink: Callable[[int, np.ndarray], None] | None = None
+    sink_from: int = 0
     greedy: bool = True
     n_draft: int = 0                  # most tokens this request drafts per step (0: plain)
     gate: DraftLength | None = None   # its speed gate alone (None: fixed length)

@@ -33,8 +33,11 @@ OpenAI does.
 
 Not supported, with a 400: ``n`` or ``best_of`` > 1 (llama_cpp.server silently returns one choice),
 ``suffix`` (llama_cpp 0.3.36 builds fill-in-the-middle prompts with placeholder token id 0),
-``logprobs`` / ``top_logprobs`` unless the model keeps every position's logits (``--logits-all``, as in
-llama_cpp: then they are served with DFlash). ``echo`` works as in llama_cpp.
+``logprobs`` / ``top_logprobs`` without ``--parallel`` unless the model keeps every position's logits
+(``--logits-all``, as in llama_cpp: then they are served with DFlash); with ``--parallel`` the slots serve
+them either way (the generated tokens' log-probabilities from the rows the engine verified, in llama_cpp's
+format; streamed, each chunk carries those of the tokens whose text it completes), except for an echoed
+prompt's, which need ``--logits-all``. ``echo`` works as in llama_cpp.
 
 Errors are JSON ``{"error": {"message", "type", "param", "code"}}``: 400 for bad input (validation,
 context overflow, an unknown field), 404/405 for unknown routes, 408/503 as above, 500 only for
@@ -48,7 +51,6 @@ import hmac
 import json
 import logging
 import time
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable, Iterator
 
 from fastapi import FastAPI, Request
@@ -59,6 +61,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from dflash_gguf import __version__
 from dflash_gguf.server.metrics import Metrics
 from dflash_gguf.server.schemas import ChatRequest, CompletionRequest
+from dflash_gguf.threads import SerialWorker
 
 log = logging.getLogger("dflash_gguf.server")
 _END = object()
@@ -150,7 +153,9 @@ class _Server:
         self._tasks: set[asyncio.Task] = set()
         self.created = int(time.time())
         self.lock = asyncio.Lock()
-        self.worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="llama")   # the only thread touching llm
+        # the only thread touching llm, at a time: it ends when idle, so that its OpenMP pool does not slow the
+        # slots' engine thread once it is done (dflash_gguf.threads)
+        self.worker = SerialWorker(name="llama")
         self.metrics = Metrics()
         self.waiting = 0
         self.slots = None          # --parallel N: the batched engine (dflash_gguf.server.slots.Slots)
@@ -475,14 +480,16 @@ def create_app(llm, model_id: str | None = None, *, max_queue: int | None = None
             kw["grammar"] = grammar
         prompt = body.prompt
         _check_prompt(llm, prompt)
-        if srv.slots is not None and body.logprobs is None and (not body.echo or isinstance(prompt, str)) \
+        if srv.slots is not None and (body.logprobs is None or not body.echo) \
+                and (not body.echo or isinstance(prompt, str)) \
                 and srv.slots.eligible(_set(kw)) and (body.typical_p in (None, 1.0)):
             from dflash_gguf.server import slots as S
 
             # as llama_cpp's create_completion tokenizes it
             ids = list(prompt) if not isinstance(prompt, str) else \
                 llm.tokenize(prompt.encode("utf-8"), special=True) if prompt else [llm.token_bos()]
-            job = S.make_job(srv.slots, asyncio.get_running_loop(), ids, kw, _stops(kw.get("stop")), chat=False)
+            job = S.make_job(srv.slots, asyncio.get_running_loop(), ids, kw, _stops(kw.get("stop")), chat=False,
+                             offset0=len(prompt))
             if body.echo and not body.stream:
                 job.echo = prompt    # llama_cpp: text = prompt + completion; its streams leave the prompt out
             return await S.serve(srv, request, "/v1/completions", job, body.stream, body.include_usage(), False)
@@ -504,8 +511,7 @@ def create_app(llm, model_id: str | None = None, *, max_queue: int | None = None
             if not hasattr(llm, "dflash_info"):
                 raise BadRequest("chat_template_kwargs needs a dflash_gguf.Llama", "chat_template_kwargs")
             kw["chat_template_kwargs"] = body.chat_template_kwargs
-        if srv.slots is not None and not body.logprobs and body.top_logprobs is None \
-                and not body.tools and body.tool_choice is None and srv.slots.eligible(_set(kw)) \
+        if srv.slots is not None and not body.tools and body.tool_choice is None and srv.slots.eligible(_set(kw)) \
                 and body.typical_p in (None, 1.0):
             from dflash_gguf.server import slots as S
 

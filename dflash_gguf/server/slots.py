@@ -1,7 +1,7 @@
 """``--parallel N``: requests decoded together, N sequences per step, in one batched engine.
 
 Beside the server's :class:`dflash_gguf.Llama` (which keeps serving what the batched engine does not:
-tools, logprobs, echo of a token-id prompt, chat formats without a known formatter),
+tools, echo of a token-id prompt, logprobs of an echoed prompt, chat formats without a known formatter),
 :class:`Slots` runs a :class:`dflash_gguf.decoding.DFlashDecoder` of N sequences on the same models (its own
 target context of N x n_ctx positions and drafter context of N windows) in one thread. Each step drafts
 every running request's block in one drafter decode and verifies them all in one target decode; a
@@ -26,6 +26,7 @@ from dflash_gguf.batch import StopStrings, formatted_prompt
 from dflash_gguf.constraints import request_constraints
 from dflash_gguf.server.app import POLL_S, _error_response, _usage_chunk, error_body
 from dflash_gguf.engine import Context, ContextOptions, Model
+from dflash_gguf.logprobs import Collector, CompletionLogprobs, chat_logprobs
 from dflash_gguf.sampling import SamplingParams
 from dflash_gguf.decoding.decoder import DFlashDecoder, SpecOptions
 from dflash_gguf.decoding.sequence import Request
@@ -33,12 +34,14 @@ from dflash_gguf.decoding.stats import GenerationStats
 
 log = logging.getLogger("dflash_gguf.server")
 
-# request fields the batched engine serves; any other set field (logprobs, tools, tool_choice, mirostat,
-# typical_p < 1, chat_template_kwargs) goes to the Llama. echo: a text prompt's (as llama_cpp: the
-# non-streamed text starts with the prompt; a stream leaves it out); a token-id prompt's goes to the Llama
+# request fields the batched engine serves; any other set field (tools, tool_choice, mirostat, typical_p < 1,
+# chat_template_kwargs) goes to the Llama. echo: a text prompt's (as llama_cpp: the non-streamed text starts
+# with the prompt; a stream leaves it out); a token-id prompt's goes to the Llama, and so do the logprobs of
+# an echoed prompt (its rows). logprobs / top_logprobs: the generated tokens' (dflash_gguf.logprobs), with
+# or without --logits-all
 SERVED = frozenset({"temperature", "top_p", "top_k", "min_p", "repeat_penalty", "frequency_penalty",
                     "presence_penalty", "seed", "stop", "dflash", "max_tokens", "stream", "model", "grammar",
-                    "logit_bias", "response_format", "echo"})
+                    "logit_bias", "response_format", "echo", "logprobs", "top_logprobs"})
 
 
 class Job:
@@ -52,12 +55,27 @@ class Job:
         self.n_tokens = 0
         self.why_plain: str | None = None   # why it decodes plainly (dflash off for it or for the server)
         self.echo = ""      # a completion's text starts with this (echo=true: the prompt, as llama_cpp)
+        self.logprobs: Collector | None = None        # the generated tokens' log-probabilities, if asked for
+        self.logprobs_offset = 0                      # ... the first one's text offset (llama_cpp: len(prompt))
         request.consumer = self._consume
 
+    def want_logprobs(self, k: int, end_tokens, offset0: int) -> None:
+        """Report the generated tokens' log-probabilities and their ``k`` most likely alternatives."""
+        self.logprobs = Collector(k, end_tokens)
+        self.logprobs_offset = offset0
+        self.request.logits_sink = self.logprobs.sink
+        self.request.sink_from = max(len(self.request.prompt) - 1, 0)   # the rows that predict generated tokens
+
     def _consume(self, tokens: list[int]) -> int | None:
-        if self.cancelled:
-            return 0
-        return self.text(tokens)
+        want = 0 if self.cancelled else self.text(tokens)
+        if self.logprobs is not None:
+            self.logprobs.commit(tokens if want is None else tokens[:want])
+        return want
+
+    def logprobs_format(self, llm) -> CompletionLogprobs | None:
+        if self.logprobs is None:
+            return None
+        return CompletionLogprobs(lambda t: llm.detokenize([t]), self.logprobs_offset, llm.token_bos())
 
     def put(self, item: Any) -> None:
         self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
@@ -231,7 +249,10 @@ def chat_prompt(llm, messages: list[dict]) -> tuple[list[int], list[str]] | None
     return formatted_prompt(fmt, messages, llm.tokenize)
 
 
-def make_job(slots: Slots, loop, prompt_ids: list[int], kw: dict, stops: list[str], chat: bool) -> Job:
+def make_job(slots: Slots, loop, prompt_ids: list[int], kw: dict, stops: list[str], chat: bool,
+             offset0: int = 0) -> Job:
+    """A job for ``prompt_ids`` (``offset0``: ``len(prompt)`` of the request's prompt as given, the first
+    generated token's text offset in a completion's ``logprobs``)."""
     max_tokens = kw.get("max_tokens")
     room = max(slots.target.n_ctx - len(prompt_ids), 0)
     if max_tokens is None or max_tokens <= 0:
@@ -245,6 +266,10 @@ def make_job(slots: Slots, loop, prompt_ids: list[int], kw: dict, stops: list[st
                       use_draft=use, stats=GenerationStats(), constraints=limits)
     job = Job(loop, request, StopStrings(slots.model.token_bytes, stops))
     job.why_plain = None if use else "dflash=false in the request" if want is False else "dflash=False"
+    if chat and kw.get("logprobs"):                      # chat: logprobs=true, top_logprobs=k
+        job.want_logprobs(int(kw.get("top_logprobs") or 0), slots.decoder.eog, offset0)
+    elif not chat and kw.get("logprobs") is not None:    # completions: logprobs=k
+        job.want_logprobs(int(kw["logprobs"]), slots.decoder.eog, offset0)
     return job
 
 
@@ -265,15 +290,19 @@ def usage(job: Job) -> dict:
     return {"prompt_tokens": n_prompt, "completion_tokens": job.n_tokens, "total_tokens": n_prompt + job.n_tokens}
 
 
-def completion_body(job: Job, model_id: str, text: str, chat: bool, drafting: bool) -> dict:
+def completion_body(job: Job, model_id: str, text: str, chat: bool, drafting: bool, llm=None) -> dict:
     now = int(time.time())
+    fmt = job.logprobs_format(llm) if llm is not None else None
+    lp = None if fmt is None else fmt.take(job.logprobs.entries)
+    if fmt is not None and lp is None:
+        lp = {"tokens": [], "text_offset": [], "token_logprobs": [], "top_logprobs": []}
     if chat:
         body = {"id": f"chatcmpl-{uuid.uuid4()}", "object": "chat.completion", "created": now, "model": model_id,
-                "choices": [{"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
-                             "finish_reason": finish_reason(job)}]}
+                "choices": [{"index": 0, "message": {"role": "assistant", "content": text},
+                             "logprobs": chat_logprobs(lp), "finish_reason": finish_reason(job)}]}
     else:
         body = {"id": f"cmpl-{uuid.uuid4()}", "object": "text_completion", "created": now, "model": model_id,
-                "choices": [{"text": job.echo + text, "index": 0, "logprobs": None,
+                "choices": [{"text": job.echo + text, "index": 0, "logprobs": lp,
                              "finish_reason": finish_reason(job)}]}
     body["usage"] = usage(job)
     info = dflash_object(job, drafting)
@@ -282,14 +311,16 @@ def completion_body(job: Job, model_id: str, text: str, chat: bool, drafting: bo
     return body
 
 
-def chunk(job_id: str, model_id: str, text: str | None, finish: str | None, chat: bool, first: bool = False) -> dict:
+def chunk(job_id: str, model_id: str, text: str | None, finish: str | None, chat: bool, first: bool = False,
+          logprobs: dict | None = None) -> dict:
+    """A streamed chunk; ``logprobs``: a completion's for the tokens whose text it completes."""
     now = int(time.time())
     if chat:
         delta: dict = {"role": "assistant"} if first else ({} if text is None else {"content": text})
         return {"id": job_id, "object": "chat.completion.chunk", "created": now, "model": model_id,
-                "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}]}
+                "choices": [{"index": 0, "delta": delta, "logprobs": chat_logprobs(logprobs), "finish_reason": finish}]}
     return {"id": job_id, "object": "text_completion", "created": now, "model": model_id,
-            "choices": [{"text": text or "", "index": 0, "logprobs": None, "finish_reason": finish}]}
+            "choices": [{"text": text or "", "index": 0, "logprobs": logprobs, "finish_reason": finish}]}
 
 
 # ---------------------------------------------------------------------- serving a job (the event loop)
@@ -344,7 +375,7 @@ async def serve(srv, request, endpoint: str, job: Job, stream: bool, include_usa
             text = val
             if kind == "end":
                 break
-        body = completion_body(job, srv.model_id, text, chat, drafting)
+        body = completion_body(job, srv.model_id, text, chat, drafting, srv.llm)
         srv.metrics.generation(body.get("dflash"), body["usage"])
         srv.metrics.request(endpoint, 200)
         return JSONResponse(body)
@@ -359,6 +390,7 @@ async def _events(srv, request, job: Job, deadline: float | None, include_usage:
     jid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4()}"
     hold = max((len(x) for x in job.text.stops), default=1) - 1   # a stop string may still be forming
     sent = 0
+    fmt = job.logprobs_format(srv.llm)
     try:
         if chat:
             yield f"data: {json.dumps(chunk(jid, srv.model_id, None, None, chat, first=True))}\n\n"
@@ -379,8 +411,11 @@ async def _events(srv, request, job: Job, deadline: float | None, include_usage:
                 yield f"data: {err.body.decode()}\n\n"
                 return
             upto = len(val) if kind == "end" else max(sent, len(val) - hold)
-            if upto > sent:
-                yield f"data: {json.dumps(chunk(jid, srv.model_id, val[sent:upto], None, chat))}\n\n"
+            # the log-probabilities of the tokens whose text is sent (at the end: all that are left, those
+            # of a stop string's tokens too, as the whole response reports them)
+            lp = None if fmt is None else fmt.take(job.logprobs.entries, None if kind == "end" else upto)
+            if upto > sent or lp is not None:
+                yield f"data: {json.dumps(chunk(jid, srv.model_id, val[sent:upto], None, chat, logprobs=lp))}\n\n"
                 sent = upto
             if kind == "end":
                 break
