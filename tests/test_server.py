@@ -193,6 +193,27 @@ def test_bad_request_is_400(base_url, path, body, param):
             assert param in (err["param"] or "") + err["message"]
 
 
+def test_echo_of_a_token_id_prompt(base_url, plain, oracle):
+    """echo=true with a token-id prompt (a 500 from llama_cpp 0.3.36): the prompt's text, then the completion,
+    as llama_cpp's echo of the same prompt given as text; streams leave the prompt out, as llama_cpp's."""
+    prompt = "def main("
+    ids = plain.tokenize(prompt.encode("utf-8"), special=True)
+    want = plain(prompt, temperature=0, max_tokens=12, echo=True)["choices"][0]["text"]
+    oracle.learn(plain)
+    r = httpx.post(base_url + "/v1/completions", json={"prompt": ids, "max_tokens": 12, "temperature": 0,
+                                                       "echo": True}, timeout=60)
+    assert r.status_code == 200, r.text
+    assert r.json()["choices"][0]["text"] == want and want.startswith(prompt) and len(want) > len(prompt)
+    text = ""
+    with httpx.stream("POST", base_url + "/v1/completions", json={"prompt": ids, "max_tokens": 12, "temperature": 0,
+                                                                  "echo": True, "stream": True}, timeout=60) as s:
+        assert s.status_code == 200
+        for line in s.iter_lines():
+            if line.startswith("data: ") and line != "data: [DONE]":
+                text += json.loads(line[6:])["choices"][0]["text"]
+    assert text == want[len(prompt):]
+
+
 def test_bad_requests_through_openai_client_and_server_survives(client, base_url, plain, oracle):
     with pytest.raises(openai.BadRequestError):
         client.completions.create(model=MODEL_ID, prompt="x", max_tokens=-1)

@@ -142,10 +142,33 @@ def test_constrained_requests_run_in_the_slots(server, plain):
 
 
 def test_requests_the_slots_do_not_serve_run_on_the_llama(server, plain):
+    """typical_p < 1 is not a sampler the batched engine has: the request runs on the model's own context
+    (no slot step), and still equals llama_cpp's."""
     url, srv = server
-    r = _complete(url, PROMPTS[0], max_tokens=8, echo=True)
-    want = plain.create_completion(PROMPTS[0], max_tokens=8, temperature=0, echo=True)["choices"][0]["text"]
-    assert r["choices"][0]["text"] == want and want.startswith(PROMPTS[0])
+    before = srv.slots.sequences
+    r = _complete(url, PROMPTS[0], max_tokens=8, typical_p=0.5)
+    want = plain.create_completion(PROMPTS[0], max_tokens=8, temperature=0, typical_p=0.5)["choices"][0]["text"]
+    assert r["choices"][0]["text"] == want and want
+    assert srv.slots.sequences == before, "it did not run in the slots"
+
+
+def test_echo_of_a_token_id_prompt(server, plain):
+    """echo=true with a token-id prompt (llama_cpp 0.3.36 fails on it): the text starts with the prompt's
+    text and equals llama_cpp's echo of the same prompt as text; run in the slots. Its logprobs cannot be
+    echoed (llama_cpp's offsets need the text): a 400 that says so."""
+    url, srv = server
+    for p in PROMPTS[:2]:
+        ids = plain.tokenize(p.encode("utf-8"), special=True)
+        want = plain.create_completion(p, max_tokens=16, temperature=0, echo=True)["choices"][0]
+        before = srv.slots.sequences
+        got = _complete(url, ids, max_tokens=16, echo=True)["choices"][0]
+        assert (got["text"], got["finish_reason"]) == (want["text"], want["finish_reason"])
+        assert want["text"].startswith(p) and len(want["text"]) > len(p)
+        assert srv.slots.sequences > before, "it ran in the slots"
+    r = httpx.post(f"{url}/v1/completions", json={"prompt": ids, "max_tokens": 4, "echo": True, "logprobs": 2},
+                   timeout=60)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "echo", r.text
+    assert "text prompt" in r.json()["error"]["message"]
 
 
 def test_an_abandoned_stream_frees_its_slot(server):

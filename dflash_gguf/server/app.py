@@ -37,7 +37,8 @@ Not supported, with a 400: ``n`` or ``best_of`` > 1 (llama_cpp.server silently r
 (``--logits-all``, as in llama_cpp: then they are served with DFlash); with ``--parallel`` the slots serve
 them either way (the generated tokens' log-probabilities from the rows the engine verified, in llama_cpp's
 format; streamed, each chunk carries those of the tokens whose text it completes), except for an echoed
-prompt's, which need ``--logits-all``. ``echo`` works as in llama_cpp.
+prompt's, which need ``--logits-all`` and a text prompt. ``echo`` works as in llama_cpp, and with a
+token-id prompt too (its text detokenized; llama_cpp 0.3.36 fails on it).
 
 Errors are JSON ``{"error": {"message", "type", "param", "code"}}``: 400 for bad input (validation,
 context overflow, an unknown field), 404/405 for unknown routes, 408/503 as above, 500 only for
@@ -480,8 +481,16 @@ def create_app(llm, model_id: str | None = None, *, max_queue: int | None = None
             kw["grammar"] = grammar
         prompt = body.prompt
         _check_prompt(llm, prompt)
+        echo = prompt if body.echo else None      # the text a non-streamed completion starts with
+        if body.echo and not isinstance(prompt, str):
+            # llama_cpp 0.3.36 fails on echo of a token-id prompt (it adds the id list to the text: a 500
+            # before): the prompt's text is echoed here, detokenized
+            if body.logprobs is not None:
+                raise BadRequest("logprobs with echo=true need a text prompt: llama_cpp cannot echo a token-id "
+                                 "prompt with its logprobs", "echo")
+            echo = llm.detokenize(list(prompt)).decode("utf-8", errors="ignore")
+            kw["echo"] = False
         if srv.slots is not None and (body.logprobs is None or not body.echo) \
-                and (not body.echo or isinstance(prompt, str)) \
                 and srv.slots.eligible(_set(kw)) and (body.typical_p in (None, 1.0)):
             from dflash_gguf.server import slots as S
 
@@ -490,11 +499,13 @@ def create_app(llm, model_id: str | None = None, *, max_queue: int | None = None
                 llm.tokenize(prompt.encode("utf-8"), special=True) if prompt else [llm.token_bos()]
             job = S.make_job(srv.slots, asyncio.get_running_loop(), ids, kw, _stops(kw.get("stop")), chat=False,
                              offset0=len(prompt))
-            if body.echo and not body.stream:
-                job.echo = prompt    # llama_cpp: text = prompt + completion; its streams leave the prompt out
+            if echo is not None and not body.stream:
+                job.echo = echo      # llama_cpp: text = prompt + completion; its streams leave the prompt out
             return await S.serve(srv, request, "/v1/completions", job, body.stream, body.include_usage(), False)
-        return await srv.generate(request, "/v1/completions", lambda: llm.create_completion(prompt, **kw), body.stream,
-                                  body.include_usage())
+        call = lambda: llm.create_completion(prompt, **kw)  # noqa: E731
+        if echo is not None and not kw["echo"] and not body.stream:
+            call = lambda: _echoed(llm.create_completion(prompt, **kw), echo)  # noqa: E731
+        return await srv.generate(request, "/v1/completions", call, body.stream, body.include_usage())
 
     @app.post("/v1/chat/completions")
     async def chat(body: ChatRequest, request: Request):
@@ -546,6 +557,12 @@ def _check_schemas(response_format: dict | None, tools: list | None) -> None:
             json_schema_to_gbnf(json.dumps(schema))
         except Exception as e:   # the converter raises assertion, attribute and key errors alike
             raise BadRequest(f"invalid JSON schema in {param}: {e}", param) from e
+
+
+def _echoed(completion: dict, text: str) -> dict:
+    """A non-streamed completion whose text starts with ``text`` (echo of a token-id prompt)."""
+    completion["choices"][0]["text"] = text + completion["choices"][0]["text"]
+    return completion
 
 
 def _set(kw: dict) -> dict:

@@ -1,7 +1,7 @@
 """``--parallel N``: requests decoded together, N sequences per step, in one batched engine.
 
 Beside the server's :class:`dflash_gguf.Llama` (which keeps serving what the batched engine does not:
-tools, echo of a token-id prompt, logprobs of an echoed prompt, chat formats without a known formatter),
+tools, logprobs of an echoed prompt, chat formats without a known formatter),
 :class:`Slots` runs a :class:`dflash_gguf.decoding.DFlashDecoder` of N sequences on the same models (its own
 target context of N x n_ctx positions and drafter context of N windows) in one thread. Each step drafts
 every running request's block in one drafter decode and verifies them all in one target decode; a
@@ -35,9 +35,9 @@ from dflash_gguf.decoding.stats import GenerationStats
 log = logging.getLogger("dflash_gguf.server")
 
 # request fields the batched engine serves; any other set field (tools, tool_choice, mirostat, typical_p < 1,
-# chat_template_kwargs) goes to the Llama. echo: a text prompt's (as llama_cpp: the non-streamed text starts
-# with the prompt; a stream leaves it out); a token-id prompt's goes to the Llama, and so do the logprobs of
-# an echoed prompt (its rows). logprobs / top_logprobs: the generated tokens' (dflash_gguf.logprobs), with
+# chat_template_kwargs) goes to the Llama. echo: as llama_cpp (the non-streamed text starts with the prompt;
+# a stream leaves it out; a token-id prompt's text detokenized); the logprobs of an echoed prompt (its rows)
+# go to the Llama. logprobs / top_logprobs: the generated tokens' (dflash_gguf.logprobs), with
 # or without --logits-all
 SERVED = frozenset({"temperature", "top_p", "top_k", "min_p", "repeat_penalty", "frequency_penalty",
                     "presence_penalty", "seed", "stop", "dflash", "max_tokens", "stream", "model", "grammar",
