@@ -94,3 +94,24 @@ def test_serial_worker_never_loses_a_job_submitted_as_its_thread_ends():
         assert w.submit(done.append, i).result(10) is None
         time.sleep(0.001 * (i % 3))
     assert done == list(range(300))
+
+
+def test_bench_threads_runs_its_phases_with_the_other_thread_alive_then_gone():
+    """``bench.threads``: the middle phase decodes while a second thread that ran graphs is alive (its
+    OpenMP pool with it), the last after it exited; measured on the demo target in a child process."""
+    code = textwrap.dedent("""
+        import json
+        from dflash_gguf.bench import threads
+        from dflash_gguf.paths import DEMO_DIR
+        r = threads.measure(DEMO_DIR / "target.gguf", n_tokens=8, rounds=2, threads=2)
+        print("RESULT", json.dumps(r))
+    """)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    r = __import__("json").loads(next(ln for ln in out.stdout.splitlines() if ln.startswith("RESULT"))[7:])
+    n = r["process_threads"]
+    assert all(o > a for o, a in zip(n["other"], n["alone"])), n     # the other thread and its pool were there
+    assert n["after"] == n["alone"], n                                # and gone with it
+    for p in ("alone", "other", "after"):
+        assert len(r["tokens_per_second"][p]["runs"]) == 2 and r["tokens_per_second"][p]["median"] > 0
+    assert r["other_over_alone"] == r["tokens_per_second"]["other"]["median"] / r["tokens_per_second"]["alone"]["median"]
