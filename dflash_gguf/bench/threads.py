@@ -28,6 +28,8 @@ import threading
 import time
 from pathlib import Path
 
+from dflash_gguf.threads import SerialWorker
+
 log = logging.getLogger("dflash_gguf.bench.threads")
 
 PHASES = ("alone", "other", "after")
@@ -35,51 +37,6 @@ PHASES = ("alone", "other", "after")
 
 def n_threads_now() -> int:
     return len(os.listdir("/proc/self/task"))
-
-
-class _Thread:
-    """A thread that runs submitted jobs (one at a time) until told to stop."""
-
-    def __init__(self, name: str):
-        self._job: tuple | None = None
-        self._cv = threading.Condition()
-        self._stop = False
-        self.thread = threading.Thread(target=self._run, name=name, daemon=True)
-        self.thread.start()
-
-    def _run(self) -> None:
-        while True:
-            with self._cv:
-                while self._job is None and not self._stop:
-                    self._cv.wait()
-                if self._stop:
-                    return
-                fn, box = self._job
-            try:
-                box["result"] = fn()
-            except BaseException as e:    # handed to the caller
-                box["error"] = e
-            with self._cv:
-                self._job = None
-                box["done"] = True
-                self._cv.notify_all()
-
-    def call(self, fn):
-        box: dict = {}
-        with self._cv:
-            self._job = (fn, box)
-            self._cv.notify_all()
-            while "done" not in box:
-                self._cv.wait()
-        if "error" in box:
-            raise box["error"]
-        return box["result"]
-
-    def stop(self) -> None:
-        with self._cv:
-            self._stop = True
-            self._cv.notify_all()
-        self.thread.join()
 
 
 def decode_rate(llm, n_tokens: int) -> float:
@@ -98,26 +55,33 @@ def measure(model: Path, *, n_tokens: int, rounds: int, threads: int) -> dict:
     import llama_cpp
 
     llm = llama_cpp.Llama(str(model), n_ctx=max(64, n_tokens + 16), n_threads=threads, n_batch=64, verbose=False)
-    worker = _Thread("bench-decoder")
+    worker = SerialWorker(idle_s=3600, name="bench-decoder")   # one thread for every timed decode
     rates: dict[str, list[float]] = {p: [] for p in PHASES}
     counts: dict[str, list[int]] = {p: [] for p in PHASES}
 
     def phase(name: str) -> None:
-        rates[name].append(worker.call(lambda: decode_rate(llm, n_tokens)))
+        rates[name].append(worker.submit(decode_rate, llm, n_tokens).result())
         counts[name].append(n_threads_now())
         log.info("round %d %-5s %6.1f tok/s, %d threads", len(rates[name]), name, rates[name][-1], counts[name][-1])
 
+    def other_thread(decoded: threading.Event, release: threading.Event) -> None:
+        decode_rate(llm, 4)        # it runs graphs once, then waits, alive
+        decoded.set()
+        release.wait()
+
     try:
-        worker.call(lambda: decode_rate(llm, 4))          # warm-up: the worker's own pool exists from here
+        worker.submit(decode_rate, llm, 4).result()     # warm-up: the worker's own pool exists from here
         for _ in range(rounds):
             phase("alone")
-            other = _Thread("bench-other")
-            other.call(lambda: decode_rate(llm, 4))       # it runs graphs once, then waits, alive
+            decoded, release = threading.Event(), threading.Event()
+            other = threading.Thread(target=other_thread, args=(decoded, release), name="bench-other", daemon=True)
+            other.start()
+            decoded.wait()
             phase("other")
-            other.stop()
+            release.set()
+            other.join()
             phase("after")
     finally:
-        worker.stop()
         llm.close()
     med = {p: statistics.median(rates[p]) for p in PHASES}
     return {
