@@ -1,5 +1,5 @@
 """A/B of two checkouts' servers (`-np 1`, a scale pair's never-right drafter): slots' tokens/s cold, then
-after one request the slots do not serve (typical_p 0.5, run on the server's Llama), 3 s later.
+after one request the slots do not serve (mirostat, run on the server's Llama), 3 s later.
 
     python bench/fallback_ab.py OLD_CHECKOUT [PAIR [REPEATS]]     # e.g. a git worktree of an older commit
 
@@ -39,7 +39,7 @@ for rep in range(reps):
         url = f"http://127.0.0.1:{port}"
         S.one_request(url, S.PROMPTS[0], 4)
         cold = S._measure(proc, url, 1, 8, 32)["tok_s"]
-        r = httpx.post(f"{url}/v1/completions", json={"prompt": "def f(x):", "max_tokens": 8, "typical_p": 0.5,
+        r = httpx.post(f"{url}/v1/completions", json={"prompt": "def f(x):", "max_tokens": 8, "mirostat_mode": 2,
                                                      "temperature": 0}, timeout=120)
         assert r.status_code == 200, r.text
         time.sleep(3)

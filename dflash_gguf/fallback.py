@@ -42,4 +42,4 @@ def plain_reason(c: Call) -> str | None:
         return "stopping_criteria that read more than token ids (use dflash_gguf.StopOnTokens)"
     if c.mirostat_mode:
         return "mirostat sampling"
-    return c.sampling.unsupported()
+    return None

@@ -59,12 +59,6 @@ class SamplingParams:
         return self.penalty_last_n != 0 and (
             self.repeat_penalty != 1.0 or self.frequency_penalty != 0.0 or self.presence_penalty != 0.0)
 
-    def unsupported(self) -> str | None:
-        """Why the speculative path cannot serve these parameters exactly (None if it can)."""
-        if self.typical_p < 1.0 and not self.greedy and self.temperature > 0:
-            return "typical_p < 1 is not implemented in the speculative sampler"
-        return None
-
 
 def apply_penalties(logits: np.ndarray, history: list[int], sp: SamplingParams) -> np.ndarray:
     """llama.cpp's penalties sampler on a copy of ``logits`` (history: generated tokens)."""
@@ -117,6 +111,24 @@ def constrained_argmax(logits: np.ndarray, allowed: Allowed | None) -> int:
     return int(ids[np.argmax(logits[ids])])
 
 
+def _typical(ids: np.ndarray, lg: np.ndarray, mass: float) -> tuple[np.ndarray, np.ndarray]:
+    """llama.cpp's locally typical filter (``llama_sampler_init_typical(p, min_keep=1)``) on candidates
+    ``ids`` with logits ``lg``, best first: keep the tokens whose surprise ``-log p`` is closest to the
+    distribution's entropy until their mass exceeds ``mass``. Returned best first (llama.cpp leaves them
+    unsorted; the top-p filter after it sorts them by logit again, min-p looks at the largest)."""
+    p = _softmax(lg)
+    with np.errstate(divide="ignore"):
+        logp = np.log(p)
+    entropy = -float(np.sum(p[p > 0] * logp[p > 0]))
+    shifted = np.abs(-logp - entropy)                     # inf where p underflowed: such a token comes last
+    order = np.argsort(shifted, kind="stable")
+    cum = np.cumsum(p[order])
+    over = np.nonzero(cum > mass)[0]
+    last = int(over[0]) + 1 if len(over) else len(order)
+    keep = np.sort(order[:last])                          # positions in ``ids``: best first again
+    return ids[keep], lg[keep]
+
+
 def distribution(logits: np.ndarray, sp: SamplingParams, allowed: Allowed | None = None) -> tuple[np.ndarray, np.ndarray]:
     """Candidate ids and their probabilities after the filter chain (sampling mode); ``allowed``: a
     grammar's test, applied before the filters (as llama.cpp's chain: the top-k are the k best tokens
@@ -147,6 +159,8 @@ def distribution(logits: np.ndarray, sp: SamplingParams, allowed: Allowed | None
     else:
         ids = np.argsort(-logits, kind="stable")
     lg = logits[ids].astype(np.float64)
+    if sp.typical_p < 1.0:
+        ids, lg = _typical(ids, lg, sp.typical_p)
     if sp.top_p < 1.0:
         cum = np.cumsum(_softmax(lg))
         last = int(np.searchsorted(cum, sp.top_p, side="left")) + 1

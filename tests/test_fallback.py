@@ -29,7 +29,6 @@ CASES = [
     (dict(stopping_criteria=[StopOnTokens([3]), other_criterion]),
      "stopping_criteria that read more than token ids (use dflash_gguf.StopOnTokens)"),
     (dict(mirostat_mode=2), "mirostat sampling"),
-    (dict(sampling=replace(SAMPLED, typical_p=0.9)), "typical_p < 1 is not implemented in the speculative sampler"),
 ]
 
 
@@ -48,7 +47,7 @@ def test_the_first_reason_wins():
     expect = ["no drafter loaded (draft_model_path)", "dflash=False"] + [r for _, r in CASES[3:]]
     call, seen = replace(OK, **every), []
     for field in ["drafter", "want", "draft_model", "reset", "stopping_criteria",
-                  "mirostat_mode", "sampling"]:
+                  "mirostat_mode"]:
         seen.append(plain_reason(call))
         call = replace(call, **{field: getattr(OK, field)})
     assert seen == expect and plain_reason(call) is None
@@ -56,12 +55,12 @@ def test_the_first_reason_wins():
 
 @pytest.mark.parametrize("served", [
     dict(), dict(sampling=SAMPLED), dict(stopping_criteria=[StopOnTokens([1, 2])]), dict(stopping_criteria=[]),
-    dict(mirostat_mode=0), dict(sampling=replace(GREEDY, typical_p=0.5)),
+    dict(mirostat_mode=0), dict(sampling=replace(GREEDY, typical_p=0.5)), dict(sampling=replace(SAMPLED, typical_p=0.5)),
     dict(sampling=replace(SAMPLED, repeat_penalty=1.1, presence_penalty=0.5, frequency_penalty=0.2)),
     dict(sampling=replace(SAMPLED, temperature=-1.0, typical_p=0.5)),
-], ids=["greedy", "sampled", "stop-tokens", "no-criteria", "mirostat-0", "greedy-typical",
+], ids=["greedy", "sampled", "stop-tokens", "no-criteria", "mirostat-0", "greedy-typical", "sampled-typical",
         "penalties", "raw-distribution-typical"])
 def test_what_dflash_serves(served):
-    """Penalties, seeds, top-k/p, min-p, token-id stops; typical_p only matters when sampling at
-    a positive temperature (greedy and the raw distribution ignore it in llama.cpp's chain)."""
+    """Penalties, seeds, top-k/p, typical-p, min-p, token-id stops: the sampler implements the whole
+    chain llama_cpp builds (mirostat aside)."""
     assert plain_reason(replace(OK, **served)) is None

@@ -61,7 +61,7 @@ def setup(models):
 
 
 def exact_distribution(ctx: Context, prompt: list[int], sp: SamplingParams) -> dict:
-    """P(t1, t2, t3) from the target's logits, one prefix at a time."""
+    """P(t1, t2, t3) from the target's logits, one prefix at a time (every path through the candidates)."""
     def dist_after(prefix):
         ctx.clear()
         ctx.decode(np.array(prefix, np.int32), 0, out_row0=len(prefix) - 1)
@@ -69,19 +69,20 @@ def exact_distribution(ctx: Context, prompt: list[int], sp: SamplingParams) -> d
         return {int(i): float(q) for i, q in zip(ids, p)}
 
     out = {}
-    for path in itertools.product(range(sp.top_k), repeat=K_TOKENS):
-        prob, prefix, tokens = 1.0, list(prompt), []
-        for j in path:
-            d = dist_after(prefix)
-            tok = sorted(d, key=lambda t: -d[t])[j]
-            prob *= d[tok]
-            prefix.append(tok)
-            tokens.append(tok)
-        out[tuple(tokens)] = out.get(tuple(tokens), 0.0) + prob
+
+    def walk(prefix, prob):
+        if len(prefix) == len(prompt) + K_TOKENS:
+            out[tuple(prefix[len(prompt):])] = prob
+            return
+        for tok, q in dist_after(prefix).items():
+            walk(prefix + [tok], prob * q)
+
+    walk(list(prompt), 1.0)
     return out
 
 
 SP = SamplingParams(temperature=1.0, top_k=2, top_p=1.0, min_p=0.0)
+SP_TYPICAL = SamplingParams(temperature=1.0, top_k=3, top_p=1.0, min_p=0.0, typical_p=0.6)
 
 
 @pytest.mark.parametrize("proposer", ["oracle", "drafter"])
@@ -109,20 +110,49 @@ def test_dflash_sampling_matches_target_distribution(setup, proposer):
     assert p > ALPHA, f"DFlash samples do not follow the target distribution (p={p:.2e}): {counts} vs {exact}"
 
 
-def test_plain_llama_cpp_sampler_matches_the_same_distribution(setup):
+def test_typical_p_sampling_keeps_the_target_distribution(setup):
+    """typical_p < 1 (llama.cpp's locally typical filter after top-k) through DFlash with the drafter and
+    with an oracle: the same distribution as the target's own chain. The filter must matter here: it
+    leaves out outcomes top-k alone allows."""
+    pair, tm, dm, pc = setup
+    prompt = tm.tokenize(PROMPT)
+    sp0 = SP_TYPICAL
+    exact = exact_distribution(pc, prompt, sp0)
+    wider = exact_distribution(pc, prompt, SamplingParams(**{**sp0.__dict__, "typical_p": 1.0}))
+    assert set(exact) < set(wider) and abs(sum(exact.values()) - 1) < 1e-6
+    opts = ContextOptions(n_ctx=256, n_batch=64, n_ubatch=64)
+    tc = Context(tm, opts)
+    dc = Context(dm, opts, other=tc)
+    greedy = list(DFlashDecoder(pc, None).generate(prompt, K_TOKENS, stop_tokens=[]))
+    for hook in (None, lambda ctx, n: greedy[len(ctx) - len(prompt):][:n]):
+        dec = DFlashDecoder(tc, dc, SpecOptions(), OverrideProposer(hook) if hook else None)
+        counts, st = Counter(), GenerationStats()
+        for seed in range(N_RUNS):
+            sp = SamplingParams(**{**sp0.__dict__, "seed": seed})
+            counts[tuple(dec.generate(prompt, K_TOKENS, sampling=sp, stats=st, stop_tokens=[]))] += 1
+        assert st.drafted > 0
+        p = chi2_pvalue(counts, exact)
+        assert p > ALPHA, f"typical_p samples do not follow the target distribution (p={p:.2e}): {counts} vs {exact}"
+    dc.close()
+    tc.close()
+
+
+@pytest.mark.parametrize("sp", [SP, SP_TYPICAL], ids=["top-k", "typical"])
+def test_plain_llama_cpp_sampler_matches_the_same_distribution(setup, sp):
     """Checks sampling.distribution() reproduces llama.cpp's own chain (the 'plain' side)."""
     import llama_cpp
 
     pair, tm, dm, pc = setup
     prompt = tm.tokenize(PROMPT)
-    exact = exact_distribution(pc, prompt, SP)
+    exact = exact_distribution(pc, prompt, sp)
     llm = llama_cpp.Llama(model_path=str(pair.target), n_ctx=256, n_batch=64, verbose=False, seed=0,
                           flash_attn=True)   # same attention kernel as our contexts (llama.cpp auto = on)
     counts = Counter()
     for seed in range(600):
         llm.set_seed(seed)
         out = []
-        for t in llm.generate(prompt, temp=1.0, top_k=2, top_p=1.0, min_p=0.0, repeat_penalty=1.0):
+        for t in llm.generate(prompt, temp=sp.temperature, top_k=sp.top_k, top_p=sp.top_p, min_p=sp.min_p,
+                              typical_p=sp.typical_p, repeat_penalty=1.0):
             out.append(t)
             if len(out) == K_TOKENS:
                 break

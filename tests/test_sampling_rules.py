@@ -30,12 +30,89 @@ def test_params_flags():
     assert not SamplingParams(seed=1, repeatable=False).is_repeatable and SamplingParams(repeatable=True).is_repeatable
 
 
-def test_typical_p_is_unsupported_only_when_it_filters():
-    why = "typical_p < 1 is not implemented in the speculative sampler"
-    assert SamplingParams(temperature=0.7, typical_p=0.9).unsupported() == why
-    for sp in (SamplingParams(temperature=0.7, typical_p=1.0), SamplingParams(typical_p=0.9),
-               SamplingParams(temperature=-1.0, typical_p=0.9)):
-        assert sp.unsupported() is None
+def test_typical_keeps_the_tokens_nearest_the_entropy():
+    """p = 1/2, 1/4, 1/8, 1/8: entropy 1.75 bits, surprises 1, 2, 3, 3 bits, so the most typical token
+    is the second (|2 - 1.75|), then the first, then the two last; kept until the mass exceeds typical_p,
+    and returned best first."""
+    lg = np.log([0.5, 0.25, 0.125, 0.125]).astype(np.float32)
+    sp = SamplingParams(temperature=1.0, top_k=0, top_p=1.0, min_p=0.0)
+    for mass, kept in ((0.2, [1]), (0.25, [1, 0]), (0.5, [1, 0]), (0.8, [0, 1, 2]), (0.99, [0, 1, 2, 3])):
+        ids, p = distribution(lg, SamplingParams(**{**sp.__dict__, "typical_p": mass}))
+        want = sorted(kept)
+        assert ids.tolist() == want, mass
+        kept_p = np.array([0.5, 0.25, 0.125, 0.125])[want]
+        np.testing.assert_allclose(p, kept_p / kept_p.sum())
+    # after typical, top-p and min-p see the kept tokens only (llama.cpp's order: typical first)
+    ids, _ = distribution(lg, SamplingParams(temperature=1.0, top_k=0, top_p=0.6, min_p=0.0, typical_p=0.8))
+    assert ids.tolist() == [0, 1]           # of 0.5, 0.25, 0.125 (renormalised): 0.57 < 0.6, 0.86 >= 0.6
+    ids, _ = distribution(lg, SamplingParams(temperature=1.0, top_k=2, top_p=1.0, min_p=0.0, typical_p=0.5))
+    assert ids.tolist() == [0]              # top-k first: of 2/3, 1/3 (entropy 0.64 nats, surprises 0.41 and
+    #                                         1.10) the first is the more typical, and its 2/3 exceeds 0.5
+
+
+def _llama_cpp_chain(logits: np.ndarray, sp: SamplingParams) -> tuple[np.ndarray, np.ndarray]:
+    """The candidates and probabilities llama.cpp's own chain (as llama_cpp builds it for sampling,
+    min_keep 1) leaves for ``dist`` to draw from."""
+    import ctypes
+
+    import llama_cpp
+
+    from dflash_gguf.constraints import TOKEN_DATA
+    chain = llama_cpp.llama_sampler_chain_init(llama_cpp.llama_sampler_chain_default_params())
+    for smpl in (llama_cpp.llama_sampler_init_top_k(sp.top_k), llama_cpp.llama_sampler_init_typical(sp.typical_p, 1),
+                 llama_cpp.llama_sampler_init_top_p(sp.top_p, 1), llama_cpp.llama_sampler_init_min_p(sp.min_p, 1),
+                 llama_cpp.llama_sampler_init_temp(sp.temperature)):
+        llama_cpp.llama_sampler_chain_add(chain, smpl)
+    buf = np.zeros(len(logits), dtype=TOKEN_DATA)
+    buf["id"], buf["logit"] = np.arange(len(logits)), logits
+    arr = llama_cpp.llama_token_data_array(data=buf.ctypes.data_as(ctypes.POINTER(llama_cpp.llama_token_data)),
+                                           size=len(logits), selected=-1, sorted=False)
+    llama_cpp.llama_sampler_apply(chain, ctypes.byref(arr))
+    llama_cpp.llama_sampler_free(chain)
+    out = buf[:arr.size]
+    out = out[np.argsort(out["id"])]
+    return out["id"].astype(np.int64), softmax(out["logit"])
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_the_chain_matches_llama_cpps_own_samplers(seed):
+    """Differential: random logits (a peaked and a flat vocabulary, spread like a real model's), random
+    settings of every filter, typical_p among them; the same candidates and probabilities as llama.cpp's
+    C samplers, unless a candidate sits within float32 rounding of a cut-off (then both sets are valid)."""
+    rng = np.random.default_rng(seed)
+    checked = 0
+    for trial in range(40):
+        n = int(rng.choice([50, 1000, 5000]))
+        logits = (rng.standard_normal(n) * rng.choice([1.0, 3.0, 8.0])).astype(np.float32)
+        sp = SamplingParams(temperature=float(rng.choice([0.3, 0.8, 1.5])), top_k=int(rng.choice([0, 5, 40, 400])),
+                            top_p=float(rng.choice([1.0, 0.95, 0.7])), min_p=float(rng.choice([0.0, 0.05, 0.2])),
+                            typical_p=float(rng.choice([1.0, 0.9, 0.5, 0.2])))
+        ids, p = distribution(logits, sp)
+        ref_ids, ref_p = _llama_cpp_chain(logits, sp)
+        if set(ids.tolist()) ^ set(ref_ids.tolist()):
+            near = _near_a_cut(logits, sp)
+            assert near, f"{sp}: ours keeps {sorted(ids.tolist())[:20]}, llama.cpp {ref_ids.tolist()[:20]}"
+            continue
+        order = np.argsort(ids)
+        np.testing.assert_array_equal(ids[order], ref_ids)
+        np.testing.assert_allclose(p[order], ref_p, rtol=1e-4, atol=1e-7)
+        checked += 1
+    assert checked >= 36            # boundary cases are rare; most trials compare exactly
+
+
+def _near_a_cut(logits: np.ndarray, sp: SamplingParams) -> bool:
+    """Whether a cumulative-mass cut-off of this chain lands within float32 rounding of a boundary
+    (llama.cpp sums in float32, this module in float64): move each mass by 1e-5 and see the set change."""
+    base = set(distribution(logits, sp)[0].tolist())
+    for field in ("typical_p", "top_p"):
+        v = getattr(sp, field)
+        if v >= 1.0:
+            continue
+        for d in (-1e-5, 1e-5):
+            moved = SamplingParams(**{**sp.__dict__, field: v + d})
+            if set(distribution(logits, moved)[0].tolist()) != base:
+                return True
+    return False
 
 
 # ----------------------------------------------------------------------------- penalties

@@ -142,14 +142,29 @@ def test_constrained_requests_run_in_the_slots(server, plain):
 
 
 def test_requests_the_slots_do_not_serve_run_on_the_llama(server, plain):
-    """typical_p < 1 is not a sampler the batched engine has: the request runs on the model's own context
-    (no slot step), and still equals llama_cpp's."""
+    """mirostat is not a sampler the batched engine has: the request runs on the model's own context
+    (no slot step), and still equals llama_cpp's (greedy here: llama_cpp ignores mirostat at temperature 0)."""
     url, srv = server
     before = srv.slots.sequences
-    r = _complete(url, PROMPTS[0], max_tokens=8, typical_p=0.5)
-    want = plain.create_completion(PROMPTS[0], max_tokens=8, temperature=0, typical_p=0.5)["choices"][0]["text"]
+    r = _complete(url, PROMPTS[0], max_tokens=8, mirostat_mode=2)
+    want = plain.create_completion(PROMPTS[0], max_tokens=8, temperature=0, mirostat_mode=2)["choices"][0]["text"]
     assert r["choices"][0]["text"] == want and want
     assert srv.slots.sequences == before, "it did not run in the slots"
+
+
+def test_typical_p_runs_in_the_slots(server, plain):
+    """typical_p is part of the engine's sampler: greedy it changes nothing (as in llama.cpp's chain) and
+    equals llama_cpp's; sampled with a seed it runs in the slots, drafted and repeatable (its distribution:
+    tests/test_sampling.py)."""
+    url, srv = server
+    before = srv.slots.sequences
+    r = _complete(url, PROMPTS[1], max_tokens=16, typical_p=0.5)
+    want = plain.create_completion(PROMPTS[1], max_tokens=16, temperature=0, typical_p=0.5)["choices"][0]["text"]
+    assert r["choices"][0]["text"] == want and r["dflash"]["enabled"] is True
+    sampled = [_complete(url, PROMPTS[2], max_tokens=16, temperature=0.8, typical_p=0.5, seed=11) for _ in range(2)]
+    assert sampled[0]["choices"][0]["text"] == sampled[1]["choices"][0]["text"]
+    assert all(s["dflash"]["enabled"] is True and s["dflash"]["drafted"] > 0 for s in sampled)
+    assert srv.slots.sequences - before >= 3, "they ran in the slots"
 
 
 def test_echo_of_a_token_id_prompt(server, plain):

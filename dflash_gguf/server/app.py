@@ -491,7 +491,7 @@ def create_app(llm, model_id: str | None = None, *, max_queue: int | None = None
             echo = llm.detokenize(list(prompt)).decode("utf-8", errors="ignore")
             kw["echo"] = False
         if srv.slots is not None and (body.logprobs is None or not body.echo) \
-                and srv.slots.eligible(_set(kw)) and (body.typical_p in (None, 1.0)):
+                and srv.slots.eligible(_set(kw)):
             from dflash_gguf.server import slots as S
 
             # as llama_cpp's create_completion tokenizes it
@@ -522,8 +522,7 @@ def create_app(llm, model_id: str | None = None, *, max_queue: int | None = None
             if not hasattr(llm, "dflash_info"):
                 raise BadRequest("chat_template_kwargs needs a dflash_gguf.Llama", "chat_template_kwargs")
             kw["chat_template_kwargs"] = body.chat_template_kwargs
-        if srv.slots is not None and not body.tools and body.tool_choice is None and srv.slots.eligible(_set(kw)) \
-                and body.typical_p in (None, 1.0):
+        if srv.slots is not None and not body.tools and body.tool_choice is None and srv.slots.eligible(_set(kw)):
             from dflash_gguf.server import slots as S
 
             formatted = S.chat_prompt(llm, messages)

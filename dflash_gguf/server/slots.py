@@ -34,12 +34,12 @@ from dflash_gguf.decoding.stats import GenerationStats
 
 log = logging.getLogger("dflash_gguf.server")
 
-# request fields the batched engine serves; any other set field (tools, tool_choice, mirostat, typical_p < 1,
+# request fields the batched engine serves; any other set field (tools, tool_choice, mirostat,
 # chat_template_kwargs) goes to the Llama. echo: as llama_cpp (the non-streamed text starts with the prompt;
 # a stream leaves it out; a token-id prompt's text detokenized); the logprobs of an echoed prompt (its rows)
 # go to the Llama. logprobs / top_logprobs: the generated tokens' (dflash_gguf.logprobs), with
 # or without --logits-all
-SERVED = frozenset({"temperature", "top_p", "top_k", "min_p", "repeat_penalty", "frequency_penalty",
+SERVED = frozenset({"temperature", "top_p", "top_k", "min_p", "typical_p", "repeat_penalty", "frequency_penalty",
                     "presence_penalty", "seed", "stop", "dflash", "max_tokens", "stream", "model", "grammar",
                     "logit_bias", "response_format", "echo", "logprobs", "top_logprobs"})
 
@@ -216,7 +216,8 @@ def sampling(kw: dict, chat: bool) -> SamplingParams:
     """llama_cpp's create_completion / create_chat_completion defaults, overridden by the request."""
     return SamplingParams(temperature=float(kw.get("temperature", 0.2 if chat else 0.8)),
                           top_k=int(kw.get("top_k", 40)), top_p=float(kw.get("top_p", 0.95)),
-                          min_p=float(kw.get("min_p", 0.05)), repeat_penalty=float(kw.get("repeat_penalty", 1.0)),
+                          min_p=float(kw.get("min_p", 0.05)), typical_p=float(kw.get("typical_p", 1.0)),
+                          repeat_penalty=float(kw.get("repeat_penalty", 1.0)),
                           frequency_penalty=float(kw.get("frequency_penalty", 0.0)),
                           presence_penalty=float(kw.get("presence_penalty", 0.0)), seed=kw.get("seed"))
 
