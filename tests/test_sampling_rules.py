@@ -81,7 +81,7 @@ def test_the_chain_matches_llama_cpps_own_samplers(seed):
     C samplers, unless a candidate sits within float32 rounding of a cut-off (then both sets are valid)."""
     rng = np.random.default_rng(seed)
     checked = 0
-    for trial in range(40):
+    for _ in range(40):
         n = int(rng.choice([50, 1000, 5000]))
         logits = (rng.standard_normal(n) * rng.choice([1.0, 3.0, 8.0])).astype(np.float32)
         sp = SamplingParams(temperature=float(rng.choice([0.3, 0.8, 1.5])), top_k=int(rng.choice([0, 5, 40, 400])),
