@@ -34,7 +34,7 @@ import llama_cpp
 import llama_cpp._internals as internals
 import llama_cpp.llama_chat_format as llama_chat_format
 
-from dflash_gguf.calls import CallState, Request, check_grammar, extended_signature as _signature
+from dflash_gguf.calls import CallState, Request, check_grammar, check_template_kwargs, extended_signature as _signature
 from dflash_gguf.constraints import Constraints, request_constraints
 from dflash_gguf.constructors import PairConstructors
 from dflash_gguf.engine import Context, ContextOptions, DrafterInfo, Model, clamp_n_draft
@@ -307,9 +307,7 @@ class Llama(PairConstructors, RpcTarget, llama_cpp.Llama):
         bound = _CHAT_SIG.bind(self, *args, **kwargs)
         bound.apply_defaults()
         call = {k: v for k, v in bound.arguments.items() if k != "self"}
-        clash = sorted(set(extra) & (set(call) | {"llama"}))
-        if clash:
-            raise ValueError(f"chat_template_kwargs must not repeat request parameters: {clash}")
+        check_template_kwargs(extra)
         handler = (self.chat_handler or self._chat_handlers.get(self.chat_format)
                    or llama_chat_format.get_chat_completion_handler(self.chat_format))
         return handler(llama=self, **call, **extra)

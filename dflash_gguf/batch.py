@@ -46,10 +46,12 @@ class Completion:
 
 class StopStrings:
     """A request's consumer (see :class:`dflash_gguf.decoding.decoder.Request`): keeps tokens until the text
-    holds one of ``stops``, then ends the request after the token that completed it."""
+    holds one of ``stops``, then ends the request after the token that completed it. ``silent``: tokens
+    that add no text (end-of-generation tokens: llama_cpp ends on one without its text, which for some
+    vocabularies is an ordinary byte)."""
 
-    def __init__(self, piece: Callable[[int], bytes], stops: Sequence[str]):
-        self.piece, self.stops = piece, [s for s in stops if s]
+    def __init__(self, piece: Callable[[int], bytes], stops: Sequence[str], silent: frozenset = frozenset()):
+        self.piece, self.stops, self.silent = piece, [s for s in stops if s], silent
         self.longest = max((len(s) for s in self.stops), default=0)
         self.raw = b""
         self.seen = 0                  # characters of text already searched (less a stop string's length)
@@ -62,6 +64,8 @@ class StopStrings:
 
     def __call__(self, tokens: list[int]) -> int | None:
         for j, tok in enumerate(tokens):
+            if tok in self.silent:
+                continue
             self.raw += self.piece(tok)
             if self.stops:
                 text = self.raw.decode("utf-8", "ignore")
@@ -74,10 +78,11 @@ class StopStrings:
         return None
 
 
-def formatted_prompt(fmt, messages: Sequence[dict], tokenize) -> tuple[list[int], list[str]]:
+def formatted_prompt(fmt, messages: Sequence[dict], tokenize, **extra) -> tuple[list[int], list[str]]:
     """The prompt ids and stop strings of a llama_cpp chat formatter for ``messages``, tokenized as
-    llama_cpp's chat handler does it (``tokenize``: a ``tokenize(text, add_bos=, special=)``)."""
-    r = fmt(messages=list(messages))
+    llama_cpp's chat handler does it (``tokenize``: a ``tokenize(text, add_bos=, special=)``; ``extra``:
+    what the handler passes on to the formatter: ``tools``, ``tool_choice``, template variables)."""
+    r = fmt(messages=list(messages), **extra)
     ids = tokenize(r.prompt.encode("utf-8"), add_bos=not r.added_special, special=True)
     return ids, [r.stop] if isinstance(r.stop, str) else list(r.stop or [])
 
@@ -159,7 +164,7 @@ class BatchLlama:
 
     def _complete(self, ids: list[list[int]], max_tokens: int, stop: Sequence[str], dflash: bool,
                   sps: list[SamplingParams]) -> list[Completion]:
-        cuts = [StopStrings(self.model.token_bytes, stop) for _ in ids]
+        cuts = [StopStrings(self.model.token_bytes, stop, self.decoder.eog) for _ in ids]
         reqs = [Request(p, max_tokens, sp, use_draft=dflash, stats=GenerationStats(), consumer=c)
                 for p, sp, c in zip(ids, sps, cuts)]
         tokens = self.decoder.generate_batch(reqs)

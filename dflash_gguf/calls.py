@@ -44,6 +44,15 @@ class CallState:
     live: weakref.ref | None = None
 
 
+def check_template_kwargs(extra: dict) -> None:
+    """``chat_template_kwargs`` reach llama_cpp's chat handler beside the request's own parameters: the
+    name of one of those (or ``llama``) is refused."""
+    own = set(inspect.signature(llama_cpp.Llama.create_chat_completion).parameters) - {"self"}
+    clash = sorted(set(extra) & (own | {"llama"}))
+    if clash:
+        raise ValueError(f"chat_template_kwargs must not repeat request parameters: {clash}")
+
+
 def check_grammar(llm: llama_cpp.Llama, grammar) -> None:
     """Raise ValueError (InvalidArgumentError) for a grammar llama.cpp cannot parse (llama_cpp would crash
     on it)."""

@@ -21,6 +21,7 @@ than under plain decoding.
 from __future__ import annotations
 
 import ctypes
+import json
 from typing import Callable, Sequence
 
 import llama_cpp
@@ -87,6 +88,32 @@ def logit_bias_processor(bias: dict) -> Callable:
         out[ids] = scores[ids] + add
         return out
     return processor
+
+
+def tool_call_grammar(tools: list | None, tool_choice) -> tuple[str, object] | None:
+    """The function a chat request forces, as llama_cpp's chat handlers read it: a ``tool_choice`` of
+    ``{"type": "function", "function": {"name": NAME}}`` with ``tools`` given; then (NAME, the grammar of
+    that function's parameters' JSON schema, any JSON where the schema cannot become one). None for
+    ``"auto"``, ``"none"`` or no tools (the template sees the tools; the reply is text)."""
+    if not isinstance(tool_choice, dict) or tools is None:
+        return None
+    fn = tool_choice.get("function")
+    name = fn.get("name") if isinstance(fn, dict) else None
+    if not isinstance(name, str):
+        raise InvalidArgumentError('tool_choice must be "none", "auto" or {"type": "function", '
+                                   '"function": {"name": NAME}}')
+    tool = next((t for t in tools if isinstance(t, dict) and isinstance(t.get("function"), dict)
+                 and t["function"].get("name") == name), None)
+    if tool is None:
+        raise InvalidArgumentError(f"Tool choice '{name}' not found in tools.")
+    from llama_cpp import llama_grammar
+
+    try:
+        grammar = llama_grammar.LlamaGrammar.from_json_schema(json.dumps(tool["function"]["parameters"]),
+                                                              verbose=False)
+    except Exception:   # llama_cpp's own fallback (a function without parameters too): any JSON value
+        grammar = llama_grammar.LlamaGrammar.from_string(llama_grammar.JSON_GBNF, verbose=False)
+    return name, grammar
 
 
 def request_constraints(llm, prompt: Sequence[int], grammar=None, logit_bias: dict | None = None,

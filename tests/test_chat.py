@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import inspect
 
+import httpx
+
 import llama_cpp
 import llama_cpp.llama_chat_format as llama_chat_format
 import numpy as np
@@ -165,3 +167,63 @@ def test_server_chat_with_gguf_template(chat):
                                                      stream=True))
         assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == want
         assert chunks[-1].model_extra["dflash"]["enabled"] is True
+
+
+TOOL = {"type": "function", "function": {"name": "add", "description": "Add two integers.", "parameters": {
+    "type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}}, "required": ["a", "b"]}}}
+NAMED = {"type": "function", "function": {"name": "add"}}
+
+
+def test_server_slots_serve_tools_and_template_kwargs(chat):
+    """--parallel: tools into the GGUF's template (the Qwen3 one renders them), a named tool_choice's
+    grammar and llama_cpp's tool-call reply (plain and streamed), and chat_template_kwargs all run in the
+    batched engine, each reply what llama_cpp gives for that request."""
+    plain, fast, known, eot = chat
+    app = create_app(fast, "chat-model", parallel=2)
+    srv = app.state.server
+    handler = (plain._chat_handlers.get(plain.chat_format)
+               or llama_chat_format.get_chat_completion_handler(plain.chat_format))
+    call = inspect.signature(llama_cpp.Llama.create_chat_completion).bind(plain, MSGS, max_tokens=30, temperature=0)
+    call.apply_defaults()
+    no_think = handler(llama=plain, **{k: v for k, v in call.arguments.items() if k != "self"}, enable_thinking=False)
+    auto = plain.create_chat_completion(MSGS, tools=[TOOL], tool_choice="auto", max_tokens=30, temperature=0)
+    named = plain.create_chat_completion(MSGS, tools=[TOOL], tool_choice=NAMED, max_tokens=30, temperature=0)
+    named_chunks = list(plain.create_chat_completion(MSGS, tools=[TOOL], tool_choice=NAMED, max_tokens=30,
+                                                     temperature=0, stream=True))
+    want_args = named["choices"][0]["message"]["tool_calls"][0]["function"]["arguments"]
+    assert want_args.startswith("{") and "".join(
+        (c["choices"][0]["delta"].get("tool_calls") or [{"function": {"arguments": ""}}])[0]["function"]["arguments"]
+        for c in named_chunks) == want_args
+    try:
+        with serve(app) as url:
+            client = openai.OpenAI(base_url=url + "/v1", api_key="x", max_retries=0)
+            before = srv.slots.sequences
+            r = client.chat.completions.create(model="chat-model", messages=MSGS, tools=[TOOL], tool_choice="auto",
+                                               max_tokens=30, temperature=0)
+            assert r.choices[0].message.content == auto["choices"][0]["message"]["content"]
+            assert r.usage.model_dump(exclude_none=True) == auto["usage"]
+            r = client.chat.completions.create(model="chat-model", messages=MSGS, tools=[TOOL], tool_choice=NAMED,
+                                               max_tokens=30, temperature=0)
+            got = r.choices[0]
+            assert got.finish_reason == "tool_calls" and got.message.content is None
+            assert [(c.function.name, c.function.arguments) for c in got.message.tool_calls] == [("add", want_args)]
+            assert r.model_extra["dflash"]["enabled"] is True
+            chunks = list(client.chat.completions.create(model="chat-model", messages=MSGS, tools=[TOOL],
+                                                         tool_choice=NAMED, max_tokens=30, temperature=0, stream=True))
+            calls = [c.choices[0].delta.tool_calls[0] for c in chunks if c.choices and c.choices[0].delta.tool_calls]
+            assert "".join(c.function.arguments for c in calls) == want_args
+            assert {c.function.name for c in calls} == {"add"} and len({c.id for c in calls}) == 1
+            assert chunks[-1].choices[0].finish_reason == "tool_calls"
+            r = client.chat.completions.create(model="chat-model", messages=MSGS, max_tokens=30, temperature=0,
+                                               extra_body={"chat_template_kwargs": {"enable_thinking": False}})
+            assert r.choices[0].message.content == no_think["choices"][0]["message"]["content"]
+            assert r.usage.model_dump(exclude_none=True) == no_think["usage"]
+            assert srv.slots.sequences - before >= 4, "they ran in the slots"
+            bad = httpx.post(url + "/v1/chat/completions", json={
+                "messages": MSGS, "tools": [TOOL], "tool_choice": {"type": "function", "function": {"name": "mul"}}})
+            assert bad.status_code == 400 and "'mul' not found" in bad.json()["error"]["message"]
+            clash = httpx.post(url + "/v1/chat/completions", json={
+                "messages": MSGS, "chat_template_kwargs": {"messages": []}})
+            assert clash.status_code == 400 and "must not repeat" in clash.json()["error"]["message"]
+    finally:
+        srv.slots.close()

@@ -522,10 +522,10 @@ def create_app(llm, model_id: str | None = None, *, max_queue: int | None = None
             if not hasattr(llm, "dflash_info"):
                 raise BadRequest("chat_template_kwargs needs a dflash_gguf.Llama", "chat_template_kwargs")
             kw["chat_template_kwargs"] = body.chat_template_kwargs
-        if srv.slots is not None and not body.tools and body.tool_choice is None and srv.slots.eligible(_set(kw)):
+        if srv.slots is not None and srv.slots.eligible(_set(kw)):
             from dflash_gguf.server import slots as S
 
-            formatted = S.chat_prompt(llm, messages)
+            formatted = S.chat_prompt(llm, messages, body.tools, body.tool_choice, body.chat_template_kwargs)
             if formatted is not None:
                 ids, fmt_stops = formatted
                 job = S.make_job(srv.slots, asyncio.get_running_loop(), ids, kw,

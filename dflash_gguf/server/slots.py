@@ -23,7 +23,8 @@ from typing import Any
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from dflash_gguf.batch import StopStrings, formatted_prompt
-from dflash_gguf.constraints import request_constraints
+from dflash_gguf.calls import check_template_kwargs
+from dflash_gguf.constraints import request_constraints, tool_call_grammar
 from dflash_gguf.server.app import POLL_S, _error_response, _usage_chunk, error_body
 from dflash_gguf.engine import Context, ContextOptions, Model
 from dflash_gguf.logprobs import Collector, CompletionLogprobs, chat_logprobs
@@ -34,14 +35,17 @@ from dflash_gguf.decoding.stats import GenerationStats
 
 log = logging.getLogger("dflash_gguf.server")
 
-# request fields the batched engine serves; any other set field (tools, tool_choice, mirostat,
-# chat_template_kwargs) goes to the Llama. echo: as llama_cpp (the non-streamed text starts with the prompt;
+# request fields the batched engine serves; any other set field (mirostat) goes to the Llama. tools,
+# tool_choice and chat_template_kwargs: into the chat template, a named tool_choice's grammar on the
+# reply, the reply a tool call (as llama_cpp's chat handlers do; a chat_handler of the Llama's own: the
+# Llama serves the request). echo: as llama_cpp (the non-streamed text starts with the prompt;
 # a stream leaves it out; a token-id prompt's text detokenized); the logprobs of an echoed prompt (its rows)
 # go to the Llama. logprobs / top_logprobs: the generated tokens' (dflash_gguf.logprobs), with
 # or without --logits-all
 SERVED = frozenset({"temperature", "top_p", "top_k", "min_p", "typical_p", "repeat_penalty", "frequency_penalty",
                     "presence_penalty", "seed", "stop", "dflash", "max_tokens", "stream", "model", "grammar",
-                    "logit_bias", "response_format", "echo", "logprobs", "top_logprobs"})
+                    "logit_bias", "response_format", "echo", "logprobs", "top_logprobs", "tools", "tool_choice",
+                    "chat_template_kwargs"})
 
 
 class Job:
@@ -55,6 +59,7 @@ class Job:
         self.n_tokens = 0
         self.why_plain: str | None = None   # why it decodes plainly (dflash off for it or for the server)
         self.echo = ""      # a completion's text starts with this (echo=true: the prompt, as llama_cpp)
+        self.tool: str | None = None    # the function a chat reply calls (a named tool_choice): its arguments
         self.logprobs: Collector | None = None        # the generated tokens' log-probabilities, if asked for
         self.logprobs_offset = 0                      # ... the first one's text offset (llama_cpp: len(prompt))
         request.consumer = self._consume
@@ -180,7 +185,7 @@ class Slots:
                 continue
             for idx, toks, ended in results:
                 j = self._running[idx]
-                j.n_tokens += len(toks)
+                j.n_tokens += sum(t not in dec.eog for t in toks)   # llama_cpp counts no end-of-generation token
                 if ended:
                     del self._running[idx]
                 if ended and j.request.error is not None:   # its prompt could not be decoded
@@ -222,9 +227,11 @@ def sampling(kw: dict, chat: bool) -> SamplingParams:
                           presence_penalty=float(kw.get("presence_penalty", 0.0)), seed=kw.get("seed"))
 
 
-def chat_prompt(llm, messages: list[dict]) -> tuple[list[int], list[str]] | None:
+def chat_prompt(llm, messages: list[dict], tools: list | None = None, tool_choice=None,
+                template_kwargs: dict | None = None) -> tuple[list[int], list[str]] | None:
     """The prompt ids and stop strings llama_cpp's chat handler would use for ``messages`` (the GGUF's
-    template, or a named format with a formatter), or None when it cannot say."""
+    template, or a named format with a formatter; ``tools``, ``tool_choice`` and ``template_kwargs``
+    passed on to it, as the handler does), or None when it cannot say."""
     import llama_cpp.llama_chat_format as F
 
     name = llm.chat_format
@@ -247,7 +254,9 @@ def chat_prompt(llm, messages: list[dict]) -> tuple[list[int], list[str]] | None
                 break
     if fmt is None:
         return None
-    return formatted_prompt(fmt, messages, llm.tokenize)
+    extra = dict(template_kwargs or {})
+    check_template_kwargs(extra)
+    return formatted_prompt(fmt, messages, llm.tokenize, tools=tools, tool_choice=tool_choice, **extra)
 
 
 def make_job(slots: Slots, loop, prompt_ids: list[int], kw: dict, stops: list[str], chat: bool,
@@ -259,14 +268,19 @@ def make_job(slots: Slots, loop, prompt_ids: list[int], kw: dict, stops: list[st
     if max_tokens is None or max_tokens <= 0:
         max_tokens = room
     fmt = kw.get("response_format") if chat else None
-    limits = request_constraints(slots.llm, prompt_ids, kw.get("grammar"), kw.get("logit_bias"),
+    grammar = kw.get("grammar")
+    tool = tool_call_grammar(kw.get("tools"), kw.get("tool_choice")) if chat else None
+    if tool is not None:             # llama_cpp: the function's grammar replaces a grammar and JSON mode
+        grammar, fmt = tool[1], None
+    limits = request_constraints(slots.llm, prompt_ids, grammar, kw.get("logit_bias"),
                                  fmt if isinstance(fmt, dict) else None)
     want = kw.get("dflash")     # the request's own say, else the server's (--no-dflash)
     use = bool(getattr(slots.llm, "dflash", True) if want is None else want)
     request = Request(prompt_ids, min(max_tokens, room), sampling(kw, chat),
                       use_draft=use, stats=GenerationStats(), constraints=limits)
-    job = Job(loop, request, StopStrings(slots.model.token_bytes, stops))
+    job = Job(loop, request, StopStrings(slots.model.token_bytes, stops, slots.decoder.eog))
     job.why_plain = None if use else "dflash=false in the request" if want is False else "dflash=False"
+    job.tool = None if tool is None else tool[0]
     if chat and kw.get("logprobs"):                      # chat: logprobs=true, top_logprobs=k
         job.want_logprobs(int(kw.get("top_logprobs") or 0), slots.decoder.eog, offset0)
     elif not chat and kw.get("logprobs") is not None:    # completions: logprobs=k
@@ -275,7 +289,24 @@ def make_job(slots: Slots, loop, prompt_ids: list[int], kw: dict, stops: list[st
 
 
 def finish_reason(job: Job) -> str:
+    if job.tool is not None:         # llama_cpp's tool reply, however it ended
+        return "tool_calls"
     return "stop" if job.request.stats.finish == "stop" else "length"
+
+
+def tool_call_id(job: Job, response_id: str) -> str:
+    return f"call__0_{job.tool}_{response_id}"        # llama_cpp's form
+
+
+def tool_message(job: Job, response_id: str, arguments: str | None, stream: bool) -> dict:
+    """A chat reply (``stream``: a chunk's delta) that calls ``job.tool`` with ``arguments``, in the shape
+    llama_cpp's chat handlers give it (``function_call`` beside ``tool_calls``)."""
+    call: dict = {"id": tool_call_id(job, response_id), "type": "function",
+                  "function": {"name": job.tool, "arguments": arguments}}
+    if stream:
+        call = {"index": 0, **call}
+    return {"role": None if stream else "assistant", "content": None,
+            "function_call": {"name": job.tool, "arguments": arguments}, "tool_calls": [call]}
 
 
 def dflash_object(job: Job, drafting: bool) -> dict | None:
@@ -298,8 +329,10 @@ def completion_body(job: Job, model_id: str, text: str, chat: bool, drafting: bo
     if fmt is not None and lp is None:
         lp = {"tokens": [], "text_offset": [], "token_logprobs": [], "top_logprobs": []}
     if chat:
-        body = {"id": f"chatcmpl-{uuid.uuid4()}", "object": "chat.completion", "created": now, "model": model_id,
-                "choices": [{"index": 0, "message": {"role": "assistant", "content": text},
+        rid = f"chatcmpl-{uuid.uuid4()}"
+        message = {"role": "assistant", "content": text} if job.tool is None else tool_message(job, rid, text, False)
+        body = {"id": rid, "object": "chat.completion", "created": now, "model": model_id,
+                "choices": [{"index": 0, "message": message,
                              "logprobs": chat_logprobs(lp), "finish_reason": finish_reason(job)}]}
     else:
         body = {"id": f"cmpl-{uuid.uuid4()}", "object": "text_completion", "created": now, "model": model_id,
@@ -313,9 +346,16 @@ def completion_body(job: Job, model_id: str, text: str, chat: bool, drafting: bo
 
 
 def chunk(job_id: str, model_id: str, text: str | None, finish: str | None, chat: bool, first: bool = False,
-          logprobs: dict | None = None) -> dict:
-    """A streamed chunk; ``logprobs``: a completion's for the tokens whose text it completes."""
+          logprobs: dict | None = None, job: Job | None = None) -> dict:
+    """A streamed chunk; ``logprobs``: a completion's for the tokens whose text it completes; ``job``: a
+    chat reply's, for its tool call (deltas as llama_cpp streams them: the call's id and name in each)."""
     now = int(time.time())
+    if chat and job is not None and job.tool is not None:
+        none = {"role": None, "content": None, "function_call": None, "tool_calls": None}
+        delta = {**none, "role": "assistant"} if first else none if text is None else \
+            tool_message(job, job_id, text, True)
+        return {"id": job_id, "object": "chat.completion.chunk", "created": now, "model": model_id,
+                "choices": [{"index": 0, "delta": delta, "logprobs": chat_logprobs(logprobs), "finish_reason": finish}]}
     if chat:
         delta: dict = {"role": "assistant"} if first else ({} if text is None else {"content": text})
         return {"id": job_id, "object": "chat.completion.chunk", "created": now, "model": model_id,
@@ -394,7 +434,7 @@ async def _events(srv, request, job: Job, deadline: float | None, include_usage:
     fmt = job.logprobs_format(srv.llm)
     try:
         if chat:
-            yield f"data: {json.dumps(chunk(jid, srv.model_id, None, None, chat, first=True))}\n\n"
+            yield f"data: {json.dumps(chunk(jid, srv.model_id, None, None, chat, first=True, job=job))}\n\n"
         while True:
             item, why = await _next(job, request, deadline)
             if why is not None:
@@ -416,11 +456,11 @@ async def _events(srv, request, job: Job, deadline: float | None, include_usage:
             # of a stop string's tokens too, as the whole response reports them)
             lp = None if fmt is None else fmt.take(job.logprobs.entries, None if kind == "end" else upto)
             if upto > sent or lp is not None:
-                yield f"data: {json.dumps(chunk(jid, srv.model_id, val[sent:upto], None, chat, logprobs=lp))}\n\n"
+                yield f"data: {json.dumps(chunk(jid, srv.model_id, val[sent:upto], None, chat, logprobs=lp, job=job))}\n\n"
                 sent = upto
             if kind == "end":
                 break
-        fin = chunk(jid, srv.model_id, None, finish_reason(job), chat)
+        fin = chunk(jid, srv.model_id, None, finish_reason(job), chat, job=job)
         info, used = dflash_object(job, drafting), usage(job)
         if info is not None:
             fin["dflash"] = info
