@@ -149,7 +149,9 @@ class BatchLlama:
         if not template:
             raise InvalidArgumentError(f"{self.model.path.name} carries no chat template (tokenizer.chat_template)")
         import llama_cpp.llama_cpp as C
-        text = lambda t: self.model.token_bytes(t, special=True).decode("utf-8", "replace") if t >= 0 else ""  # noqa: E731
+        # the vocabulary's entry, as llama_cpp's handler names the template's tokens (not the token's text:
+        # they differ for byte tokens and word-start markers; the end-of-turn entry is also a stop string)
+        text = lambda t: C.llama_vocab_get_text(self.model.vocab, t).decode("utf-8", "replace") if t >= 0 else ""  # noqa: E731
         fmt = Jinja2ChatFormatter(template=template, eos_token=text(C.llama_vocab_eos(self.model.vocab)),
                                   bos_token=text(C.llama_vocab_bos(self.model.vocab)))
         prompts = []

@@ -134,3 +134,18 @@ def with_chat_template(src: Path, dst: Path, template: str, eos_token_id: int | 
     writer.close()
     tmp.replace(dst)
     return dst
+
+
+def token_mid_answer(llm, toks: list[int], unlike_its_name: bool = False) -> int | None:
+    """A token of the greedy answer ``toks`` to make the end of turn: first seen mid-answer, and its text
+    not already in the answer before it (the formatter also passes it as a stop string). ``unlike_its_name``:
+    one whose vocabulary entry is not its text (a byte token ``<0x44>``, a ``Ġ`` for a space), so the
+    formatter's stop string (the entry) never matches the reply's text and only the token ends it."""
+    for i in range(6, len(toks)):
+        piece = llm.detokenize([toks[i]]).decode("utf-8", "ignore")
+        before = llm.detokenize(toks[:i]).decode("utf-8", "ignore")
+        if unlike_its_name and llm._model.token_get_text(toks[i]) == piece:
+            continue
+        if toks[i] not in toks[:i] and piece.strip() and piece not in before:
+            return toks[i]
+    return None

@@ -8,7 +8,7 @@ import pytest
 from dflash_gguf.batch import BatchLlama
 from dflash_gguf.demo import DEMO_DIR
 from dflash_gguf.errors import InvalidArgumentError
-from chat_templates import QWEN3, with_chat_template
+from chat_templates import QWEN3, token_mid_answer, with_chat_template
 
 TARGET, DRAFTER = DEMO_DIR / "target.gguf", DEMO_DIR / "drafter.gguf"
 PROMPTS = ["def fibonacci(n):\n", "class Stack:\n    def __init__(self):\n", "import json\n\ndef load(path):\n",
@@ -73,20 +73,33 @@ def test_seeded_sampling_repeats():
     assert len({tuple(t) for t in runs[0]}) == 4
 
 
-def test_chat_uses_the_gguf_template(models, tmp_path):
+@pytest.mark.parametrize("eos", ["template", "mid-answer"])
+def test_chat_uses_the_gguf_template(models, tmp_path, eos):
+    """The GGUF's template and end of turn; "mid-answer": the end-of-turn token is an ordinary token of the
+    greedy answer whose vocabulary entry is not its text (so the template's stop string never matches):
+    the reply ends on it, without its text, as llama_cpp's does."""
     pair = models.pair("qwen3", "dflash", 8)
     target = with_chat_template(pair.target, tmp_path / "chat.gguf", QWEN3)
     convs = [[{"role": "user", "content": "def add(a, b):"}],
              [{"role": "system", "content": "You write Python."}, {"role": "user", "content": "Sort a list."}]]
     ref = llama_cpp.Llama(str(target), **PLAIN_KW, chat_format=None)
     try:
-        want = [ref.create_chat_completion(m, max_tokens=24, temperature=0)["choices"][0]["message"]["content"]
-                for m in convs]
+        if eos == "mid-answer":
+            n = ref.create_chat_completion(convs[0], max_tokens=60, temperature=0)["usage"]["prompt_tokens"]
+            eot = token_mid_answer(ref, ref.input_ids[n:ref.n_tokens].tolist(), unlike_its_name=True)
+            assert eot is not None
+            ref.close()
+            target = with_chat_template(pair.target, tmp_path / "chat-eot.gguf", QWEN3, eos_token_id=eot)
+            ref = llama_cpp.Llama(str(target), **PLAIN_KW, chat_format=None)
+        want = [ref.create_chat_completion(m, max_tokens=24, temperature=0)["choices"][0] for m in convs]
     finally:
         ref.close()
     with BatchLlama(target, pair.drafter, n_parallel=2, n_ctx=512) as b:
         got = b.chat(convs, max_tokens=24)
-    assert [c.text for c in got] == want
+    assert [c.text for c in got] == [w["message"]["content"] for w in want]
+    assert [c.finish_reason for c in got] == [w["finish_reason"] for w in want]
+    if eos == "mid-answer":
+        assert want[0]["finish_reason"] == "stop"
 
 
 def test_bad_arguments(models):

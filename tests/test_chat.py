@@ -21,7 +21,7 @@ from dflash_gguf import Llama, StopOnTokens
 from dflash_gguf.server import create_app
 from dflash_gguf.decoding import OverrideProposer
 
-from chat_templates import LLAMA3, QWEN3, with_chat_template
+from chat_templates import LLAMA3, QWEN3, token_mid_answer, with_chat_template
 from support import KW, serve
 
 CHAT_KW = {**KW, "chat_format": None}            # None: llama_cpp uses the GGUF's template
@@ -52,16 +52,7 @@ def chat(request, models, tmp_path_factory):
     probe = llama_cpp.Llama(str(probe_path), **CHAT_KW)
     out = probe.create_chat_completion(MSGS, max_tokens=40, temperature=0)
     n_prompt = out["usage"]["prompt_tokens"]
-    toks = _completion_tokens(probe, n_prompt)
-    # the end-of-turn token: first seen mid-answer, and its text not already in the answer before it
-    # (the formatter also passes it as a stop string)
-    eot = None
-    for i in range(6, min(len(toks), 30)):
-        piece = probe.detokenize([toks[i]]).decode("utf-8", "ignore")
-        before = probe.detokenize(toks[:i]).decode("utf-8", "ignore")
-        if toks[i] not in toks[:i] and piece.strip() and piece not in before:
-            eot = toks[i]
-            break
+    eot = token_mid_answer(probe, _completion_tokens(probe, n_prompt))    # the end-of-turn token
     probe.close()
     assert eot is not None, f"no usable end-of-turn token in {toks}"
     target = with_chat_template(pair.target, d / "chat.gguf", template, eos_token_id=eot)
