@@ -52,7 +52,8 @@ def chat(request, models, tmp_path_factory):
     probe = llama_cpp.Llama(str(probe_path), **CHAT_KW)
     out = probe.create_chat_completion(MSGS, max_tokens=40, temperature=0)
     n_prompt = out["usage"]["prompt_tokens"]
-    eot = token_mid_answer(probe, _completion_tokens(probe, n_prompt))    # the end-of-turn token
+    toks = _completion_tokens(probe, n_prompt)
+    eot = token_mid_answer(probe, toks)    # the end-of-turn token
     probe.close()
     assert eot is not None, f"no usable end-of-turn token in {toks}"
     target = with_chat_template(pair.target, d / "chat.gguf", template, eos_token_id=eot)
