@@ -1,5 +1,6 @@
 """A/B of two checkouts' servers (`-np 1`, a scale pair's never-right drafter): slots' tokens/s cold, then
-after one request the slots do not serve (mirostat, run on the server's Llama), 3 s later.
+after one request the slots do not serve (an echoed prompt's logprobs, run on the server's Llama; the
+servers run with --logits-all), 3 s later.
 
     python bench/fallback_ab.py OLD_CHECKOUT [PAIR [REPEATS]]     # e.g. a git worktree of an older commit
 
@@ -25,7 +26,7 @@ for rep in range(reps):
     for code, root in (("old", old_root), ("new", HERE)):
         port = S._free_port()
         env = dict(os.environ, PYTHONPATH=root)
-        cmd = S.command("ours", target, drafter, 1, 2, 1024, port)
+        cmd = S.command("ours", target, drafter, 1, 2, 1024, port) + ["--logits-all"]
         proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env, cwd=root)
         deadline = time.time() + 240
         while True:
@@ -39,7 +40,7 @@ for rep in range(reps):
         url = f"http://127.0.0.1:{port}"
         S.one_request(url, S.PROMPTS[0], 4)
         cold = S._measure(proc, url, 1, 8, 32)["tok_s"]
-        r = httpx.post(f"{url}/v1/completions", json={"prompt": "def f(x):", "max_tokens": 8, "mirostat_mode": 2,
+        r = httpx.post(f"{url}/v1/completions", json={"prompt": "def f(x):", "max_tokens": 8, "echo": True, "logprobs": 1,
                                                      "temperature": 0}, timeout=120)
         assert r.status_code == 200, r.text
         time.sleep(3)

@@ -364,15 +364,14 @@ class Llama(PairConstructors, RpcTarget, llama_cpp.Llama):
         return {"enabled": False, "reason": req.reason or "plain decoding"}
 
     # ------------------------------------------------------------------ generation
-    def dflash_unsupported(self, *, sampling: SamplingParams, reset: bool = True, mirostat_mode: int = 0,
+    def dflash_unsupported(self, *, sampling: SamplingParams, reset: bool = True,
                            stopping_criteria=None, request: Request | None = None) -> str | None:
         """Why a generation must use the plain path (None when DFlash serves it exactly):
         :func:`dflash_gguf.fallback.plain_reason`."""
         want = self.dflash if request is None or request.dflash is None else request.dflash
         return plain_reason(Call(
             sampling=sampling, drafter=self._decoder is not None, want=bool(want), default=bool(self.dflash),
-            draft_model=self.draft_model is not None, reset=reset, stopping_criteria=stopping_criteria,
-            mirostat_mode=mirostat_mode))
+            draft_model=self.draft_model is not None, reset=reset, stopping_criteria=stopping_criteria))
 
     def _check_free(self) -> None:
         """Raise BusyError when another thread has a generation in flight on this Llama."""
@@ -423,10 +422,10 @@ class Llama(PairConstructors, RpcTarget, llama_cpp.Llama):
         sp = SamplingParams(temperature=float(temp), top_k=int(top_k), top_p=float(top_p), min_p=float(min_p),
                             typical_p=float(typical_p), repeat_penalty=float(repeat_penalty),
                             frequency_penalty=float(frequency_penalty), presence_penalty=float(presence_penalty),
-                            penalty_last_n=int(self.last_n_tokens_size), seed=seed,
+                            penalty_last_n=int(self.last_n_tokens_size), mirostat_mode=int(mirostat_mode),
+                            mirostat_tau=float(mirostat_tau), mirostat_eta=float(mirostat_eta), seed=seed,
                             repeatable=req.seeded if req is not None else self._seed_given)
-        why = self.dflash_unsupported(sampling=sp, reset=reset, mirostat_mode=mirostat_mode,
-                                      stopping_criteria=stopping_criteria, request=req)
+        why = self.dflash_unsupported(sampling=sp, reset=reset, stopping_criteria=stopping_criteria, request=req)
         if why is not None:
             if req is not None:
                 req.reason = why

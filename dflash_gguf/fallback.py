@@ -25,7 +25,6 @@ class Call:
     draft_model: bool = False        # a llama_cpp draft_model (prompt lookup, ...) is set
     reset: bool = True
     stopping_criteria: object = None
-    mirostat_mode: int = 0
 
 
 def plain_reason(c: Call) -> str | None:
@@ -40,6 +39,4 @@ def plain_reason(c: Call) -> str | None:
         return "generate(reset=False) continues llama_cpp's own state"
     if c.stopping_criteria and stop_token_ids(c.stopping_criteria) is None:
         return "stopping_criteria that read more than token ids (use dflash_gguf.StopOnTokens)"
-    if c.mirostat_mode:
-        return "mirostat sampling"
     return None

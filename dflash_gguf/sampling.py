@@ -2,7 +2,8 @@
 
 The chain is the one llama-cpp-python builds for ``Llama.sample``: logits processors (``logit_bias``
 is one), penalties over the tokens generated so far (last ``penalty_last_n``), a grammar, then greedy
-at ``temperature == 0``; otherwise top-k -> typical -> top-p -> min-p -> temperature -> sample.
+at ``temperature == 0``; otherwise top-k -> typical -> top-p -> min-p -> temperature -> sample, or
+mirostat (v1 or v2, in place of all those filters and of the temperature, as llama_cpp builds it).
 ``temperature < 0`` samples from the raw distribution. Processors and grammar come from
 :class:`dflash_gguf.constraints.Constraints`; here a grammar is a test ``allowed(ids) -> bool per id``.
 
@@ -40,6 +41,9 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     presence_penalty: float = 0.0
     penalty_last_n: int = 64
+    mirostat_mode: int = 0          # 1, 2: llama.cpp's mirostat samplers (at temperature > 0)
+    mirostat_tau: float = 5.0
+    mirostat_eta: float = 0.1
     seed: int | None = None
     # the caller asked for a repeatable request (a seed of its own): the decoder then drafts fixed
     # blocks, since the speed gate's timing-driven lengths change how the random numbers are used;
@@ -53,6 +57,11 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+    @property
+    def mirostat(self) -> int:
+        """The mirostat version in use (0: none; llama_cpp uses it only at a positive temperature)."""
+        return self.mirostat_mode if self.temperature > 0 else 0
 
     @property
     def has_penalties(self) -> bool:
@@ -129,12 +138,53 @@ def _typical(ids: np.ndarray, lg: np.ndarray, mass: float) -> tuple[np.ndarray, 
     return ids[keep], lg[keep]
 
 
-def distribution(logits: np.ndarray, sp: SamplingParams, allowed: Allowed | None = None) -> tuple[np.ndarray, np.ndarray]:
+MIROSTAT_M = 100      # llama_cpp's mirostat v1: the tokens its Zipf exponent is estimated from
+
+
+def _mirostat(logits: np.ndarray, sp: SamplingParams, mu: float, n_vocab: int) -> tuple[np.ndarray, np.ndarray]:
+    """llama.cpp's mirostat samplers' candidates (before the draw): v2 keeps the best tokens whose surprise
+    ``-log2 p`` is at most ``mu`` (at least one); v1 keeps the top k, k from the Zipf exponent estimated
+    on the ``MIROSTAT_M`` best tokens and ``mu`` (over a vocabulary of ``n_vocab``). Computed in float32,
+    as llama.cpp does."""
+    ids = np.argsort(-logits, kind="stable")
+    p = _softmax(logits[ids].astype(np.float64)).astype(np.float32)
+    if sp.mirostat_mode == 2:
+        with np.errstate(divide="ignore"):
+            over = np.nonzero(-np.log2(p) > np.float32(mu))[0]
+        keep = max(1, int(over[0]) if len(over) else len(p))
+    else:
+        m = min(MIROSTAT_M - 1, len(p) - 1)
+        i = np.arange(m, dtype=np.float32)
+        t = np.log((i + 2) / (i + 1)).astype(np.float32)
+        with np.errstate(divide="ignore", invalid="ignore"):
+            b = np.log(p[:m] / p[1:m + 1]).astype(np.float32)
+        s_hat = np.float32(np.sum(t * b, dtype=np.float32) / np.sum(t * t, dtype=np.float32))
+        eps = s_hat - np.float32(1)
+        with np.errstate(all="ignore"):
+            k = np.power((eps * np.float32(2.0) ** np.float32(mu)) / (1 - np.float32(n_vocab) ** -eps),
+                         1 / s_hat, dtype=np.float32)
+        keep = max(int(k) if np.isfinite(k) else 1, 1)
+    ids = ids[:keep]
+    return ids, _softmax(logits[ids].astype(np.float64))
+
+
+def surprise(p: float) -> float:
+    """A drawn token's surprise in bits, as mirostat measures it."""
+    return float(-np.log2(np.float32(p)))
+
+
+def distribution(logits: np.ndarray, sp: SamplingParams, allowed: Allowed | None = None,
+                 mu: float | None = None, n_vocab: int | None = None) -> tuple[np.ndarray, np.ndarray]:
     """Candidate ids and their probabilities after the filter chain (sampling mode); ``allowed``: a
     grammar's test, applied before the filters (as llama.cpp's chain: the top-k are the k best tokens
-    the grammar allows)."""
+    the grammar allows). Mirostat needs its state ``mu`` (``2 * tau`` at a request's start) and, for v1,
+    the vocabulary's size ``n_vocab`` (default: ``len(logits)``)."""
     if allowed is not None:
         n = logits.shape[0]
+        if sp.mirostat:
+            ids = _all_allowed(logits, allowed)
+            sub_ids, p = distribution(logits[ids], sp, mu=mu, n_vocab=n if n_vocab is None else n_vocab)
+            return ids[sub_ids], p
         k = sp.top_k if 0 < sp.top_k < n and sp.temperature >= 0 else n
         ids = None
         if k < n:
@@ -152,6 +202,8 @@ def distribution(logits: np.ndarray, sp: SamplingParams, allowed: Allowed | None
         ids = np.argsort(-logits, kind="stable")
         return ids, _softmax(logits[ids].astype(np.float64))
     n = logits.shape[0]
+    if sp.mirostat:
+        return _mirostat(logits, sp, 2.0 * sp.mirostat_tau if mu is None else mu, n if n_vocab is None else n_vocab)
     k = sp.top_k if 0 < sp.top_k < n else n
     if k < n:
         ids = np.argpartition(-logits, k - 1)[:k]
@@ -182,6 +234,9 @@ class TokenChooser:
         self.rng = np.random.default_rng(sp.seed)
         self.history: list[int] = []   # generated tokens (what llama.cpp's sampler has accepted)
         self.constraints = constraints if constraints else None
+        # mirostat's state before each token of the step being decided: [0] after the accepted tokens,
+        # [j] after the step's first j tokens (each decided from the row before)
+        self._mu = [2.0 * sp.mirostat_tau]
 
     def _logits(self, logits: np.ndarray, extra: list[int]) -> np.ndarray:
         c = self.constraints
@@ -194,13 +249,28 @@ class TokenChooser:
     def _allowed(self, extra: list[int]) -> Allowed | None:
         return None if self.constraints is None else self.constraints.allowed(extra)
 
+    def _distribution(self, lg: np.ndarray, extra: list[int]) -> tuple[np.ndarray, np.ndarray]:
+        if not self.sp.mirostat:
+            return distribution(lg, self.sp, self._allowed(extra))
+        return distribution(lg, self.sp, self._allowed(extra), mu=self._mu[len(extra)])
+
+    def _decided(self, extra: list[int], ids: np.ndarray, p: np.ndarray, tok: int) -> int:
+        """``tok`` is the step's token after ``extra``: mirostat's state moves by its surprise."""
+        if self.sp.mirostat:
+            del self._mu[len(extra) + 1:]
+            p_tok = float(p[np.nonzero(ids == tok)[0][0]])
+            mu = np.float32(self._mu[len(extra)])
+            self._mu.append(float(mu - np.float32(self.sp.mirostat_eta) *
+                                  (np.float32(surprise(p_tok)) - np.float32(self.sp.mirostat_tau))))
+        return tok
+
     def pick(self, logits: np.ndarray, extra: list[int]) -> int:
         """The target's own choice at a position (extra: tokens committed earlier in the block)."""
         lg = self._logits(logits, extra)
         if self.sp.greedy:
             return constrained_argmax(lg, self._allowed(extra))
-        ids, p = distribution(lg, self.sp, self._allowed(extra))
-        return int(ids[self.rng.choice(len(ids), p=p)])
+        ids, p = self._distribution(lg, extra)
+        return self._decided(extra, ids, p, int(ids[self.rng.choice(len(ids), p=p)]))
 
     def verify(self, logits: np.ndarray, draft: int, extra: list[int],
                q: tuple[np.ndarray, np.ndarray] | None = None) -> tuple[bool, int]:
@@ -212,7 +282,11 @@ class TokenChooser:
         if self.sp.greedy:
             best = constrained_argmax(lg, self._allowed(extra))
             return best == draft, best
-        ids, p = distribution(lg, self.sp, self._allowed(extra))
+        ids, p = self._distribution(lg, extra)
+        ok, tok = self._verify(ids, p, draft, q)
+        return ok, self._decided(extra, ids, p, tok)
+
+    def _verify(self, ids: np.ndarray, p: np.ndarray, draft: int, q) -> tuple[bool, int]:
         hit = np.nonzero(ids == draft)[0]
         p_d = float(p[hit[0]]) if len(hit) else 0.0
         if q is not None:
@@ -240,3 +314,5 @@ class TokenChooser:
         if self.constraints is not None:
             self.constraints.accept(tokens)
         self.history.extend(int(t) for t in tokens)
+        if self.sp.mirostat:
+            self._mu = [self._mu[len(tokens)]]

@@ -122,16 +122,22 @@ def test_chat_template_kwargs(pair):
     llm.close()
 
 
-@pytest.mark.parametrize("how", ["per_call_off", "mirostat"])
+def _reads_logits(input_ids, logits) -> bool:
+    """A stopping criterion that reads more than token ids (DFlash cannot serve it): never stops."""
+    return False
+
+
+READS_LOGITS = "stopping_criteria that read more than token ids (use dflash_gguf.StopOnTokens)"
+
+
+@pytest.mark.parametrize("how", ["per_call_off", "reads_logits"])
 def test_fallback_is_plain_then_dflash_resumes(plain, fast, oracle, how):
     kw: dict = dict(max_tokens=20, temperature=0)
-    if how == "mirostat":
-        kw.update(mirostat_mode=2, temperature=0.7, seed=3)
     a = plain("def main(", **kw)
-    b = fast("def main(", dflash=False, **kw) if how == "per_call_off" else fast("def main(", **kw)
-    if how != "mirostat":
-        assert b["choices"][0]["text"] == a["choices"][0]["text"]
-    reasons = {"per_call_off": "dflash disabled for this call", "mirostat": "mirostat sampling"}
+    b = fast("def main(", dflash=False, **kw) if how == "per_call_off" else \
+        fast("def main(", stopping_criteria=llama_cpp.StoppingCriteriaList([_reads_logits]), **kw)
+    assert b["choices"][0]["text"] == a["choices"][0]["text"]
+    reasons = {"per_call_off": "dflash disabled for this call", "reads_logits": READS_LOGITS}
     assert b["dflash"] == {"enabled": False, "reason": reasons[how]}   # a fallback says exactly why
     assert fast.last_dflash_stats is None
     # the plain path evaluated tokens the drafter never saw: the next DFlash call must still be exact
@@ -140,6 +146,22 @@ def test_fallback_is_plain_then_dflash_resumes(plain, fast, oracle, how):
     assert b2["choices"][0]["text"] == a2["choices"][0]["text"]
     assert_served(b2["dflash"])
     assert_consistent(fast)
+
+
+def test_mirostat_is_served_with_the_requests_parameters(plain, fast):
+    """mirostat v2 with a tiny tau keeps only the best token at every step (its state starts at 2 tau and
+    grows by eta * tau per certain token): sampled, it is greedy decoding, in llama_cpp and through DFlash
+    alike; a Llama that dropped mode or tau would sample."""
+    greedy = plain("def main(", max_tokens=20, temperature=0)["choices"][0]["text"]
+    kw = dict(max_tokens=20, temperature=0.9, top_k=0, top_p=1.0, min_p=0.0, mirostat_mode=2, mirostat_tau=0.01,
+              seed=3)
+    assert plain("def main(", **kw)["choices"][0]["text"] == greedy
+    b = fast("def main(", **kw)
+    assert b["choices"][0]["text"] == greedy
+    assert_served(b["dflash"])
+    b = fast("def main(", **{**kw, "mirostat_tau": 8.0})      # a tau that keeps many tokens samples
+    assert_served(b["dflash"])
+    assert b["choices"][0]["text"] != greedy
 
 
 def test_second_call_reuses_prefix(plain, fast, oracle):
@@ -153,14 +175,15 @@ def test_second_call_reuses_prefix(plain, fast, oracle):
 
 
 def test_plain_call_after_dflash_reuses_llama_state(plain, fast):
-    """llama_cpp's own path (here: mirostat sampling) must see a correct n_tokens/input_ids after DFlash."""
+    """llama_cpp's own path (here: for a stopping criterion that reads logits) must see a correct
+    n_tokens/input_ids after DFlash."""
     fast("import os\n", max_tokens=25, temperature=0)
     n_before = fast.n_tokens
     assert n_before > 0
-    kw = dict(max_tokens=10, temperature=0.7, mirostat_mode=2, seed=4)
+    kw = dict(max_tokens=10, temperature=0.7, seed=4)
     a = plain("import os\n", **kw)
-    b = fast("import os\n", **kw)
-    assert b["dflash"]["reason"] == "mirostat sampling"
+    b = fast("import os\n", stopping_criteria=llama_cpp.StoppingCriteriaList([_reads_logits]), **kw)
+    assert b["dflash"]["reason"] == READS_LOGITS
     assert b["choices"][0]["text"] == a["choices"][0]["text"]
 
 

@@ -28,7 +28,6 @@ CASES = [
     (dict(reset=False), "generate(reset=False) continues llama_cpp's own state"),
     (dict(stopping_criteria=[StopOnTokens([3]), other_criterion]),
      "stopping_criteria that read more than token ids (use dflash_gguf.StopOnTokens)"),
-    (dict(mirostat_mode=2), "mirostat sampling"),
 ]
 
 
@@ -46,8 +45,7 @@ def test_the_first_reason_wins():
     every.update(drafter=False)
     expect = ["no drafter loaded (draft_model_path)", "dflash=False"] + [r for _, r in CASES[3:]]
     call, seen = replace(OK, **every), []
-    for field in ["drafter", "want", "draft_model", "reset", "stopping_criteria",
-                  "mirostat_mode"]:
+    for field in ["drafter", "want", "draft_model", "reset", "stopping_criteria"]:
         seen.append(plain_reason(call))
         call = replace(call, **{field: getattr(OK, field)})
     assert seen == expect and plain_reason(call) is None
@@ -55,12 +53,13 @@ def test_the_first_reason_wins():
 
 @pytest.mark.parametrize("served", [
     dict(), dict(sampling=SAMPLED), dict(stopping_criteria=[StopOnTokens([1, 2])]), dict(stopping_criteria=[]),
-    dict(mirostat_mode=0), dict(sampling=replace(GREEDY, typical_p=0.5)), dict(sampling=replace(SAMPLED, typical_p=0.5)),
+    dict(sampling=replace(SAMPLED, mirostat_mode=1)), dict(sampling=replace(SAMPLED, mirostat_mode=2)),
+    dict(sampling=replace(GREEDY, typical_p=0.5)), dict(sampling=replace(SAMPLED, typical_p=0.5)),
     dict(sampling=replace(SAMPLED, repeat_penalty=1.1, presence_penalty=0.5, frequency_penalty=0.2)),
     dict(sampling=replace(SAMPLED, temperature=-1.0, typical_p=0.5)),
-], ids=["greedy", "sampled", "stop-tokens", "no-criteria", "mirostat-0", "greedy-typical", "sampled-typical",
+], ids=["greedy", "sampled", "stop-tokens", "no-criteria", "mirostat-1", "mirostat-2", "greedy-typical", "sampled-typical",
         "penalties", "raw-distribution-typical"])
 def test_what_dflash_serves(served):
     """Penalties, seeds, top-k/p, typical-p, min-p, token-id stops: the sampler implements the whole
-    chain llama_cpp builds (mirostat aside)."""
+    chain llama_cpp builds, mirostat v1 and v2 included."""
     assert plain_reason(replace(OK, **served)) is None

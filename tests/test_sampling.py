@@ -18,7 +18,7 @@ import pytest
 
 from dflash_gguf.demo import DEMO_DIR
 from dflash_gguf.engine import Context, ContextOptions, Model
-from dflash_gguf.sampling import SamplingParams, distribution
+from dflash_gguf.sampling import SamplingParams, distribution, surprise
 from dflash_gguf.decoding import DFlashDecoder, GenerationStats, OverrideProposer, SpecOptions
 
 PROMPT = b"def main(argv):\n    parser = argparse.ArgumentParser("
@@ -61,28 +61,31 @@ def setup(models):
 
 
 def exact_distribution(ctx: Context, prompt: list[int], sp: SamplingParams) -> dict:
-    """P(t1, t2, t3) from the target's logits, one prefix at a time (every path through the candidates)."""
-    def dist_after(prefix):
+    """P(t1, t2, t3) from the target's logits, one prefix at a time (every path through the candidates;
+    mirostat's state carried along each path)."""
+    def dist_after(prefix, mu):
         ctx.clear()
         ctx.decode(np.array(prefix, np.int32), 0, out_row0=len(prefix) - 1)
-        ids, p = distribution(ctx.logits_row(len(prefix) - 1).copy(), sp)
+        ids, p = distribution(ctx.logits_row(len(prefix) - 1).copy(), sp, mu=mu)
         return {int(i): float(q) for i, q in zip(ids, p)}
 
     out = {}
 
-    def walk(prefix, prob):
+    def walk(prefix, prob, mu):
         if len(prefix) == len(prompt) + K_TOKENS:
             out[tuple(prefix[len(prompt):])] = prob
             return
-        for tok, q in dist_after(prefix).items():
-            walk(prefix + [tok], prob * q)
+        for tok, q in dist_after(prefix, mu).items():
+            walk(prefix + [tok], prob * q, mu - sp.mirostat_eta * (surprise(q) - sp.mirostat_tau))
 
-    walk(list(prompt), 1.0)
+    walk(list(prompt), 1.0, 2.0 * sp.mirostat_tau)
     return out
 
 
 SP = SamplingParams(temperature=1.0, top_k=2, top_p=1.0, min_p=0.0)
 SP_TYPICAL = SamplingParams(temperature=1.0, top_k=3, top_p=1.0, min_p=0.0, typical_p=0.6)
+# mirostat v2 with a tau that truncates this target's rows to a few tokens, and mu moving between them
+SP_MIROSTAT = SamplingParams(temperature=1.0, mirostat_mode=2, mirostat_tau=1.5, mirostat_eta=0.5)
 
 
 @pytest.mark.parametrize("proposer", ["oracle", "drafter"])
@@ -110,16 +113,21 @@ def test_dflash_sampling_matches_target_distribution(setup, proposer):
     assert p > ALPHA, f"DFlash samples do not follow the target distribution (p={p:.2e}): {counts} vs {exact}"
 
 
-def test_typical_p_sampling_keeps_the_target_distribution(setup):
-    """typical_p < 1 (llama.cpp's locally typical filter after top-k) through DFlash with the drafter and
-    with an oracle: the same distribution as the target's own chain. The filter must matter here: it
-    leaves out outcomes top-k alone allows."""
+@pytest.mark.parametrize("sp0", [SP_TYPICAL, SP_MIROSTAT], ids=["typical", "mirostat"])
+def test_typical_p_and_mirostat_keep_the_target_distribution(setup, sp0):
+    """typical_p < 1 (llama.cpp's locally typical filter after top-k) and mirostat v2 (its state moved by
+    every decided token, rows of one step included) through DFlash with the drafter and with an oracle:
+    the same distribution as the target's own chain. The filter must matter here: it leaves out outcomes
+    the wider setting allows."""
     pair, tm, dm, pc = setup
     prompt = tm.tokenize(PROMPT)
-    sp0 = SP_TYPICAL
     exact = exact_distribution(pc, prompt, sp0)
-    wider = exact_distribution(pc, prompt, SamplingParams(**{**sp0.__dict__, "typical_p": 1.0}))
-    assert set(exact) < set(wider) and abs(sum(exact.values()) - 1) < 1e-6
+    if sp0.mirostat:
+        assert 4 <= len(exact) < 200    # a few candidates per row
+    else:
+        wider = exact_distribution(pc, prompt, SamplingParams(**{**sp0.__dict__, "typical_p": 1.0}))
+        assert set(exact) < set(wider)
+    assert abs(sum(exact.values()) - 1) < 1e-6
     opts = ContextOptions(n_ctx=256, n_batch=64, n_ubatch=64)
     tc = Context(tm, opts)
     dc = Context(dm, opts, other=tc)
@@ -137,7 +145,7 @@ def test_typical_p_sampling_keeps_the_target_distribution(setup):
     tc.close()
 
 
-@pytest.mark.parametrize("sp", [SP, SP_TYPICAL], ids=["top-k", "typical"])
+@pytest.mark.parametrize("sp", [SP, SP_TYPICAL, SP_MIROSTAT], ids=["top-k", "typical", "mirostat"])
 def test_plain_llama_cpp_sampler_matches_the_same_distribution(setup, sp):
     """Checks sampling.distribution() reproduces llama.cpp's own chain (the 'plain' side)."""
     import llama_cpp
@@ -152,7 +160,8 @@ def test_plain_llama_cpp_sampler_matches_the_same_distribution(setup, sp):
         llm.set_seed(seed)
         out = []
         for t in llm.generate(prompt, temp=sp.temperature, top_k=sp.top_k, top_p=sp.top_p, min_p=sp.min_p,
-                              typical_p=sp.typical_p, repeat_penalty=1.0):
+                              typical_p=sp.typical_p, repeat_penalty=1.0, mirostat_mode=sp.mirostat_mode,
+                              mirostat_tau=sp.mirostat_tau, mirostat_eta=sp.mirostat_eta):
             out.append(t)
             if len(out) == K_TOKENS:
                 break

@@ -518,3 +518,63 @@ def test_best_first_is_the_m_best_ids_lowest_id_first_on_ties():
     for n, m in ((5000, 256), (151_936, 256), (3000, 1000)):    # sizes where numpy's selection partitions
         logits = rng.normal(size=n).astype(np.float32)
         assert S._best_first(logits, m).tolist() == np.argsort(-logits, kind="stable")[:m].tolist()
+
+
+def _llama_cpp_mirostat_set(logits: np.ndarray, sp: SamplingParams) -> int:
+    """How many candidates llama.cpp's mirostat sampler (fresh: mu = 2 tau) leaves before its draw."""
+    import ctypes
+
+    import llama_cpp
+
+    from dflash_gguf.constraints import TOKEN_DATA
+    smpl = (llama_cpp.llama_sampler_init_mirostat_v2(1, sp.mirostat_tau, sp.mirostat_eta) if sp.mirostat_mode == 2
+            else llama_cpp.llama_sampler_init_mirostat(len(logits), 1, sp.mirostat_tau, sp.mirostat_eta, S.MIROSTAT_M))
+    buf = np.zeros(len(logits), dtype=TOKEN_DATA)
+    buf["id"], buf["logit"] = np.arange(len(logits)), logits
+    arr = llama_cpp.llama_token_data_array(data=buf.ctypes.data_as(ctypes.POINTER(llama_cpp.llama_token_data)),
+                                           size=len(logits), selected=-1, sorted=False)
+    llama_cpp.llama_sampler_apply(smpl, ctypes.byref(arr))
+    llama_cpp.llama_sampler_free(smpl)
+    return int(arr.size)
+
+
+@pytest.mark.parametrize("mode", [1, 2])
+def test_mirostat_candidates_match_llama_cpp(mode):
+    """Differential: the candidates mirostat v1 / v2 draws from at a request's start (mu = 2 tau), on random
+    logits of several spreads and taus, are llama.cpp's (its sampler's truncated size)."""
+    rng = np.random.default_rng(mode)
+    sizes = set()
+    for _ in range(60):
+        n = int(rng.choice([200, 2000]))
+        logits = (rng.standard_normal(n) * rng.choice([1.0, 3.0, 6.0])).astype(np.float32)
+        sp = SamplingParams(temperature=0.8, mirostat_mode=mode, mirostat_tau=float(rng.choice([1.0, 3.0, 5.0])))
+        ids, p = distribution(logits, sp)
+        assert len(ids) == _llama_cpp_mirostat_set(logits, sp), sp
+        np.testing.assert_array_equal(ids, np.argsort(-logits, kind="stable")[:len(ids)])
+        np.testing.assert_allclose(p, softmax(logits[ids]), rtol=1e-6)
+        sizes.add(len(ids))
+    assert len(sizes) > 10          # the truncation varies: the test sees many cut-offs
+
+
+def test_mirostat_state_follows_each_decided_token():
+    """mu moves by each token's surprise (bits, under the truncated distribution): mu' = mu - eta (s - tau),
+    row by row within a step, and the step's kept tokens decide the state the next step starts from."""
+    lg = np.log([0.5, 0.25, 0.125, 0.0625, 0.0625]).astype(np.float32)
+    sp = SamplingParams(temperature=1.0, mirostat_mode=2, mirostat_tau=2.5, mirostat_eta=0.5, seed=0)
+    ch = TokenChooser(sp)
+    ids, p = distribution(lg, sp, mu=5.0)             # 2 tau: every token's surprise (1..4 bits) <= 5
+    assert len(ids) == 5
+    tok = ch.pick(lg, [])
+    s = -np.log2(p[list(ids).index(tok)])
+    mu1 = 5.0 - 0.5 * (s - 2.5)
+    assert ch._mu == pytest.approx([5.0, mu1])
+    ids1, _ = distribution(lg, sp, mu=mu1)
+    assert len(ids1) == int(np.sum(-np.log2(softmax(lg)) <= mu1 + 1e-6))
+    ok, tok2 = ch.verify(lg, 1, [tok])
+    assert len(ch._mu) == 3
+    ch.pick(lg, [])                                     # the step restarts: its first row again
+    assert len(ch._mu) == 2
+    ch.verify(lg, 1, [tok])
+    kept = ch._mu[2]
+    ch.accept([tok, tok2])
+    assert ch._mu == [kept]

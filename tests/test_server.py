@@ -107,7 +107,7 @@ def test_sse_wire_format(base_url):
     assert json.loads(events[-2][6:])["choices"][0]["finish_reason"] == "length"
 
 
-def test_grammar_is_served_by_dflash_and_mirostat_falls_back(client, plain):
+def test_grammar_and_mirostat_are_served_by_dflash(client, plain):
     g = 'root ::= [a-z ]+'
     want = plain("def main(", max_tokens=12, temperature=0,
                  grammar=llama_cpp.LlamaGrammar.from_string(g, verbose=False))["choices"][0]["text"]
@@ -117,7 +117,7 @@ def test_grammar_is_served_by_dflash_and_mirostat_falls_back(client, plain):
     assert r.model_extra["dflash"]["enabled"] is True
     r = client.completions.create(model=MODEL_ID, prompt="def main(", max_tokens=6, temperature=0.7, seed=1,
                                   extra_body={"mirostat_mode": 2})
-    assert r.model_extra["dflash"] == {"enabled": False, "reason": "mirostat sampling"}
+    assert r.model_extra["dflash"]["enabled"] is True, r.model_extra["dflash"]
 
 
 def test_structured_chat_requests_are_served_by_dflash(client, plain, oracle):
@@ -287,10 +287,10 @@ def test_metrics(base_url):
                  "dflash_completion_tokens_total", "dflash_client_disconnects_total", "dflash_generations_total"):
         assert f"\n{name}" in "\n" + text, name
     assert 'endpoint="/v1/completions",status="400"' in text
-    assert 'dflash_generations_total{path="plain"}' in text      # the mirostat and dflash=false requests
-    assert 'dflash_fallbacks_total{reason="mirostat sampling"} 1' in text
+    assert 'dflash_generations_total{path="plain"}' in text      # the dflash=false request
+    assert 'dflash_fallbacks_total{reason="dflash disabled for this call"} 1' in text
     j = httpx.get(base_url + "/metrics", params={"format": "json"}).json()
     assert j["dflash_requests"] > 0 and j["acceptance_length"] >= 1.0
     assert j["requests_in_flight"] == 0
     fallbacks = {f["reason"]: f["count"] for f in j["fallbacks"]}
-    assert fallbacks["mirostat sampling"] == 1 and sum(fallbacks.values()) == j["plain_requests"]
+    assert fallbacks == {"dflash disabled for this call": 1} and j["plain_requests"] == 1

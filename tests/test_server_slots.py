@@ -141,27 +141,29 @@ def test_constrained_requests_run_in_the_slots(server, plain):
     assert sum(info["accepted"] for _, info in results) > 0
 
 
-def test_requests_the_slots_do_not_serve_run_on_the_llama(server, plain):
-    """mirostat is not a sampler the batched engine has: the request runs on the model's own context
-    (no slot step), and still equals llama_cpp's (greedy here: llama_cpp ignores mirostat at temperature 0)."""
+def test_requests_the_slots_do_not_serve_run_on_the_llama(server):
+    """The logprobs of an echoed prompt need the prompt's rows, which the slots do not keep: the request goes
+    to the model's own Llama (no slot step), which answers as llama_cpp does without logits_all."""
     url, srv = server
     before = srv.slots.sequences
-    r = _complete(url, PROMPTS[0], max_tokens=8, mirostat_mode=2)
-    want = plain.create_completion(PROMPTS[0], max_tokens=8, temperature=0, mirostat_mode=2)["choices"][0]["text"]
-    assert r["choices"][0]["text"] == want and want
+    r = httpx.post(f"{url}/v1/completions", json={"prompt": PROMPTS[0], "max_tokens": 4, "temperature": 0,
+                                                  "echo": True, "logprobs": 2}, timeout=120)
+    assert r.status_code == 400 and "logits_all" in r.text, r.text
     assert srv.slots.sequences == before, "it did not run in the slots"
 
 
-def test_typical_p_runs_in_the_slots(server, plain):
-    """typical_p is part of the engine's sampler: greedy it changes nothing (as in llama.cpp's chain) and
-    equals llama_cpp's; sampled with a seed it runs in the slots, drafted and repeatable (its distribution:
-    tests/test_sampling.py)."""
+@pytest.mark.parametrize("sampler", [dict(typical_p=0.5), dict(mirostat_mode=1, mirostat_tau=3.0),
+                                     dict(mirostat_mode=2, mirostat_eta=0.2)], ids=["typical", "mirostat1", "mirostat2"])
+def test_typical_p_and_mirostat_run_in_the_slots(server, plain, sampler):
+    """typical_p and mirostat are part of the engine's sampler: greedy they change nothing (as in llama.cpp's
+    chain) and equal llama_cpp's; sampled with a seed they run in the slots, drafted and repeatable (their
+    distributions: tests/test_sampling.py)."""
     url, srv = server
     before = srv.slots.sequences
-    r = _complete(url, PROMPTS[1], max_tokens=16, typical_p=0.5)
-    want = plain.create_completion(PROMPTS[1], max_tokens=16, temperature=0, typical_p=0.5)["choices"][0]["text"]
+    r = _complete(url, PROMPTS[1], max_tokens=16, **sampler)
+    want = plain.create_completion(PROMPTS[1], max_tokens=16, temperature=0, **sampler)["choices"][0]["text"]
     assert r["choices"][0]["text"] == want and r["dflash"]["enabled"] is True
-    sampled = [_complete(url, PROMPTS[2], max_tokens=16, temperature=0.8, typical_p=0.5, seed=11) for _ in range(2)]
+    sampled = [_complete(url, PROMPTS[2], max_tokens=16, temperature=0.8, seed=11, **sampler) for _ in range(2)]
     assert sampled[0]["choices"][0]["text"] == sampled[1]["choices"][0]["text"]
     assert all(s["dflash"]["enabled"] is True and s["dflash"]["drafted"] > 0 for s in sampled)
     assert srv.slots.sequences - before >= 3, "they ran in the slots"

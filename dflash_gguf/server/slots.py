@@ -35,7 +35,8 @@ from dflash_gguf.decoding.stats import GenerationStats
 
 log = logging.getLogger("dflash_gguf.server")
 
-# request fields the batched engine serves; any other set field (mirostat) goes to the Llama. tools,
+# request fields the batched engine serves (every sampling field llama_cpp has; a field added to the
+# schema and not here goes to the Llama). tools,
 # tool_choice and chat_template_kwargs: into the chat template, a named tool_choice's grammar on the
 # reply, the reply a tool call (as llama_cpp's chat handlers do; a chat_handler of the Llama's own: the
 # Llama serves the request). echo: as llama_cpp (the non-streamed text starts with the prompt;
@@ -45,7 +46,7 @@ log = logging.getLogger("dflash_gguf.server")
 SERVED = frozenset({"temperature", "top_p", "top_k", "min_p", "typical_p", "repeat_penalty", "frequency_penalty",
                     "presence_penalty", "seed", "stop", "dflash", "max_tokens", "stream", "model", "grammar",
                     "logit_bias", "response_format", "echo", "logprobs", "top_logprobs", "tools", "tool_choice",
-                    "chat_template_kwargs"})
+                    "chat_template_kwargs", "mirostat_mode", "mirostat_tau", "mirostat_eta"})
 
 
 class Job:
@@ -224,7 +225,9 @@ def sampling(kw: dict, chat: bool) -> SamplingParams:
                           min_p=float(kw.get("min_p", 0.05)), typical_p=float(kw.get("typical_p", 1.0)),
                           repeat_penalty=float(kw.get("repeat_penalty", 1.0)),
                           frequency_penalty=float(kw.get("frequency_penalty", 0.0)),
-                          presence_penalty=float(kw.get("presence_penalty", 0.0)), seed=kw.get("seed"))
+                          presence_penalty=float(kw.get("presence_penalty", 0.0)),
+                          mirostat_mode=int(kw.get("mirostat_mode", 0)), mirostat_tau=float(kw.get("mirostat_tau", 5.0)),
+                          mirostat_eta=float(kw.get("mirostat_eta", 0.1)), seed=kw.get("seed"))
 
 
 def chat_prompt(llm, messages: list[dict], tools: list | None = None, tool_choice=None,
