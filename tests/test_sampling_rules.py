@@ -50,26 +50,33 @@ def test_typical_keeps_the_tokens_nearest_the_entropy():
     #                                         1.10) the first is the more typical, and its 2/3 exceeds 0.5
 
 
-def _llama_cpp_chain(logits: np.ndarray, sp: SamplingParams) -> tuple[np.ndarray, np.ndarray]:
-    """The candidates and probabilities llama.cpp's own chain (as llama_cpp builds it for sampling,
-    min_keep 1) leaves for ``dist`` to draw from."""
+def _apply_llama_cpp(smpl, logits: np.ndarray) -> np.ndarray:
+    """llama.cpp's sampler ``smpl`` applied to ``logits`` (then freed): the candidates it leaves."""
     import ctypes
 
     import llama_cpp
 
     from dflash_gguf.constraints import TOKEN_DATA
+    buf = np.zeros(len(logits), dtype=TOKEN_DATA)
+    buf["id"], buf["logit"] = np.arange(len(logits)), logits
+    arr = llama_cpp.llama_token_data_array(data=buf.ctypes.data_as(ctypes.POINTER(llama_cpp.llama_token_data)),
+                                           size=len(logits), selected=-1, sorted=False)
+    llama_cpp.llama_sampler_apply(smpl, ctypes.byref(arr))
+    llama_cpp.llama_sampler_free(smpl)
+    return buf[:arr.size]
+
+
+def _llama_cpp_chain(logits: np.ndarray, sp: SamplingParams) -> tuple[np.ndarray, np.ndarray]:
+    """The candidates and probabilities llama.cpp's own chain (as llama_cpp builds it for sampling,
+    min_keep 1) leaves for ``dist`` to draw from."""
+    import llama_cpp
+
     chain = llama_cpp.llama_sampler_chain_init(llama_cpp.llama_sampler_chain_default_params())
     for smpl in (llama_cpp.llama_sampler_init_top_k(sp.top_k), llama_cpp.llama_sampler_init_typical(sp.typical_p, 1),
                  llama_cpp.llama_sampler_init_top_p(sp.top_p, 1), llama_cpp.llama_sampler_init_min_p(sp.min_p, 1),
                  llama_cpp.llama_sampler_init_temp(sp.temperature)):
         llama_cpp.llama_sampler_chain_add(chain, smpl)
-    buf = np.zeros(len(logits), dtype=TOKEN_DATA)
-    buf["id"], buf["logit"] = np.arange(len(logits)), logits
-    arr = llama_cpp.llama_token_data_array(data=buf.ctypes.data_as(ctypes.POINTER(llama_cpp.llama_token_data)),
-                                           size=len(logits), selected=-1, sorted=False)
-    llama_cpp.llama_sampler_apply(chain, ctypes.byref(arr))
-    llama_cpp.llama_sampler_free(chain)
-    out = buf[:arr.size]
+    out = _apply_llama_cpp(chain, logits)
     out = out[np.argsort(out["id"])]
     return out["id"].astype(np.int64), softmax(out["logit"])
 
@@ -522,20 +529,11 @@ def test_best_first_is_the_m_best_ids_lowest_id_first_on_ties():
 
 def _llama_cpp_mirostat_set(logits: np.ndarray, sp: SamplingParams) -> int:
     """How many candidates llama.cpp's mirostat sampler (fresh: mu = 2 tau) leaves before its draw."""
-    import ctypes
-
     import llama_cpp
 
-    from dflash_gguf.constraints import TOKEN_DATA
     smpl = (llama_cpp.llama_sampler_init_mirostat_v2(1, sp.mirostat_tau, sp.mirostat_eta) if sp.mirostat_mode == 2
             else llama_cpp.llama_sampler_init_mirostat(len(logits), 1, sp.mirostat_tau, sp.mirostat_eta, S.MIROSTAT_M))
-    buf = np.zeros(len(logits), dtype=TOKEN_DATA)
-    buf["id"], buf["logit"] = np.arange(len(logits)), logits
-    arr = llama_cpp.llama_token_data_array(data=buf.ctypes.data_as(ctypes.POINTER(llama_cpp.llama_token_data)),
-                                           size=len(logits), selected=-1, sorted=False)
-    llama_cpp.llama_sampler_apply(smpl, ctypes.byref(arr))
-    llama_cpp.llama_sampler_free(smpl)
-    return int(arr.size)
+    return len(_apply_llama_cpp(smpl, logits))
 
 
 @pytest.mark.parametrize("mode", [1, 2])
