@@ -59,6 +59,14 @@ class DraftLength:
     PROBE_BUDGET = 0.025                                     # probes of a never-right drafter (or of one plain decoding
                                                              #     keeps beating, past PROBE_MAX): at most this share of
                                                              #     plain decoding's time (sets the gap between them)
+    PROBE_LONGEST = 1.0                                      # ... and at most this many seconds of it apart (where
+                                                             #     that is more than 4 PROBE_MAX steps, see _probe_gap)
+    PROBE_TAIL = 32                                          # plain steps after a probe that still run slow (the
+                                                             # drafter's run pushed the target out of the caches):
+                                                             # their excess over a plain step is the probe's cost
+                                                             # (the demo pair on AMD Zen 4: 1.6 / 2.1 / 2.7 / 3.2 ms
+                                                             # over the next 10 / 20 / 40 / 60 steps of 0.4 ms, for
+                                                             # a 2.5-3.5 ms probe step)
     PROBE_EVERY = 24                                         # re-measure n_max and plain now and then ...
     PROBE_SOON = 4                                           # ... sooner after leaving a drafter that
     DIP = 1.5                                                #     still gets this many tokens per step
@@ -104,8 +112,9 @@ class DraftLength:
         self.steps = 0
         self._plan: int | None = None
         self._probe_seen = np.nan                   # what probes while decoding plainly cost (seconds, EMA) ...
-        self._probe_after = False                   # ... with the step after one (the last step was one,
-        self._probe_after_w = 1.0                   #     and its weight in that EMA)
+        self._probe_after = 0                       # ... with the PROBE_TAIL plain steps after one (how many
+        self._probe_after_w = 1.0                   #     are left, the probe's weight in that EMA and the
+        self._probe_tail = 0.0                      #     excess over a plain step they have added so far)
         self.probe_len = self._probe_length()
         self.probe_every = self._probe_gap()
         # with a prior: probes until one is right, at most WARMUP_GIVE_UP (a good drafter's first probe can
@@ -174,18 +183,25 @@ class DraftLength:
             return short
         return max(n for n in range(1, short + 1) if c[n] <= c[1] + self.PROBE_FREE * c[0])
 
-    def _probe_gap(self) -> int:
+    def _probe_gap(self, budget: float | None = None, least: int | None = None) -> int:
         """Steps between probes while decoding plainly: PROBE_EVERY, or more where a probe costs so
         much more than a plain step (a drafter call that costs more than the target's decode) that
         probing every PROBE_EVERY steps would cost a never-right drafter over PROBE_BUDGET. A probe
         costs what its steps took, where that is more than the cost of a settled step of its length:
         it also injects the features kept while decoding plainly and follows a plain step (on the
-        demo pair about 3 ms where a settled 1-token step costs 1.9 ms and a plain one 0.55)."""
+        demo pair about 3 ms where a settled 1-token step costs 1.9 ms and a plain one 0.55). ``budget``
+        (default PROBE_BUDGET) and ``least`` (default PROBE_EVERY): the share and the shortest gap."""
+        budget = self.PROBE_BUDGET if budget is None else budget
+        least = self.PROBE_EVERY if least is None else least
         c0, cp = self.cost[0], np.fmax(self.cost[self.probe_len], self._probe_seen)   # fmax: nan where both are
         if not (c0 > 0 and np.isfinite(cp)):   # unknown yet (nan)
-            return self.PROBE_EVERY
-        need = int(np.ceil(max(cp - c0, 0.0) / (self.PROBE_BUDGET * c0)))
-        return int(min(max(need, self.PROBE_EVERY), 4 * self.PROBE_MAX))
+            return least
+        need = int(np.ceil(max(cp - c0, 0.0) / (budget * c0)))
+        # at most 4 PROBE_MAX steps or PROBE_LONGEST seconds of plain decoding, whichever is longer: a
+        # tiny pair's probe costs about 25 plain steps all told (the demo pair on AMD Zen 4: a 96-token
+        # call with one 10 ms longer than one without), so 4 PROBE_MAX steps (0.15 s of its decoding)
+        # would spend 6.5% of the time on probes
+        return int(min(max(need, least), max(4 * self.PROBE_MAX, int(self.PROBE_LONGEST / c0))))
 
     def _could_pay(self, c: np.ndarray | None = None) -> bool:
         """Whether drafting could beat plain decoding by HOPE if every drafted token were right (``c``:
@@ -298,22 +314,28 @@ class DraftLength:
         never records a steady cost in a small batch's gate, which then plans on its prior for good: a
         4-client server's two-sequence gate drafted on a noisy prior's word, every step of its life.)"""
         self._run, self._streak = (after._run, after._streak) if isinstance(after, DraftLength) else (None, 0)
-        self._probe_after = False
+        self._probe_after = 0
 
     def record(self, n: int, accepted: int, seconds: float, same_step: bool = False) -> None:
         """A step that drafted ``n`` tokens, ``accepted`` of them, in ``seconds``. ``same_step``: another
         sequence of the step recorded last (a batch: its acceptance counts, the step's cost once)."""
         if self._probe_after and not same_step:
-            # the step after a probe: a plain one pays for the switch back (on the demo pair about a plain
-            # step more), which is the probe's cost too
-            self._probe_after = False
-            if n == 0 and self.cost[0] > 0:
-                self._probe_seen += self._probe_after_w * max(seconds - float(self.cost[0]), 0.0)
+            # the plain steps after a probe pay for the switch back (on the demo pair a plain step more at
+            # first, the excess fading over ten to twenty steps), which is the probe's cost too: their summed
+            # excess over a settled plain step (a noisy step's deficit counts against it; never below zero)
+            c0 = float(self.cost[0])
+            if n == 0 and c0 > 0:
+                self._probe_after -= 1
+                was = max(self._probe_tail, 0.0)
+                self._probe_tail += seconds - c0
+                self._probe_seen += self._probe_after_w * (max(self._probe_tail, 0.0) - was)
+            else:
+                self._probe_after = 0
         if n > 0 and self._plan == 0 and not same_step:
             # a probe while decoding plainly: what it cost, all told (the gap between probes spends the budget)
             first = np.isnan(self._probe_seen)
             self._probe_seen = seconds if first else 0.5 * (self._probe_seen + seconds)
-            self._probe_after, self._probe_after_w = True, (1.0 if first else 0.5)
+            self._probe_after, self._probe_after_w, self._probe_tail = self.PROBE_TAIL, (1.0 if first else 0.5), 0.0
         if n > 0 and self._plan == 0 and 2 * accepted >= n and \
                 not (1 + accepted) * self.cost[0] <= seconds:
             # a probe while decoding plainly found the drafter right, and its step beat a plain one (or
@@ -343,8 +365,8 @@ class DraftLength:
         self._run = n
         steady = self._streak > 1                                  # not a switch's (or a prefill's) first step
         settled = self._streak > self.SETTLE.get(n, 1)
-        c = self.cost[n]
-        if np.isnan(c):
+        c = float(self.cost[n])    # Python floats from here: this runs every step, also while decoding plainly
+        if c != c:                 # nan: not measured yet
             self.cost[n] = seconds
             if not steady:
                 self._prior.add(n)     # the first steady step of this length replaces it

@@ -120,6 +120,14 @@ def test_probe_gap_spends_the_budget(scale):
         assert G(7, prior).probe_every == gap, (extra, gap)
 
 
+def test_probe_gap_reaches_past_four_probe_max_steps_within_probe_longest_seconds():
+    """A tiny pair's probe costs tens of plain steps: the budget's gap may pass 4 PROBE_MAX steps, up to
+    PROBE_LONGEST seconds of plain decoding; a larger target's stays at 4 PROBE_MAX."""
+    for c0, extra, gap in [(1e-4, 50.0, 2000), (1e-4, 500.0, int(G.PROBE_LONGEST / 1e-4)), (1e-2, 50.0, 4 * G.PROBE_MAX)]:
+        prior = np.array([1.0] + [1.0 + extra] * 7) * c0
+        assert G(7, prior).probe_every == gap, (c0, extra)
+
+
 def test_probe_gap_counts_what_probes_cost_when_that_is_more():
     """A probe while decoding plainly costs its whole step (the kept features injected, the switch from
     plain): its measured cost sets the gap where it exceeds the settled cost of a step of its length,
@@ -152,22 +160,40 @@ def test_probe_gap_counts_what_probes_cost_when_that_is_more():
     assert u._probe_gap() == 120
 
 
-def test_the_plain_step_after_a_probe_charges_its_excess_to_the_probe():
-    """The first plain step after a probe runs slow (the switch back: on the demo pair about a plain step
-    more); that excess over a plain step is the probe's cost too, weighted as the probe was in the EMA.
-    A drafting step after it, a step of another sequence of the same batch, or a new call adds nothing."""
+def test_the_plain_steps_after_a_probe_charge_their_excess_to_the_probe():
+    """The PROBE_TAIL plain steps after a probe run slow (the switch back: on the demo pair a plain step
+    more at first, fading over ten to twenty steps); their summed excess over a plain step is the probe's
+    cost too, weighted as the probe was in the EMA, a step below a plain one taking back from it (noise) but
+    never below nothing. A drafting step after it, a step of another sequence of the same batch, or a new
+    call ends the tail."""
     prior = np.array([1.0] + [2.5] * 7)
     g = G(7, prior)
     g._plan = 0
     g.record(g.probe_len, 0, 4.0)
-    g.record(0, 0, 1.0, same_step=True)             # the probe step's other sequence: not the step after
+    g.record(0, 0, 1.0, same_step=True)             # the probe step's other sequence: not a step after
     g.record(0, 0, 3.0)                             # 2.0 over a plain step
     assert g._probe_seen == 6.0 and g._probe_gap() == 200      # (6 - 1) / 0.025
-    g.record(0, 0, 3.0)                             # the step after that: a plain step's own
+    g.record(0, 0, 1.5)                             # the tail goes on
+    assert g._probe_seen == 6.5
+    g.record(0, 0, 0.5)                             # a step below a plain one takes back (noise) ...
     assert g._probe_seen == 6.0
+    tail, used = 2.0, 3
+    while tail >= 0 and used < G.PROBE_TAIL - 2:    # ... down to the probe step's own cost, not below
+        tail -= float(g.cost[0])                    # (faster steps lower the plain cost as they come)
+        g.record(0, 0, 0.0)
+        used += 1
+    assert tail < 0 and g._probe_seen == pytest.approx(4.0)
+    for _ in range(G.PROBE_TAIL - used):            # the tail's last steps ...
+        tail += 0.1
+        g.record(0, 0, float(g.cost[0]) + 0.1)
+    assert g._probe_seen == pytest.approx(4.0 + max(tail, 0.0))
+    seen = g._probe_seen
+    g.record(0, 0, float(g.cost[0]) + 5.0)          # ... then no more
+    assert g._probe_seen == seen
     g.record(g.probe_len, 0, 4.0)                   # a second probe: half of the EMA, so is its excess
-    g.record(0, 0, 2.0)
-    assert g._probe_seen == 5.0 + 0.5
+    c = float(g.cost[0])
+    g.record(0, 0, c + 1.0)
+    assert g._probe_seen == pytest.approx(0.5 * (seen + 4.0) + 0.5)
     for follow, new_run in [((7, 0, 9.0), False), ((0, 0, 9.0), True)]:
         h = G(7, prior)
         h._plan = 0
