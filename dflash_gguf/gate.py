@@ -322,12 +322,13 @@ class DraftLength:
         if self._probe_after and not same_step:
             # the plain steps after a probe pay for the switch back (on the demo pair a plain step more at
             # first, the excess fading over ten to twenty steps), which is the probe's cost too: their summed
-            # excess over a settled plain step (a noisy step's deficit counts against it; never below zero)
+            # excess over a settled plain step (a noisy step's deficit counts against it, a step slower than
+            # OUTLIER plain ones as that; never below zero)
             c0 = float(self.cost[0])
             if n == 0 and c0 > 0:
                 self._probe_after -= 1
                 was = max(self._probe_tail, 0.0)
-                self._probe_tail += seconds - c0
+                self._probe_tail += min(seconds, self.OUTLIER * c0) - c0   # a slow step (the OS) counts as OUTLIER
                 self._probe_seen += self._probe_after_w * (max(self._probe_tail, 0.0) - was)
             else:
                 self._probe_after = 0

@@ -171,13 +171,13 @@ def test_the_plain_steps_after_a_probe_charge_their_excess_to_the_probe():
     g._plan = 0
     g.record(g.probe_len, 0, 4.0)
     g.record(0, 0, 1.0, same_step=True)             # the probe step's other sequence: not a step after
-    g.record(0, 0, 3.0)                             # 2.0 over a plain step
-    assert g._probe_seen == 6.0 and g._probe_gap() == 200      # (6 - 1) / 0.025
-    g.record(0, 0, 1.5)                             # the tail goes on
-    assert g._probe_seen == 6.5
-    g.record(0, 0, 0.5)                             # a step below a plain one takes back (noise) ...
+    g.record(0, 0, 2.0)                             # 1.0 over a plain step
+    assert g._probe_seen == 5.0 and g._probe_gap() == 160      # (5 - 1) / 0.025
+    g.record(0, 0, 9.0)                             # a step slower than OUTLIER plain ones counts as that
     assert g._probe_seen == 6.0
-    tail, used = 2.0, 3
+    g.record(0, 0, 0.5)                             # a step below a plain one takes back (noise) ...
+    assert g._probe_seen == 5.5
+    tail, used = 1.5, 3
     while tail >= 0 and used < G.PROBE_TAIL - 2:    # ... down to the probe step's own cost, not below
         tail -= float(g.cost[0])                    # (faster steps lower the plain cost as they come)
         g.record(0, 0, 0.0)
@@ -192,8 +192,8 @@ def test_the_plain_steps_after_a_probe_charge_their_excess_to_the_probe():
     assert g._probe_seen == seen
     g.record(g.probe_len, 0, 4.0)                   # a second probe: half of the EMA, so is its excess
     c = float(g.cost[0])
-    g.record(0, 0, c + 1.0)
-    assert g._probe_seen == pytest.approx(0.5 * (seen + 4.0) + 0.5)
+    g.record(0, 0, 1.5 * c)
+    assert g._probe_seen == pytest.approx(0.5 * (seen + 4.0) + 0.25 * c)
     for follow, new_run in [((7, 0, 9.0), False), ((0, 0, 9.0), True)]:
         h = G(7, prior)
         h._plan = 0
@@ -207,8 +207,8 @@ def test_the_plain_steps_after_a_probe_charge_their_excess_to_the_probe():
     u = G(7)
     u.cost[0], u._plan = 1.0, 0
     u.record(4, 0, 4.0)
-    u.record(0, 0, 3.0)
-    assert np.isnan(u.cost[1]) and u._probe_seen == 6.0
+    u.record(0, 0, 2.0)
+    assert np.isnan(u.cost[1]) and u._probe_seen == 5.0
     # a plain cost of 0 (nothing known to compare with): the step after adds nothing
     z = G(7, np.array([0.0] + [2.5] * 7))
     z._plan = 0
