@@ -183,25 +183,22 @@ class DraftLength:
             return short
         return max(n for n in range(1, short + 1) if c[n] <= c[1] + self.PROBE_FREE * c[0])
 
-    def _probe_gap(self, budget: float | None = None, least: int | None = None) -> int:
+    def _probe_gap(self) -> int:
         """Steps between probes while decoding plainly: PROBE_EVERY, or more where a probe costs so
         much more than a plain step (a drafter call that costs more than the target's decode) that
         probing every PROBE_EVERY steps would cost a never-right drafter over PROBE_BUDGET. A probe
         costs what its steps took, where that is more than the cost of a settled step of its length:
         it also injects the features kept while decoding plainly and follows a plain step (on the
-        demo pair about 3 ms where a settled 1-token step costs 1.9 ms and a plain one 0.55). ``budget``
-        (default PROBE_BUDGET) and ``least`` (default PROBE_EVERY): the share and the shortest gap."""
-        budget = self.PROBE_BUDGET if budget is None else budget
-        least = self.PROBE_EVERY if least is None else least
+        demo pair about 3 ms where a settled 1-token step costs 1.9 ms and a plain one 0.55)."""
         c0, cp = self.cost[0], np.fmax(self.cost[self.probe_len], self._probe_seen)   # fmax: nan where both are
         if not (c0 > 0 and np.isfinite(cp)):   # unknown yet (nan)
-            return least
-        need = int(np.ceil(max(cp - c0, 0.0) / (budget * c0)))
+            return self.PROBE_EVERY
+        need = int(np.ceil(max(cp - c0, 0.0) / (self.PROBE_BUDGET * c0)))
         # at most 4 PROBE_MAX steps or PROBE_LONGEST seconds of plain decoding, whichever is longer: a
         # tiny pair's probe costs about 25 plain steps all told (the demo pair on AMD Zen 4: a 96-token
         # call with one 10 ms longer than one without), so 4 PROBE_MAX steps (0.15 s of its decoding)
         # would spend 6.5% of the time on probes
-        return int(min(max(need, least), max(4 * self.PROBE_MAX, int(self.PROBE_LONGEST / c0))))
+        return int(min(max(need, self.PROBE_EVERY), max(4 * self.PROBE_MAX, int(self.PROBE_LONGEST / c0))))
 
     def _could_pay(self, c: np.ndarray | None = None) -> bool:
         """Whether drafting could beat plain decoding by HOPE if every drafted token were right (``c``:

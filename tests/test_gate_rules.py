@@ -120,6 +120,18 @@ def test_probe_gap_spends_the_budget(scale):
         assert G(7, prior).probe_every == gap, (extra, gap)
 
 
+def test_a_slow_step_after_a_probe_counts_as_outlier_plain_steps():
+    """A step after a probe that took far longer than a plain one (the OS, a page fault) adds OUTLIER - 1
+    plain steps to the probe's cost, not what it took."""
+    g = G(7, np.array([0.5] + [1.5] * 7))
+    g._plan = 0
+    g.record(g.probe_len, 0, 2.0)
+    g.record(0, 0, 10.0)
+    assert g._probe_seen == pytest.approx(2.0 + (G.OUTLIER - 1) * 0.5)
+    g.record(0, 0, 0.75)                            # a step within it: its own excess
+    assert g._probe_seen == pytest.approx(2.0 + (G.OUTLIER - 1) * 0.5 + 0.25)
+
+
 def test_probe_gap_reaches_past_four_probe_max_steps_within_probe_longest_seconds():
     """A tiny pair's probe costs tens of plain steps: the budget's gap may pass 4 PROBE_MAX steps, up to
     PROBE_LONGEST seconds of plain decoding; a larger target's stays at 4 PROBE_MAX."""
@@ -202,6 +214,9 @@ def test_the_plain_steps_after_a_probe_charge_their_excess_to_the_probe():
             h.new_run()
         h._plan = follow[0]                         # the gate drafts now (a plan's step, not a probe)
         h.record(*follow)
+        assert h._probe_seen == 4.0, (follow, new_run)
+        h._plan = 0
+        h.record(0, 0, 2.0)                         # ... and the tail has ended: a plain step after adds nothing
         assert h._probe_seen == 4.0, (follow, new_run)
     # no prior: a 4-token probe's cost is known, a 1-token step's is not - plain's cost is what counts
     u = G(7)
