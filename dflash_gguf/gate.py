@@ -26,6 +26,8 @@ measures them.
 """
 from __future__ import annotations
 
+import math
+
 import numpy as np
 
 
@@ -101,17 +103,20 @@ class DraftLength:
         self.n_max = n_max
         self.hits = np.zeros(n_max)                 # position i accepted (decayed count)
         self.tries = np.zeros(n_max)                # position i reached: drafted, all before it accepted
-        self.cost = np.full(n_max + 1, np.nan)      # seconds of one step drafting n tokens
+        # seconds of one step drafting n tokens (a list of Python floats: record() updates it every step,
+        # also while decoding plainly, where a small pair's step is a few hundred microseconds and numpy's
+        # per-call cost, with the caches cold after the target's decode, came to 3 us of the gate's 7)
+        self.cost: list[float] = [math.nan] * (n_max + 1)
         self._prior: set[int] = set()               # lengths whose cost is no steady step's yet (the prior's,
                                                     # or a step after another length)
         if costs is not None:
             if len(costs) != n_max + 1:
                 raise ValueError(f"a cost prior needs {n_max + 1} entries (n = 0..{n_max}), got {len(costs)}")
-            self.cost[:] = costs
+            self.cost = [float(c) for c in costs]
             self._prior = set(range(n_max + 1))
         self.steps = 0
         self._plan: int | None = None
-        self._probe_seen = np.nan                   # what probes while decoding plainly cost (seconds, EMA) ...
+        self._probe_seen = math.nan                 # what probes while decoding plainly cost (seconds, EMA) ...
         self._probe_after = 0                       # ... with the PROBE_TAIL plain steps after one (how many
         self._probe_after_w = 1.0                   #     are left, the probe's weight in that EMA and the
         self._probe_tail = 0.0                      #     excess over a plain step they have added so far)
@@ -136,6 +141,10 @@ class DraftLength:
         self._run: int | None = None                # the length of the last step recorded (None: a new run)
         self._streak = 0                            # ... and how many steps of it in a row
         self._switches = 0                          # steps of the plan in a row that were each a run's first
+        self._version = 0                           # bumped by whatever may change the plan: acceptance, and a
+                                                    # cost that moves against the others (the plan's own steps
+                                                    # scale them all, which leaves the choice as it is)
+        self._evaluated: tuple[int, int, bool, bool] | None = None   # the last evaluation: version, _evaluate()'s
 
     def _scheduled(self) -> int | None:
         if self._again is not None:
@@ -179,7 +188,7 @@ class DraftLength:
         beyond a plain one; the rows past the first only add draws of deeper positions)."""
         short = min(self.PROBE_SHORT, self.n_max)
         c = self.cost
-        if np.isnan(c).any():          # no prior: the warm-up measures the costs
+        if any(x != x for x in c):     # nan, no prior: the warm-up measures the costs
             return short
         return max(n for n in range(1, short + 1) if c[n] <= c[1] + self.PROBE_FREE * c[0])
 
@@ -190,22 +199,29 @@ class DraftLength:
         costs what its steps took, where that is more than the cost of a settled step of its length:
         it also injects the features kept while decoding plainly and follows a plain step (on the
         demo pair about 3 ms where a settled 1-token step costs 1.9 ms and a plain one 0.55)."""
-        c0, cp = self.cost[0], np.fmax(self.cost[self.probe_len], self._probe_seen)   # fmax: nan where both are
-        if not (c0 > 0 and np.isfinite(cp)):   # unknown yet (nan)
+        c0, step, seen = self.cost[0], self.cost[self.probe_len], self._probe_seen
+        cp = seen if step != step else step if seen != seen else max(step, seen)    # nan where both are
+        if not (c0 > 0 and math.isfinite(cp)):   # unknown yet (nan)
             return self.PROBE_EVERY
-        need = int(np.ceil(max(cp - c0, 0.0) / (self.PROBE_BUDGET * c0)))
+        need = math.ceil(max(cp - c0, 0.0) / (self.PROBE_BUDGET * c0))
         # at most 4 PROBE_MAX steps or PROBE_LONGEST seconds of plain decoding, whichever is longer: a
         # tiny pair's probe costs about 25 plain steps all told (the demo pair on AMD Zen 4: a 96-token
         # call with one 10 ms longer than one without), so 4 PROBE_MAX steps (0.15 s of its decoding)
         # would spend 6.5% of the time on probes
-        return int(min(max(need, self.PROBE_EVERY), max(4 * self.PROBE_MAX, int(self.PROBE_LONGEST / c0))))
+        return int(min(max(need, self.PROBE_EVERY), self._longest_gap()))
+
+    def _longest_gap(self) -> int:
+        """The most steps between probes while decoding plainly: 4 PROBE_MAX, or PROBE_LONGEST seconds of
+        plain decoding where that is more."""
+        c0 = self.cost[0]
+        return max(4 * self.PROBE_MAX, int(self.PROBE_LONGEST / c0)) if c0 > 0 else 4 * self.PROBE_MAX
 
     def _could_pay(self, c: np.ndarray | None = None) -> bool:
         """Whether drafting could beat plain decoding by HOPE if every drafted token were right (``c``:
         the step costs, when known already)."""
         c = self.step_cost() if c is None else c
-        n = np.arange(1, self.n_max + 1)
-        return bool(np.max((n + 1) / c[n]) > (1 + self.HOPE) / c[0])
+        best = max((n + 1) / c[n] if c[n] > 0 else math.inf for n in range(1, self.n_max + 1))
+        return bool(best > ((1 + self.HOPE) / c[0] if c[0] > 0 else math.inf))
 
     def expected_tokens(self) -> np.ndarray:
         """Expected tokens per step for n = 0..n_max drafted tokens."""
@@ -226,7 +242,7 @@ class DraftLength:
         """Seconds per step for n = 0..n_max: measured where known, else a line through the measured
         drafting steps (n >= 1). A plain step (n = 0) has no drafter call, so it stays out of the fit:
         the drafter's cost is a step at n = 1, not a slope."""
-        cost = self.cost.tolist()
+        cost = [float(c) for c in self.cost]
         known = [i for i, c in enumerate(cost) if c == c]      # not nan
         fit = [i for i in known if i >= 1]
         if len(fit) < 2:
@@ -257,15 +273,7 @@ class DraftLength:
                 # a changed plan takes effect now, a held one leaves the probing schedule as it was
                 early = self._recheck and not (due or self._replan_due or self._plan is None)
                 self._replan_due = self._recheck = False
-                expected = self.expected_tokens()
-                costs = self.step_cost()
-                rate = expected / costs
-                plan = int(np.argmax(rate))
-                if plan and rate[self.n_max] >= (1 - self.PREFER_FULL) * rate[plan]:
-                    # near a tie, the whole block: its cost is measured, not read off a line, and it
-                    # keeps drawing every position's acceptance (shorter blocks leave the deep ones to
-                    # extrapolation); the most this gives up is PREFER_FULL
-                    plan = self.n_max
+                plan, hopeless, futile = self._evaluate()
                 if early and plan == self._plan:
                     return plan
                 # a choice that survives re-measuring is probed less often (a never-right drafter then
@@ -274,7 +282,6 @@ class DraftLength:
                 # is re-probed soon
                 steady = plan == self._plan
                 self.probe_every = min(self.probe_every * 2, self.PROBE_MAX) if steady else self.PROBE_EVERY
-                hopeless = plan == 0 and (expected[-1] <= self.DIP or not self._could_pay(costs))
                 if hopeless or (plan == 0 and steady and self.probe_every >= self.PROBE_MAX):
                     # a drafter that looks never right, or one whose every token right would not pay (a
                     # target so small that a block's rows cost as much as its tokens): probed no faster
@@ -282,6 +289,16 @@ class DraftLength:
                     # and again, once the gap has grown to PROBE_MAX (probes costing over PROBE_BUDGET
                     # there: a tiny pair, where a probe costs several plain steps)
                     self.probe_every = max(self.probe_every, self._probe_gap())
+                if plan == 0 and futile:
+                    # not even every token right would pay (a target so small that a block's rows cost what
+                    # its tokens do: the demo pair): no acceptance a probe could find changes the choice,
+                    # only costs that move apart (the context, the machine), so probes come the longest gap
+                    # apart, from the first one on (at the budget's gaps, with the injection of the rows
+                    # kept meanwhile and the slow plain steps after each, three probes of about 3.5 ms fell
+                    # in the demo pair's 480 timed tokens, 175 ms of plain decoding)
+                    self.probe_every = max(self.probe_every, self._longest_gap())
+                    if not steady:
+                        self._next_probe = max(self._next_probe, self.steps + self.probe_every)
                 if plan == 0 and not steady and not hopeless:
                     self.probe_every = self.PROBE_SOON
                     self._next_probe = min(self._next_probe, self.steps + self.PROBE_SOON)
@@ -294,6 +311,30 @@ class DraftLength:
             n = self._plan
         return n
 
+    def _evaluate(self) -> tuple[int, bool, bool]:
+        """The length with the most expected tokens per second, and for plain decoding (0) whether the
+        drafter looks hopeless (never right, or never paying even with every token right) and whether it is
+        futile (the latter: no acceptance could make drafting pay at these costs). Kept until the
+        acceptance counts or a cost against the others change (``_version``): while decoding plainly the
+        plan's steps only scale every cost by one factor, which changes neither answer, so re-planning
+        every REPLAN_EVERY steps costs next to nothing there (the evaluation, 40 us with the caches cold
+        after a small target's decode, was 10 of the gate's 21 us a plain step on the demo pair)."""
+        if self._evaluated is not None and self._evaluated[0] == self._version:
+            return self._evaluated[1:]
+        expected = self.expected_tokens()
+        costs = self.step_cost()
+        rate = expected / costs
+        plan = int(np.argmax(rate))
+        if plan and rate[self.n_max] >= (1 - self.PREFER_FULL) * rate[plan]:
+            # near a tie, the whole block: its cost is measured, not read off a line, and it keeps
+            # drawing every position's acceptance (shorter blocks leave the deep ones to extrapolation);
+            # the most this gives up is PREFER_FULL
+            plan = self.n_max
+        futile = plan == 0 and not self._could_pay(costs)
+        hopeless = futile or (plan == 0 and bool(expected[-1] <= self.DIP))
+        self._evaluated = (self._version, plan, hopeless, futile)
+        return plan, hopeless, futile
+
     def learn_acceptance(self, other: "DraftLength") -> None:
         """Start from ``other``'s acceptance history (the same drafter, another step shape: a batch of
         sequences), keeping this gate's costs: a drafter ``other`` found never right is not warmed up
@@ -301,6 +342,7 @@ class DraftLength:
         if other.n_max != self.n_max:
             raise ValueError(f"gates of {self.n_max} and {other.n_max} drafted tokens")
         self.hits[:], self.tries[:] = other.hits, other.tries
+        self._version += 1
         self._blocks, self._right = other._blocks, other._right
 
     def new_run(self, after: "DraftLength | None" = None) -> None:
@@ -321,7 +363,7 @@ class DraftLength:
             # first, the excess fading over ten to twenty steps), which is the probe's cost too: their summed
             # excess over a settled plain step (a noisy step's deficit counts against it, a step slower than
             # OUTLIER plain ones as that; never below zero)
-            c0 = float(self.cost[0])
+            c0 = self.cost[0]
             if n == 0 and c0 > 0:
                 self._probe_after -= 1
                 was = max(self._probe_tail, 0.0)
@@ -331,7 +373,7 @@ class DraftLength:
                 self._probe_after = 0
         if n > 0 and self._plan == 0 and not same_step:
             # a probe while decoding plainly: what it cost, all told (the gap between probes spends the budget)
-            first = np.isnan(self._probe_seen)
+            first = self._probe_seen != self._probe_seen    # nan
             self._probe_seen = seconds if first else 0.5 * (self._probe_seen + seconds)
             self._probe_after, self._probe_after_w, self._probe_tail = self.PROBE_TAIL, (1.0 if first else 0.5), 0.0
         if n > 0 and self._plan == 0 and 2 * accepted >= n and \
@@ -351,6 +393,7 @@ class DraftLength:
             # first token is wrong about one block in five) and the schedule re-plans
             self._recheck = True
         if n > 0:
+            self._version += 1
             self._blocks += 1
             self._right |= accepted > 0
             self.hits *= self.DECAY
@@ -363,9 +406,10 @@ class DraftLength:
         self._run = n
         steady = self._streak > 1                                  # not a switch's (or a prefill's) first step
         settled = self._streak > self.SETTLE.get(n, 1)
-        c = float(self.cost[n])    # Python floats from here: this runs every step, also while decoding plainly
+        c = self.cost[n]
         if c != c:                 # nan: not measured yet
             self.cost[n] = seconds
+            self._version += 1
             if not steady:
                 self._prior.add(n)     # the first steady step of this length replaces it
             return
@@ -406,5 +450,9 @@ class DraftLength:
             # fresh one: the demo pair's gate drafted at 0.83x plain after a busy minute raised plain's cost
             # by 30% while the whole block's stood. (Not a switch's step: it costs what it does for being
             # one, which says nothing of the machine.)
-            self.cost *= new / c
+            f, cost = new / c, self.cost
+            for i in range(len(cost)):
+                cost[i] *= f
+        else:
+            self._version += 1
         self.cost[n] = new

@@ -12,12 +12,31 @@ from dflash_gguf.gate import DraftLength as G
 
 
 class Fixed(G):
-    """A gate whose acceptance estimate and cost model are given, to test choose() alone."""
+    """A gate whose acceptance estimate and cost model are given, to test choose() alone. Setting
+    either counts as a change of what the plan rests on (``_version``), as the gate's own updates do."""
 
     def __init__(self, n_max, expected, cost, prior=None):
         super().__init__(n_max, prior)
-        self.fixed_expected = np.asarray(expected, float)
-        self.fixed_cost = np.asarray(cost, float)
+        self.fixed_expected = expected
+        self.fixed_cost = cost
+
+    @property
+    def fixed_expected(self):
+        return self._fixed_expected
+
+    @fixed_expected.setter
+    def fixed_expected(self, v):
+        self._fixed_expected = np.asarray(v, float)
+        self._version += 1
+
+    @property
+    def fixed_cost(self):
+        return self._fixed_cost
+
+    @fixed_cost.setter
+    def fixed_cost(self, v):
+        self._fixed_cost = np.asarray(v, float)
+        self._version += 1
 
     def expected_tokens(self):
         return self.fixed_expected
@@ -754,10 +773,12 @@ def test_batch_prior_scales_one_sequences_costs_by_the_rows():
 
 
 @pytest.mark.parametrize("block, soon", [(9.0, False), (8.0 / 1.1 + 0.01, False), (8.0 / 1.1 - 0.01, True)])
-def test_a_right_drafter_whose_blocks_could_not_pay_is_probed_by_budget(block, soon):
+def test_a_right_drafter_whose_blocks_could_not_pay_is_probed_the_longest_gap_apart(block, soon):
     """A tiny target (the demo pair on a fast CPU): a block costs about what its tokens do even with every
     token right, so plain wins at any acceptance the drafter reaches; probing it every PROBE_SOON steps
-    (each probe and the slower plain steps after it cost about ten plain steps there) only loses. Where a
+    (each probe and the slower plain steps after it cost about ten plain steps there) only loses, and so
+    does probing it as often as the budget allows: no acceptance a probe finds changes the choice. Its
+    probes come the longest gap apart, the first one too (the one scheduled sooner is put off). Where a
     block of right tokens would beat plain decoding by more than HOPE, the usual soon re-probe stays."""
     exp = np.linspace(1.0, 7.0, 8)                   # nearly every token right
     cost = np.array([1.0] + [block] * 7)
@@ -768,7 +789,8 @@ def test_a_right_drafter_whose_blocks_could_not_pay_is_probed_by_budget(block, s
     if soon:
         assert g.probe_every == G.PROBE_SOON
     else:
-        assert g.probe_every == g._probe_gap() > G.PROBE_EVERY and g._next_probe == g.steps - 1 + 50
+        assert g.probe_every == g._longest_gap() == max(4 * G.PROBE_MAX, int(G.PROBE_LONGEST / 1.0))
+        assert g.probe_every > g._probe_gap() and g._next_probe == g.steps + g.probe_every
 
 
 def test_could_pay_reads_every_length_and_scales_with_the_costs():
@@ -945,3 +967,79 @@ def test_a_plain_step_after_another_gates_plain_steps_is_a_settled_one():
     g.new_run(other)
     g.record(0, 0, 10.0)
     assert g.cost[0] == 10.0
+
+
+# ----------------------------------------------------------------------------- re-planning's cost
+class Counting(G):
+    """A real gate that counts its evaluations (each reads the acceptance estimate once)."""
+
+    evaluations = 0
+
+    def expected_tokens(self):
+        self.evaluations += 1
+        return super().expected_tokens()
+
+
+def plain_after_warmup(prior):
+    """A gate with ``prior`` whose drafter got nothing right in its warm-up: decoding plainly."""
+    g = Counting(7, np.array(prior, float))
+    for _ in range(G.WARMUP_GIVE_UP):
+        n = g.choose()
+        assert n > 0
+        g.record(n, 0, prior[n])
+    assert g.choose() == 0
+    return g
+
+
+def test_replans_while_decoding_plainly_evaluate_once_until_something_changes():
+    """The plan's own steps scale every cost by one factor, which cannot change the choice: re-planning
+    every REPLAN_EVERY steps reuses the evaluation; a drafting step (acceptance) or a cost that moves
+    against the others (a length's first measurement, a step of another length) evaluates again."""
+    prior = [1.0, 1.5, 1.6, 1.7, 1.8, 1.9, 2.0, 2.1]
+    g = plain_after_warmup(prior)
+    g._next_probe = 10**9
+    g.record(0, 0, 1.0)
+    first = g.evaluations
+    for i in range(10 * G.REPLAN_EVERY):                  # settled plain steps, the machine drifting
+        assert g.choose() == 0
+        g.record(0, 0, 1.0 + 0.01 * (i % 5))
+    assert g.evaluations == first and g.cost[0] != 1.0     # the costs moved (all together), no evaluation
+    np.testing.assert_allclose(np.array(g.cost[1:]) / g.cost[0], np.array(prior[1:]) / prior[0])
+    v = g._version
+    g._plan = 7                                           # a plain step while the plan drafts: plain's cost
+    g.record(0, 0, 0.5)                                   # moves against the others
+    assert g._version > v
+    g._plan = 0
+    v = g._version
+    g.record(3, 0, 1.7)                                   # a drafting step: acceptance counts change
+    assert g._version > v
+    g.steps = (g.steps // G.REPLAN_EVERY + 1) * G.REPLAN_EVERY - 1
+    g.choose()
+    assert g.evaluations == first + 1
+
+
+def test_a_first_measurement_of_a_length_changes_the_version():
+    g = G(7)
+    v = g._version
+    g.record(0, 0, 1.0)
+    assert g._version > v and g.cost[0] == 1.0
+
+
+def test_a_futile_drafter_is_probed_once_per_longest_gap_in_a_long_plain_run():
+    """A drafter right on about half its tokens whose every token right would not pay by HOPE (a block
+    costs 7.5 plain steps: all 8 tokens right would beat plain by 6.7%): after the warm-up it decodes
+    plainly, and its probes come exactly _longest_gap() steps apart, the first one too, re-planning in
+    between not putting them off (at the budget's gaps each probe would be followed by another soon)."""
+    prior = [1e-3] + [7.5e-3] * 7
+    g = G(7, np.array(prior))
+    n = g.choose()
+    g.record(n, n // 2, prior[n])                         # partly right: the plan starts (and finds plain)
+    probes = []
+    for _ in range(3 * g._longest_gap() + 50):
+        n = g.choose()
+        if n:
+            probes.append(g.steps)
+        g.record(n, n // 2, prior[n])
+    gap = g._longest_gap()
+    assert gap == int(G.PROBE_LONGEST / 1e-3) and len(probes) == 3
+    assert probes[0] > gap and np.diff(probes).tolist() == [gap, gap]
