@@ -9,13 +9,14 @@ target (sampled: chi-square, as in test_sampling).
 from __future__ import annotations
 
 from collections import Counter
+from dataclasses import replace
 
 import numpy as np
 import pytest
 
 from dflash_gguf import _bindings as B
 from dflash_gguf.engine import Context, ContextOptions, Model
-from dflash_gguf.errors import DFlashError, InvalidArgumentError, UnsupportedError
+from dflash_gguf.errors import DFlashError, InvalidArgumentError
 from dflash_gguf.sampling import SamplingParams
 from dflash_gguf.decoding import DFlashDecoder, GenerationStats, OverrideProposer, Request, SpecOptions
 from test_sampling import ALPHA, K_TOKENS, SP, chi2_pvalue, exact_distribution
@@ -318,16 +319,92 @@ def test_c_api_checks_its_arguments(models):
         tm.close()
 
 
-def test_hybrid_targets_take_one_sequence(models):
-    pair = models.pair("qwen35", "dflash", 8)
-    tm = Model(pair.target)
-    tc = Context(tm, ContextOptions(n_ctx=128, n_batch=64, n_ubatch=64, n_seq=2))
+class HybridRig(BatchRig):
+    """BatchRig on a hybrid target: ``n_rs_seq`` recurrent snapshots per sequence (0: host checkpoints)."""
+
+    def __init__(self, pair, n_seq, n_rs_seq, proposer=None, **spec):
+        self.tm, self.dm = Model(pair.target), Model(pair.drafter)
+        opts = ContextOptions(n_ctx=N_CTX, n_batch=64, n_ubatch=64, n_seq=n_seq, n_rs_seq=n_rs_seq, n_threads=1)
+        self.tc = Context(self.tm, opts)
+        self.dc = Context(self.dm, replace(opts, n_rs_seq=0), other=self.tc)
+        self.dec = DFlashDecoder(self.tc, self.dc, SpecOptions(**spec), OverrideProposer(proposer) if proposer else None)
+        self.pc = Context(self.tm, ContextOptions(n_ctx=N_CTX, n_batch=64, n_ubatch=64, n_threads=1))
+        self.plain = DFlashDecoder(self.pc, None)
+
+
+@pytest.mark.parametrize("arch,rollback", [("qwen35", "snapshot"), ("qwen35", "checkpoint"), ("qwen3next", "snapshot")])
+@pytest.mark.parametrize("oracle", [False, True], ids=["drafter", "oracle"])
+def test_hybrid_sequences_of_a_batch_equal_themselves_alone(models, arch, rollback, oracle):
+    """Hybrid targets (recurrent state beside attention) serve several sequences too. llama.cpp splits
+    such a batch into ubatches of equal rows per sequence, so the decoder pads every block of a step to
+    the longest (a plain sequence beside drafting ones verifies rows it then rolls back); each sequence
+    still gives what it gives alone, token for token, with snapshot rollback and with host checkpoints
+    (whose replays re-decode kept rows: only after every sequence's features were read from the verify;
+    settling one sequence wholly before the next fails both checkpoint cases)."""
+    pair = models.pair(arch, "dflash", 8)
+    ref_rig = HybridRig(pair, 1, 0)
+    prompts = [ref_rig.tm.tokenize(t) for t in TEXTS]
+    long = [ref_rig.alone(Request(p, 40, stop_tokens=[])) for p in prompts]
+    reqs = [Request(prompts[0], 37, stop_tokens=[]),                   # max_tokens mid-block
+            Request(prompts[1], 40, stop_tokens=[long[1][13]]),        # a stop token mid-run
+            Request(prompts[2], 5, stop_tokens=[]),                    # leaves early: another joins its slot
+            Request(prompts[3], 30, stop_tokens=[], use_draft=False),  # plain, beside drafting sequences
+            Request(prompts[4], 1, stop_tokens=[]),                    # one token
+            Request(prompts[5], 29, stop_tokens=[]),
+            Request(prompts[0] + long[0][:9], 23, stop_tokens=[])]     # a prompt sharing a cached prefix
+    refs = [ref_rig.alone(r) for r in reqs]
+    ref_rig.close()
+    fulls = [p + c for p, c in zip(prompts, long)]
+    rig = HybridRig(pair, 3, 7 if rollback == "snapshot" else 0, proposer=_oracle(fulls) if oracle else None)
     try:
-        with pytest.raises(UnsupportedError, match="one sequence"):
-            DFlashDecoder(tc, None)
+        assert rig.dec.rollback == rollback and rig.dec.n_seq == 3
+        for r in reqs:
+            r.stats = GenerationStats()
+        got = rig.dec.generate_batch(reqs)
+        for i, (g, ref) in enumerate(zip(got, refs)):
+            assert g == ref, f"request {i}: batched output differs from the request alone"
+        assert got[1][-1] == reqs[1].stop_tokens[0] and len(got[1]) <= 14
+        assert (len(got[0]), len(got[2]), len(got[3]), len(got[4])) == (37, 5, 30, 1)
+        assert reqs[3].stats.drafted == 0 and reqs[3].stats.finish == "length"
+        st = GenerationStats()
+        for r in reqs:
+            st.merge(r.stats)
+        assert st.steps > 0 and st.drafted > 0
+        if oracle:
+            assert 0 < st.accepted < st.drafted and max(st.accepted_per_pos) > 0
+        # the same decoder again: slots keep (or, where a prompt only shares part of a slot's cache, reset)
+        # their caches, outputs stay the same
+        assert rig.dec.generate_batch(reqs) == refs
     finally:
-        tc.close()
-        tm.close()
+        rig.close()
+
+
+def test_sampled_sequences_of_a_hybrid_batch_follow_the_target_distribution(models):
+    """Sampled requests of a hybrid target in a batch (blocks padded to the longest, rows rolled back
+    per sequence) follow the target's distribution; greedy ones beside them stay token for token."""
+    pair = models.pair("qwen35", "dflash", 8)
+    rig = HybridRig(pair, 4, 7)
+    try:
+        assert rig.dec.rollback == "snapshot"
+        prompt = rig.tm.tokenize(TEXTS[0])
+        exact = exact_distribution(rig.pc, prompt, SP)
+        rig.plain.reset()
+        greedy = Request(rig.tm.tokenize(TEXTS[1]), 12, stop_tokens=[])
+        ref = rig.alone(greedy)
+        n_runs = 600
+        reqs = []
+        for seed in range(n_runs):
+            reqs.append(Request(prompt, K_TOKENS, SamplingParams(**{**SP.__dict__, "seed": seed}), stop_tokens=[]))
+            if seed % 100 == 0:
+                reqs.append(Request(greedy.prompt, 12, stop_tokens=[]))
+        got = rig.dec.generate_batch(reqs)
+        counts = Counter(tuple(g) for r, g in zip(reqs, got) if r.sampling is not None)
+        assert sum(counts.values()) == n_runs
+        assert all(g == ref for r, g in zip(reqs, got) if r.sampling is None)
+        p = chi2_pvalue(counts, exact)
+        assert p > ALPHA, f"batched samples do not follow the target distribution (p={p:.2e}): {counts} vs {exact}"
+    finally:
+        rig.close()
 
 
 def test_batched_drafting_sees_each_sequences_own_context():

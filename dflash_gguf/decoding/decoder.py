@@ -39,7 +39,7 @@ import numpy as np
 from dflash_gguf import _bindings as B
 from dflash_gguf.constraints import Constraints
 from dflash_gguf.engine import Context, DrafterInfo, clamp_n_draft
-from dflash_gguf.errors import ContextOverflowError, DecodeError, InvalidArgumentError, UnsupportedError
+from dflash_gguf.errors import ContextOverflowError, DecodeError, InvalidArgumentError
 from dflash_gguf.gate import DraftLength, batch_prior
 from dflash_gguf.decoding import calibration
 from dflash_gguf.sampling import SamplingParams, TokenChooser
@@ -94,9 +94,11 @@ class DFlashDecoder(Scheduling):
         self.n_seq = target.n_seq
         self.n_ctx = target.n_ctx          # positions per sequence
         self.tap_rows = target.n_ubatch
-        if self.n_seq > 1 and (target.model.is_recurrent or target.model.is_hybrid):
-            raise UnsupportedError(f"{target.model.arch} has recurrent state: batched decoding of several sequences "
-                                   "serves attention-only targets; use one sequence (n_seq=1)")
+        # recurrent state (hybrid and recurrent targets): llama.cpp splits a batch of several sequences into
+        # ubatches of equal rows per sequence, so every sequence's block of a batched verify is padded to
+        # the longest one (the rows past its own block are rolled back like rejected ones); one ubatch
+        # then holds the whole batch in sequence order, which the taps read from (patch 0015)
+        self._pad = self.n_seq > 1 and (target.model.is_recurrent or target.model.is_hybrid)
         if drafter is not None:
             if drafter.n_seq < self.n_seq:
                 raise InvalidArgumentError(f"the drafter context serves {drafter.n_seq} sequence(s), the target "
@@ -289,11 +291,12 @@ class DFlashDecoder(Scheduling):
         for s in seqs:
             want = choice if s.gate is not None else s.n_draft
             ns.append(max(0, min(want, s.max_tokens - s.produced - 1, self.n_ctx - len(s.cache) - 1)))
-        if gate is not None and gate.probing and len(seqs) > 1:
+        if gate is not None and gate.probing and len(seqs) > 1 and not self._pad:
             # an acceptance probe asks whether the drafter is right again: one sequence's draft answers
             # that at a fraction of the whole batch's cost (b + n verify rows instead of b (n + 1), one
             # drafter row set, one sequence's kept rows injected: the one with the fewest); the other
-            # gated sequences decode plainly this step
+            # gated sequences decode plainly this step (not where blocks are padded to the longest: there
+            # the others' rows are verified anyway)
             can = [i for i, s in enumerate(seqs) if s.gate is not None and ns[i] > 0]
             if can:
                 probe = min(can, key=lambda i: seqs[i].features.n)
@@ -343,15 +346,18 @@ class DFlashDecoder(Scheduling):
             if ns[i] and c is not None:
                 # a drafted token the grammar forbids is a sure rejection: verify no row after it
                 ns[i] = c.allowed_prefix(self._draft[s.slot, :ns[i]])
-        saved = [s.rollback.save(n) for s, n in zip(seqs, ns)]
-        # verify: every sequence's [pending, d1..dn] in one target decode
+        # verify: every sequence's [pending, d1..dn] in one target decode (padded to the longest block where
+        # the target's memory splits a batch into equal rows per sequence: __init__)
         lens = np.array([n + 1 for n in ns], dtype=np.int32)
+        if self._pad:
+            lens[:] = lens.max()
+        saved = [s.rollback.save(int(m) - 1) for s, m in zip(seqs, lens)]
         row0 = np.concatenate(([0], np.cumsum(lens)[:-1])).astype(np.int32)
         total = int(lens.sum())
         rows = self._rows[:total]
         for i, s in enumerate(seqs):
             r = row0[i]
-            rows[r] = s.pending
+            rows[r:r + lens[i]] = s.pending          # the padding repeats a valid token id
             rows[r + 1:r + 1 + ns[i]] = self._draft[s.slot, :ns[i]]
         greedy = any(s.greedy for s in seqs)
         argmax = self._argmax[:total] if greedy else None
@@ -375,29 +381,34 @@ class DFlashDecoder(Scheduling):
             s.stats.observe_step(n, a)
             commit = cut_at_stop(commit, s.stop)
             self._sink_rows(s, len(s.cache), r, len(commit))
-            steps.append(Step(len(s.cache), n, a, commit, rows[r:r + n + 1].copy(), r, saved[i]))
+            steps.append(Step(len(s.cache), n, a, commit, rows[r:r + lens[i]].copy(), r, saved[i]))
         return steps, gate, choice
 
-    def _settle(self, s: Slot, st: Step, consumed: int) -> None:
-        """Keep the first ``consumed`` tokens of a step of ``s`` in both caches, roll the rest back."""
+    def _settle(self, done: list[tuple[Slot, Step, int]]) -> None:
+        """Keep the first ``consumed`` tokens of each ``(slot, step, consumed)`` of one step in both caches,
+        roll the rest back. Every sequence's features are read from the verify's graph before any
+        rollback runs: a checkpoint rollback re-decodes the kept rows, which replaces that graph."""
         if self.closed:
             return
-        t0 = time.perf_counter()
-        if s.features is not None:
-            if len(st.rows) == 1:
+        for s, st, consumed in done:
+            if s.features is None:
+                continue
+            t0 = time.perf_counter()
+            if st.n == 0:
                 s.features.keep(st.pos, consumed, st.row0)   # a plain step's row: on the host
             else:
                 s.features.inject(st.pos, consumed, "injecting verified features into the drafter", row0=st.row0)
-        t1 = time.perf_counter()
-        s.stats.t_inject += t1 - t0
-        if consumed < len(st.rows):
-            s.rollback.keep(st.pos, consumed, st.rows, st.saved)
-        s.stats.t_rollback += time.perf_counter() - t1
-        if consumed:
-            s.chooser.accept(st.commit[:consumed])
-            s.cache.append(s.pending)
-            s.cache.extend(st.commit[:consumed - 1])
-            s.pending = st.commit[consumed - 1]
+            s.stats.t_inject += time.perf_counter() - t0
+        for s, st, consumed in done:
+            t1 = time.perf_counter()
+            if consumed < len(st.rows):
+                s.rollback.keep(st.pos, consumed, st.rows, st.saved)
+            s.stats.t_rollback += time.perf_counter() - t1
+            if consumed:
+                s.chooser.accept(st.commit[:consumed])
+                s.cache.append(s.pending)
+                s.cache.extend(st.commit[:consumed - 1])
+                s.pending = st.commit[consumed - 1]
 
     @staticmethod
     def _record(steps: list[tuple[Slot, Step]], gate: DraftLength | None, choice: int, seconds: float) -> None:
@@ -557,7 +568,7 @@ class DFlashDecoder(Scheduling):
                         yield tok
                 finally:
                     t_fin = time.perf_counter()
-                    self._settle(s, st, consumed)
+                    self._settle([(s, st, consumed)])
                     t_work += time.perf_counter() - t_fin
                 self._record([(s, st)], gate, choice, t_work)
         finally:

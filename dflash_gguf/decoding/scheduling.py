@@ -111,10 +111,10 @@ class Scheduling:
         for s, st in zip(active, steps):
             want = s.consumer(st.commit) if s.consumer is not None else None
             k = len(st.commit) if want is None else max(0, min(int(want), len(st.commit)))
-            self._settle(s, st, k)
             s.produced += k
             s.stats.n_generated += k
             kept.append((k, want is not None))   # a number from the consumer ends the request
+        self._settle([(s, st, k) for s, st, (k, _) in zip(active, steps, kept)])
         self._record(list(zip(active, steps)), gate, choice, time.perf_counter() - t_step)
         self._active = []
         for s, st, (k, ended) in zip(active, steps, kept):
