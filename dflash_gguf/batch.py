@@ -20,13 +20,14 @@ from __future__ import annotations
 
 import logging
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Callable, Sequence
 
-from dflash_gguf.engine import Context, ContextOptions, Model
+from dflash_gguf.engine import Context, ContextOptions, DrafterInfo, Model, clamp_n_draft
 from dflash_gguf.errors import InvalidArgumentError
 from dflash_gguf.sampling import SamplingParams
 from dflash_gguf.decoding.decoder import DFlashDecoder, SpecOptions
+from dflash_gguf.decoding.rollback import choose_for_memory, recurrent_state_bytes
 from dflash_gguf.decoding.sequence import Request
 from dflash_gguf.decoding.stats import GenerationStats
 
@@ -93,7 +94,12 @@ class BatchLlama:
     def __init__(self, model_path: str | os.PathLike, draft_model_path: str | os.PathLike | None = None, *,
                  n_parallel: int = 4, n_ctx: int = 2048, n_batch: int = 512, n_threads: int | None = None,
                  draft_adaptive: bool = True, draft_n_max: int | None = None, draft_window: int | None = None,
-                 flash_attn: bool | None = None):
+                 flash_attn: bool | None = None, rollback_memory_mb: float | None = None):
+        """``rollback_memory_mb`` (hybrid and recurrent targets): the most memory the recurrent-state
+        rollback of all ``n_parallel`` sequences together may take. Within it (or with None) every
+        sequence keeps a snapshot of its state per drafted token inside llama.cpp (the fastest); past
+        it, one host copy per sequence that a rejection restores and replays (``Llama``'s option, for
+        the whole batch)."""
         if n_parallel < 1:
             raise InvalidArgumentError(f"n_parallel must be >= 1, got {n_parallel}")
         opts = ContextOptions(n_ctx=n_ctx, n_batch=n_batch, n_ubatch=n_batch, n_threads=n_threads, n_seq=n_parallel,
@@ -101,10 +107,16 @@ class BatchLlama:
         self._owned: list = []
         try:
             self.model = self._own(Model(model_path))
-            self.target = self._own(Context(self.model, opts))
-            self.drafter = None
+            self.drafter = self.draft_model = None
             if draft_model_path is not None:
                 self.draft_model = self._own(Model(draft_model_path))
+            self.target = self._own(Context(self.model, opts))
+            n_rs_seq = self._snapshots(opts, draft_n_max, rollback_memory_mb)
+            if n_rs_seq:
+                self._owned.remove(self.target)
+                self.target.close()
+                self.target = self._own(Context(self.model, replace(opts, n_rs_seq=n_rs_seq)))
+            if self.draft_model is not None:
                 self.drafter = self._own(Context(self.draft_model, opts, other=self.target))
             self.decoder = DFlashDecoder(self.target, self.drafter,
                                          SpecOptions(n_draft=draft_n_max, adaptive=draft_adaptive))
@@ -114,6 +126,24 @@ class BatchLlama:
         self.n_parallel = n_parallel
         log.info("batch: %d sequences of %d positions, drafter %s (n_draft %d)", n_parallel, self.target.n_ctx,
                  "none" if self.drafter is None else os.fspath(draft_model_path), self.decoder.n_draft)
+
+    def _snapshots(self, opts: ContextOptions, draft_n_max: int | None, cap_mb: float | None) -> int:
+        """Recurrent-state snapshots per sequence for a hybrid or recurrent target that drafts (0: none,
+        rollback by host checkpoints), measured against the cap on ``self.target`` (still empty)."""
+        m = self.model
+        if self.draft_model is None or not (m.is_hybrid or m.is_recurrent):
+            return 0
+        per_seq = opts.n_batch // opts.n_seq      # the decoder verifies a block of every sequence in one batch
+        n_draft = clamp_n_draft(DrafterInfo.read(self.draft_model), draft_n_max, n_batch=per_seq,
+                                n_ubatch=per_seq, hybrid=True)
+        if n_draft == 0:
+            return 0
+        cap = None if cap_mb is None else int(cap_mb * 2**20)
+        state = recurrent_state_bytes(self.target) if cap is not None else 0
+        kind = choose_for_memory(state, n_draft * opts.n_seq, cap)
+        log.info("batch: recurrent state %.1f MiB per copy, %d sequences x %d snapshots -> %s rollback",
+                 state / 2**20, opts.n_seq, n_draft, kind)
+        return n_draft if kind == "snapshot" else 0
 
     def _own(self, handle):
         self._owned.append(handle)

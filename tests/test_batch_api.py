@@ -111,3 +111,37 @@ def test_bad_arguments(models):
             b.chat([[{"role": "user", "content": "hi"}]])
         with pytest.raises(InvalidArgumentError, match="max_tokens"):
             b.generate(["x"], max_tokens=-1)
+
+
+HYBRID_PROMPTS = ["def main(argv):\n    parser = argparse.ArgumentParser(", "    for key, value in sorted(items):\n",
+                  "import os\n", "x = [i * i for i in range("]
+
+
+def test_a_hybrid_target_batches_with_snapshots_or_host_checkpoints(models):
+    """A hybrid target (Qwen3.5's gated delta-net) in a batch: by default every sequence rolls back by
+    recurrent snapshots (n_rs_seq = the tokens drafted); a rollback_memory_mb below all sequences'
+    snapshots takes host checkpoints; either way each completion is llama_cpp's for the prompt alone."""
+    from dflash_gguf.decoding.rollback import recurrent_state_bytes
+    from dflash_gguf.engine import Context, ContextOptions, Model
+
+    pair = models.pair("qwen35", "dflash", 8)
+    plain = llama_cpp.Llama(str(pair.target), n_ctx=256, n_batch=64, n_threads=1, seed=0, verbose=False)
+    try:
+        want = [_plain_text(plain, p, max_tokens=24) for p in HYBRID_PROMPTS]
+    finally:
+        plain.close()
+    tm = Model(pair.target)
+    try:
+        c = Context(tm, ContextOptions(n_ctx=64, n_batch=64, n_ubatch=64, n_threads=1))
+        state = recurrent_state_bytes(c)
+        c.close()
+    finally:
+        tm.close()
+    kw = dict(n_parallel=3, n_ctx=256, n_batch=64, n_threads=1, draft_adaptive=False)
+    for cap, kind in [(None, "snapshot"), (state * 7 * 3 / 2**20, "snapshot"), ((state * 7 * 3 - 1) / 2**20, "checkpoint")]:
+        with BatchLlama(pair.target, pair.drafter, rollback_memory_mb=cap, **kw) as b:
+            assert b.decoder.rollback == kind and b.decoder.n_draft == 7
+            assert b.target.n_rs_seq == (7 if kind == "snapshot" else 0)
+            got = b.generate(HYBRID_PROMPTS, max_tokens=24)
+            assert [(g.text, g.finish_reason) for g in got] == want, kind
+            assert sum(g.stats.drafted for g in got) > 0

@@ -272,3 +272,31 @@ def test_echo_of_a_text_prompt_runs_in_the_slots(server, plain):
         assert srv.slots.sequences - before >= got["dflash"]["passes"] > 0, "it ran in the slots"
         chunks = _stream(url, "/v1/completions", {"prompt": p, "max_tokens": 24, "temperature": 0, "echo": True})
         assert "".join(c["choices"][0]["text"] for c in chunks) == want_stream
+
+
+def test_a_hybrid_target_runs_in_the_slots(models):
+    """A hybrid target (Qwen3.5's gated delta-net) with --parallel: its requests run in the batched engine
+    (blocks padded per step, each slot rolling back by its own recurrent snapshots, as the Llama does),
+    each response llama_cpp's for that request alone."""
+    pair = models.pair("qwen35", "dflash", 8)
+    kw = dict(n_ctx=256, n_batch=64, n_threads=1, seed=0, verbose=False)
+    prompts = ["def main(argv):\n    parser = argparse.ArgumentParser(", "    for key, value in sorted(items):\n",
+               "import os\n", "x = [i * i for i in range("]
+    ref = llama_cpp.Llama(str(pair.target), **kw)
+    want = [ref.create_completion(p, max_tokens=24, temperature=0)["choices"][0]["text"] for p in prompts]
+    ref.close()
+    llm = Llama(str(pair.target), draft_model_path=str(pair.drafter), draft_adaptive=False, **kw)
+    app = create_app(llm, "hybrid", parallel=2)
+    try:
+        slots = app.state.server.slots
+        assert slots.decoder.rollback == llm.decoder.rollback == "snapshot"
+        assert slots.target.n_rs_seq == llm.decoder.target.n_rs_seq > 0
+        with serve(app) as url, ThreadPoolExecutor(4) as pool:
+            got = list(pool.map(lambda p: _complete(url, p, max_tokens=24), prompts))
+            m = httpx.get(f"{url}/metrics?format=json").json()
+        assert [g["choices"][0]["text"] for g in got] == want
+        assert sum(g["dflash"]["drafted"] for g in got) > 0
+        assert m["slots"]["steps"] > 0 and m["slots"]["mean_batch"] > 1, m["slots"]
+    finally:
+        app.state.server.slots.close()
+        llm.close()

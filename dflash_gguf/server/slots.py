@@ -18,6 +18,7 @@ import threading
 import time
 import uuid
 from collections import deque
+from dataclasses import replace
 from typing import Any
 
 from fastapi.responses import JSONResponse, StreamingResponse
@@ -94,17 +95,20 @@ class Slots:
         self.llm, self.n = llm, n
         # the Llama's attention kernel (a request served here or there gives the same logits)
         flash = getattr(llm.context_params, "flash_attn_type", None) == 1
+        # a hybrid target rolls back as the Llama's does: recurrent snapshots (each slot keeps its own,
+        # n x the Llama's memory for them) or host checkpoints where rollback_memory_mb chose those
+        dec = getattr(llm, "decoder", None)
+        n_rs_seq = dec.target.n_rs_seq if dec is not None and dec.rollback == "snapshot" else 0
         opts = ContextOptions(n_ctx=llm.n_ctx(), n_batch=llm.n_batch, n_ubatch=llm.context_params.n_ubatch,
                               n_threads=llm.n_threads, n_seq=n, flash_attn=flash,
-                              draft_window=getattr(llm, "draft_window", None))
+                              draft_window=getattr(llm, "draft_window", None), n_rs_seq=n_rs_seq)
         self.model = Model.borrow(llm._model.model, llm.model_path)
         self.target = Context(self.model, opts)
         self.drafter = None
         dm = getattr(llm, "_draft_model", None)
         try:
             if dm is not None:
-                self.drafter = Context(dm, opts, other=self.target)
-            dec = getattr(llm, "decoder", None)
+                self.drafter = Context(dm, replace(opts, n_rs_seq=0), other=self.target)
             self.decoder = DFlashDecoder(self.target, self.drafter, SpecOptions(
                 n_draft=dec.n_draft if dec is not None else None, adaptive=getattr(llm, "draft_adaptive", True)))
         except BaseException:
