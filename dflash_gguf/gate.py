@@ -141,10 +141,10 @@ class DraftLength:
         self._run: int | None = None                # the length of the last step recorded (None: a new run)
         self._streak = 0                            # ... and how many steps of it in a row
         self._switches = 0                          # steps of the plan in a row that were each a run's first
-        self._version = 0                           # bumped by whatever may change the plan: acceptance, and a
-                                                    # cost that moves against the others (the plan's own steps
-                                                    # scale them all, which leaves the choice as it is)
-        self._evaluated: tuple[int, int, bool, bool] | None = None   # the last evaluation: version, _evaluate()'s
+        # the last evaluation (_evaluate()'s answer), dropped by whatever may change the plan: acceptance,
+        # and a cost that moves against the others (the plan's own steps scale them all, which leaves
+        # the choice as it is)
+        self._evaluated: tuple[int, bool, bool] | None = None
 
     def _scheduled(self) -> int | None:
         if self._again is not None:
@@ -200,7 +200,7 @@ class DraftLength:
         it also injects the features kept while decoding plainly and follows a plain step (on the
         demo pair about 3 ms where a settled 1-token step costs 1.9 ms and a plain one 0.55)."""
         c0, step, seen = self.cost[0], self.cost[self.probe_len], self._probe_seen
-        cp = seen if step != step else step if seen != seen else max(step, seen)    # nan where both are
+        cp = seen if step != step else max(step, seen)    # max(step, nan) is step; nan where both are
         if not (c0 > 0 and math.isfinite(cp)):   # unknown yet (nan)
             return self.PROBE_EVERY
         need = math.ceil(max(cp - c0, 0.0) / (self.PROBE_BUDGET * c0))
@@ -220,8 +220,9 @@ class DraftLength:
         """Whether drafting could beat plain decoding by HOPE if every drafted token were right (``c``:
         the step costs, when known already)."""
         c = self.step_cost() if c is None else c
-        best = max((n + 1) / c[n] if c[n] > 0 else math.inf for n in range(1, self.n_max + 1))
-        return bool(best > ((1 + self.HOPE) / c[0] if c[0] > 0 else math.inf))
+        c = np.asarray(c, dtype=float)   # a measured cost is never 0 (numpy: x / 0 would be inf, not an error)
+        best = max((n + 1) / c[n] for n in range(1, self.n_max + 1))
+        return bool(best > (1 + self.HOPE) / c[0])
 
     def expected_tokens(self) -> np.ndarray:
         """Expected tokens per step for n = 0..n_max drafted tokens."""
@@ -315,12 +316,12 @@ class DraftLength:
         """The length with the most expected tokens per second, and for plain decoding (0) whether the
         drafter looks hopeless (never right, or never paying even with every token right) and whether it is
         futile (the latter: no acceptance could make drafting pay at these costs). Kept until the
-        acceptance counts or a cost against the others change (``_version``): while decoding plainly the
+        acceptance counts or a cost against the others change (``_evaluated`` is dropped): while decoding plainly the
         plan's steps only scale every cost by one factor, which changes neither answer, so re-planning
         every REPLAN_EVERY steps costs next to nothing there (the evaluation, 40 us with the caches cold
         after a small target's decode, was 10 of the gate's 21 us a plain step on the demo pair)."""
-        if self._evaluated is not None and self._evaluated[0] == self._version:
-            return self._evaluated[1:]
+        if self._evaluated is not None:
+            return self._evaluated
         expected = self.expected_tokens()
         costs = self.step_cost()
         rate = expected / costs
@@ -332,7 +333,7 @@ class DraftLength:
             plan = self.n_max
         futile = plan == 0 and not self._could_pay(costs)
         hopeless = futile or (plan == 0 and bool(expected[-1] <= self.DIP))
-        self._evaluated = (self._version, plan, hopeless, futile)
+        self._evaluated = (plan, hopeless, futile)
         return plan, hopeless, futile
 
     def learn_acceptance(self, other: "DraftLength") -> None:
@@ -342,7 +343,7 @@ class DraftLength:
         if other.n_max != self.n_max:
             raise ValueError(f"gates of {self.n_max} and {other.n_max} drafted tokens")
         self.hits[:], self.tries[:] = other.hits, other.tries
-        self._version += 1
+        self._evaluated = None
         self._blocks, self._right = other._blocks, other._right
 
     def new_run(self, after: "DraftLength | None" = None) -> None:
@@ -393,7 +394,7 @@ class DraftLength:
             # first token is wrong about one block in five) and the schedule re-plans
             self._recheck = True
         if n > 0:
-            self._version += 1
+            self._evaluated = None
             self._blocks += 1
             self._right |= accepted > 0
             self.hits *= self.DECAY
@@ -409,7 +410,7 @@ class DraftLength:
         c = self.cost[n]
         if c != c:                 # nan: not measured yet
             self.cost[n] = seconds
-            self._version += 1
+            self._evaluated = None
             if not steady:
                 self._prior.add(n)     # the first steady step of this length replaces it
             return
@@ -454,5 +455,5 @@ class DraftLength:
             for i in range(len(cost)):
                 cost[i] *= f
         else:
-            self._version += 1
+            self._evaluated = None
         self.cost[n] = new

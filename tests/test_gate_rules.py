@@ -13,7 +13,8 @@ from dflash_gguf.gate import DraftLength as G
 
 class Fixed(G):
     """A gate whose acceptance estimate and cost model are given, to test choose() alone. Setting
-    either counts as a change of what the plan rests on (``_version``), as the gate's own updates do."""
+    either counts as a change of what the plan rests on (the last evaluation is dropped), as the gate's own
+    updates do."""
 
     def __init__(self, n_max, expected, cost, prior=None):
         super().__init__(n_max, prior)
@@ -27,7 +28,7 @@ class Fixed(G):
     @fixed_expected.setter
     def fixed_expected(self, v):
         self._fixed_expected = np.asarray(v, float)
-        self._version += 1
+        self._evaluated = None
 
     @property
     def fixed_cost(self):
@@ -36,7 +37,7 @@ class Fixed(G):
     @fixed_cost.setter
     def fixed_cost(self, v):
         self._fixed_cost = np.asarray(v, float)
-        self._version += 1
+        self._evaluated = None
 
     def expected_tokens(self):
         return self.fixed_expected
@@ -1005,24 +1006,50 @@ def test_replans_while_decoding_plainly_evaluate_once_until_something_changes():
         g.record(0, 0, 1.0 + 0.01 * (i % 5))
     assert g.evaluations == first and g.cost[0] != 1.0     # the costs moved (all together), no evaluation
     np.testing.assert_allclose(np.array(g.cost[1:]) / g.cost[0], np.array(prior[1:]) / prior[0])
-    v = g._version
+    assert g._evaluated is not None
     g._plan = 7                                           # a plain step while the plan drafts: plain's cost
     g.record(0, 0, 0.5)                                   # moves against the others
-    assert g._version > v
+    assert g._evaluated is None
     g._plan = 0
-    v = g._version
+    g._evaluate()
     g.record(3, 0, 1.7)                                   # a drafting step: acceptance counts change
-    assert g._version > v
+    assert g._evaluated is None
     g.steps = (g.steps // G.REPLAN_EVERY + 1) * G.REPLAN_EVERY - 1
     g.choose()
-    assert g.evaluations == first + 1
+    assert g.evaluations == first + 2
 
 
-def test_a_first_measurement_of_a_length_changes_the_version():
+def test_a_first_measurement_of_a_length_drops_the_evaluation():
     g = G(7)
-    v = g._version
-    g.record(0, 0, 1.0)
-    assert g._version > v and g.cost[0] == 1.0
+    g.record(7, 3, 2.0)
+    g.record(7, 3, 2.0)
+    g._evaluate()
+    assert g._evaluated is not None
+    g.record(0, 0, 1.0)                                   # plain's first cost: it was unknown (nan)
+    assert g._evaluated is None and g.cost[0] == 1.0
+
+
+def test_learning_another_gates_acceptance_replans_on_it():
+    """A gate decoding plainly after an unlucky warm-up takes a right drafter's acceptance from another
+    gate (a new batch size's gate): its next plan drafts (the evaluation it kept is no longer valid)."""
+    prior = [1.0, 1.2, 1.3, 1.4, 1.5, 1.6, 1.7, 1.8]
+    g = plain_after_warmup(prior)
+    g._next_probe = 10**9
+    seen = G(7, np.array(prior))
+    for _ in range(40):
+        seen.record(7, 7, prior[7])                       # every drafted token right
+    g.learn_acceptance(seen)
+    g.steps = (g.steps // G.REPLAN_EVERY + 1) * G.REPLAN_EVERY - 1
+    assert g.choose() == 7
+
+
+def test_the_longest_gap_without_a_plain_cost_is_four_probe_max():
+    g = G(7)
+    assert g._longest_gap() == 4 * G.PROBE_MAX
+    g.record(0, 0, 0.5)
+    assert g._longest_gap() == max(4 * G.PROBE_MAX, int(G.PROBE_LONGEST / 0.5))
+    g.cost[0] = 1e-3
+    assert g._longest_gap() == int(G.PROBE_LONGEST / 1e-3) > 4 * G.PROBE_MAX
 
 
 def test_a_futile_drafter_is_probed_once_per_longest_gap_in_a_long_plain_run():
@@ -1043,3 +1070,13 @@ def test_a_futile_drafter_is_probed_once_per_longest_gap_in_a_long_plain_run():
     gap = g._longest_gap()
     assert gap == int(G.PROBE_LONGEST / 1e-3) and len(probes) == 3
     assert probes[0] > gap and np.diff(probes).tolist() == [gap, gap]
+
+
+def test_a_gate_without_a_prior_probes_by_its_measured_costs_once_it_has_them():
+    """Without a prior the probe drafts PROBE_SHORT tokens; once every length's cost is measured, the
+    longest probe whose extra rows are nearly free (here 2 tokens: a third row costs a plain step)."""
+    g = G(7)
+    assert g._probe_length() == G.PROBE_SHORT
+    for n, x in enumerate([1.0, 2.0, 2.05, 3.0, 3.0, 3.1, 3.2, 3.3]):
+        g.cost[n] = x                                     # as record() measures each length
+    assert g._probe_length() == 2
