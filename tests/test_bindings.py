@@ -336,3 +336,29 @@ def test_import_refuses_stale_patch_series(tmp_path):
     """)
     assert r.returncode != 0
     assert "another patch series" in r.stderr and "python -m dflash_gguf.build" in r.stderr
+
+
+def test_decode_argmax_ids_are_each_rows_first_largest_logit():
+    """llama_dflash_decode's (and decode_seqs') argmax ids (patch 0021: block maxima, then the one block
+    that holds the row's maximum scanned in order) are numpy's argmax of the same logits rows: the
+    first index of the largest value, on the demo target's 4,096 logits (8 blocks) and every row of a
+    16-row decode, one sequence and two."""
+    from dflash_gguf.demo import demo_pair
+
+    tm = Model(demo_pair()[0])
+    try:
+        ctx = Context(tm, ContextOptions(n_ctx=256, n_batch=64, n_ubatch=64, n_seq=2, n_threads=1))
+        toks = np.array(tm.tokenize(PROMPT, add_bos=False)[:16], dtype=np.int32)
+        assert tm.n_vocab == 4096 and len(toks) == 16
+        ids = np.full(16, -1, dtype=np.int32)
+        ctx.decode(toks, 0, out_row0=0, argmax=ids, seq=0)
+        want = [int(np.argmax(ctx.logits_row(i))) for i in range(16)]
+        assert ids.tolist() == want and len(set(want)) > 3
+        ids2 = np.full(24, -1, dtype=np.int32)
+        ctx.decode_seqs(np.array([0, 1], dtype=np.int32), np.array([16, 0], dtype=np.int32),
+                        np.array([8, 16], dtype=np.int32), np.concatenate([toks[:8], toks]), ids2)
+        assert ids2.tolist() == [int(np.argmax(ctx.logits_row(i))) for i in range(24)]
+        assert ids2[8:].tolist() == want          # sequence 1 saw what sequence 0 saw alone
+        ctx.close()
+    finally:
+        tm.close()
