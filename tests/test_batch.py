@@ -86,6 +86,23 @@ def _oracle(refs):
     return fn
 
 
+def _batch_equals_alone(rig, reqs, refs, oracle: bool) -> list[list[int]]:
+    """Run ``reqs`` in one batched run: each gives its reference (the request alone), token for token;
+    blocks were drafted, and an oracle's were accepted in part (whole blocks, parts and nothing)."""
+    for r in reqs:
+        r.stats = GenerationStats()
+    got = rig.dec.generate_batch(reqs)
+    for i, (g, ref) in enumerate(zip(got, refs)):
+        assert g == ref, f"request {i}: batched output differs from the request alone"
+    st = GenerationStats()
+    for r in reqs:
+        st.merge(r.stats)
+    assert st.steps > 0 and st.drafted > 0
+    if oracle:
+        assert 0 < st.accepted < st.drafted and max(st.accepted_per_pos) > 0
+    return got
+
+
 @pytest.mark.parametrize("kind", ["dflash", "dflash2"])
 @pytest.mark.parametrize("oracle", [False, True], ids=["drafter", "oracle"])
 @pytest.mark.parametrize("flash", [False, True], ids=["attn", "flash-attn"])
@@ -100,50 +117,45 @@ def test_each_sequence_equals_itself_alone(models, kind, oracle, flash):
     ref_rig.close()
     rig = BatchRig(pair, 3, proposer=_oracle(fulls) if oracle else None, flash=flash)
     try:
-        for r in reqs:
-            r.stats = GenerationStats()
-        got = rig.dec.generate_batch(reqs)
-        for i, (g, ref) in enumerate(zip(got, refs)):
-            assert g == ref, f"request {i}: batched output differs from the request alone"
+        got = _batch_equals_alone(rig, reqs, refs, oracle)
         assert got[1][-1] == reqs[1].stop_tokens[0] and len(got[1]) <= 14
         assert (len(got[0]), len(got[2]), len(got[4]), len(got[7])) == (37, 5, 1, 0)
         assert reqs[0].stats.finish == "length" and reqs[1].stats.finish == "stop"
         assert reqs[6].stats.n_reused > 0, "a request extending a cached prompt reuses that slot's cache"
-        st = GenerationStats()
-        for r in reqs:
-            st.merge(r.stats)
-        assert st.steps > 0 and st.drafted > 0
-        if oracle:
-            assert 0 < st.accepted < st.drafted and max(st.accepted_per_pos) > 0
         # the same decoder again: slots keep their caches, outputs stay the same
         assert rig.dec.generate_batch(reqs) == refs
     finally:
         rig.close()
 
 
+def _sampled_beside_greedy(rig, n_runs: int, n_greedy: int) -> None:
+    """``n_runs`` seeded sampled requests of one prompt with a greedy request every 100 among them, in one
+    batched run: the samples follow the target's exact distribution (chi-square), the greedy requests
+    give what they give alone, token for token."""
+    prompt = rig.tm.tokenize(TEXTS[0])
+    exact = exact_distribution(rig.pc, prompt, SP)
+    rig.plain.reset()
+    greedy = Request(rig.tm.tokenize(TEXTS[1]), n_greedy, stop_tokens=[])
+    ref = rig.alone(greedy)
+    reqs = []
+    for seed in range(n_runs):
+        reqs.append(Request(prompt, K_TOKENS, SamplingParams(**{**SP.__dict__, "seed": seed}), stop_tokens=[]))
+        if seed % 100 == 0:
+            reqs.append(Request(greedy.prompt, n_greedy, stop_tokens=[]))
+    got = rig.dec.generate_batch(reqs)
+    counts = Counter(tuple(g) for r, g in zip(reqs, got) if r.sampling is not None)
+    assert sum(counts.values()) == n_runs
+    assert all(g == ref for r, g in zip(reqs, got) if r.sampling is None)
+    p = chi2_pvalue(counts, exact)
+    assert p > ALPHA, f"batched samples do not follow the target distribution (p={p:.2e}): {counts} vs {exact}"
+
+
 def test_greedy_and_sampled_sequences_in_one_batch(models):
     """Sampled requests in a batch follow the target's distribution while greedy ones beside them stay
     token for token the same as alone."""
-    pair = models.pair("qwen3", "dflash", 8)
-    rig = BatchRig(pair, 4)
+    rig = BatchRig(models.pair("qwen3", "dflash", 8), 4)
     try:
-        prompt = rig.tm.tokenize(TEXTS[0])
-        exact = exact_distribution(rig.pc, prompt, SP)
-        rig.plain.reset()
-        greedy = Request(rig.tm.tokenize(TEXTS[1]), 20, stop_tokens=[])
-        ref = rig.alone(greedy)
-        n_runs = 1200
-        reqs = []
-        for seed in range(n_runs):
-            reqs.append(Request(prompt, K_TOKENS, SamplingParams(**{**SP.__dict__, "seed": seed}), stop_tokens=[]))
-            if seed % 100 == 0:
-                reqs.append(Request(greedy.prompt, 20, stop_tokens=[]))
-        got = rig.dec.generate_batch(reqs)
-        counts = Counter(tuple(g) for r, g in zip(reqs, got) if r.sampling is not None)
-        assert sum(counts.values()) == n_runs
-        assert all(g == ref for r, g in zip(reqs, got) if r.sampling is None)
-        p = chi2_pvalue(counts, exact)
-        assert p > ALPHA, f"batched samples do not follow the target distribution (p={p:.2e}): {counts} vs {exact}"
+        _sampled_beside_greedy(rig, 1200, 20)
     finally:
         rig.close()
 
@@ -358,20 +370,10 @@ def test_hybrid_sequences_of_a_batch_equal_themselves_alone(models, arch, rollba
     rig = HybridRig(pair, 3, 7 if rollback == "snapshot" else 0, proposer=_oracle(fulls) if oracle else None)
     try:
         assert rig.dec.rollback == rollback and rig.dec.n_seq == 3
-        for r in reqs:
-            r.stats = GenerationStats()
-        got = rig.dec.generate_batch(reqs)
-        for i, (g, ref) in enumerate(zip(got, refs)):
-            assert g == ref, f"request {i}: batched output differs from the request alone"
+        got = _batch_equals_alone(rig, reqs, refs, oracle)
         assert got[1][-1] == reqs[1].stop_tokens[0] and len(got[1]) <= 14
         assert (len(got[0]), len(got[2]), len(got[3]), len(got[4])) == (37, 5, 30, 1)
         assert reqs[3].stats.drafted == 0 and reqs[3].stats.finish == "length"
-        st = GenerationStats()
-        for r in reqs:
-            st.merge(r.stats)
-        assert st.steps > 0 and st.drafted > 0
-        if oracle:
-            assert 0 < st.accepted < st.drafted and max(st.accepted_per_pos) > 0
         # the same decoder again: slots keep (or, where a prompt only shares part of a slot's cache, reset)
         # their caches, outputs stay the same
         assert rig.dec.generate_batch(reqs) == refs
@@ -382,27 +384,10 @@ def test_hybrid_sequences_of_a_batch_equal_themselves_alone(models, arch, rollba
 def test_sampled_sequences_of_a_hybrid_batch_follow_the_target_distribution(models):
     """Sampled requests of a hybrid target in a batch (blocks padded to the longest, rows rolled back
     per sequence) follow the target's distribution; greedy ones beside them stay token for token."""
-    pair = models.pair("qwen35", "dflash", 8)
-    rig = HybridRig(pair, 4, 7)
+    rig = HybridRig(models.pair("qwen35", "dflash", 8), 4, 7)
     try:
         assert rig.dec.rollback == "snapshot"
-        prompt = rig.tm.tokenize(TEXTS[0])
-        exact = exact_distribution(rig.pc, prompt, SP)
-        rig.plain.reset()
-        greedy = Request(rig.tm.tokenize(TEXTS[1]), 12, stop_tokens=[])
-        ref = rig.alone(greedy)
-        n_runs = 600
-        reqs = []
-        for seed in range(n_runs):
-            reqs.append(Request(prompt, K_TOKENS, SamplingParams(**{**SP.__dict__, "seed": seed}), stop_tokens=[]))
-            if seed % 100 == 0:
-                reqs.append(Request(greedy.prompt, 12, stop_tokens=[]))
-        got = rig.dec.generate_batch(reqs)
-        counts = Counter(tuple(g) for r, g in zip(reqs, got) if r.sampling is not None)
-        assert sum(counts.values()) == n_runs
-        assert all(g == ref for r, g in zip(reqs, got) if r.sampling is None)
-        p = chi2_pvalue(counts, exact)
-        assert p > ALPHA, f"batched samples do not follow the target distribution (p={p:.2e}): {counts} vs {exact}"
+        _sampled_beside_greedy(rig, 600, 12)
     finally:
         rig.close()
 

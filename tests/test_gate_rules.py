@@ -11,33 +11,30 @@ import pytest
 from dflash_gguf.gate import DraftLength as G
 
 
+class _Given:
+    """An attribute of Fixed: setting it counts as a change of what the plan rests on (the gate's last
+    evaluation is dropped), as the gate's own updates do."""
+
+    def __set_name__(self, owner, name):
+        self.name = "_" + name
+
+    def __get__(self, obj, owner=None):
+        return getattr(obj, self.name)
+
+    def __set__(self, obj, value):
+        setattr(obj, self.name, np.asarray(value, float))
+        obj._evaluated = None
+
+
 class Fixed(G):
-    """A gate whose acceptance estimate and cost model are given, to test choose() alone. Setting
-    either counts as a change of what the plan rests on (the last evaluation is dropped), as the gate's own
-    updates do."""
+    """A gate whose acceptance estimate and cost model are given, to test choose() alone."""
+    fixed_expected = _Given()
+    fixed_cost = _Given()
 
     def __init__(self, n_max, expected, cost, prior=None):
         super().__init__(n_max, prior)
         self.fixed_expected = expected
         self.fixed_cost = cost
-
-    @property
-    def fixed_expected(self):
-        return self._fixed_expected
-
-    @fixed_expected.setter
-    def fixed_expected(self, v):
-        self._fixed_expected = np.asarray(v, float)
-        self._evaluated = None
-
-    @property
-    def fixed_cost(self):
-        return self._fixed_cost
-
-    @fixed_cost.setter
-    def fixed_cost(self, v):
-        self._fixed_cost = np.asarray(v, float)
-        self._evaluated = None
 
     def expected_tokens(self):
         return self.fixed_expected
