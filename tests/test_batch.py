@@ -363,7 +363,8 @@ def test_hybrid_sequences_of_a_batch_equal_themselves_alone(models, arch, rollba
             Request(prompts[3], 30, stop_tokens=[], use_draft=False),  # plain, beside drafting sequences
             Request(prompts[4], 1, stop_tokens=[]),                    # one token
             Request(prompts[5], 29, stop_tokens=[]),
-            Request(prompts[0] + long[0][:9], 23, stop_tokens=[])]     # a prompt sharing a cached prefix
+            Request(prompts[0] + long[0][:9], 23, stop_tokens=[]),     # a prompt sharing a cached prefix
+            Request((prompts[3] * 20)[:N_CTX - 12], 40, stop_tokens=[])]   # runs into the end of its context
     refs = [ref_rig.alone(r) for r in reqs]
     ref_rig.close()
     fulls = [p + c for p, c in zip(prompts, long)]
@@ -374,9 +375,39 @@ def test_hybrid_sequences_of_a_batch_equal_themselves_alone(models, arch, rollba
         assert got[1][-1] == reqs[1].stop_tokens[0] and len(got[1]) <= 14
         assert (len(got[0]), len(got[2]), len(got[3]), len(got[4])) == (37, 5, 30, 1)
         assert reqs[3].stats.drafted == 0 and reqs[3].stats.finish == "length"
+        assert reqs[7].stats.finish == "context" and len(got[7]) == 13   # up to the end of its context, no row past it
         # the same decoder again: slots keep (or, where a prompt only shares part of a slot's cache, reset)
         # their caches, outputs stay the same
         assert rig.dec.generate_batch(reqs) == refs
+    finally:
+        rig.close()
+
+
+def test_padded_blocks_stay_within_every_sequences_context(models):
+    """Every sequence of a hybrid batch near the end of its context, the fullest one decoding plainly
+    beside drafting ones: blocks are padded to the longest, so no sequence drafts more rows than the
+    fullest context has room for - no decode reaches a position past a sequence's context (padding rows
+    included), and each request ends at its context as it does alone."""
+    pair = models.pair("qwen35", "dflash", 8)
+    ref_rig = HybridRig(pair, 1, 0)
+    prompts = [(ref_rig.tm.tokenize(t) * N_CTX)[:N_CTX - 20 + i] for i, t in enumerate(TEXTS[:3])]
+    fulls = [p + ref_rig.alone(Request(p, 40, stop_tokens=[])) for p in prompts]
+    reqs = [Request(prompts[0], 40, stop_tokens=[]), Request(prompts[1], 40, stop_tokens=[]),
+            Request(prompts[2], 40, stop_tokens=[], use_draft=False)]    # the fullest context decodes plainly
+    refs = [ref_rig.alone(r) for r in reqs]
+    ref_rig.close()
+    rig = HybridRig(pair, 3, 7, proposer=_oracle(fulls))
+    last = []                                   # the last position each batched decode wrote, per sequence
+    decode_seqs = rig.tc.decode_seqs
+
+    def spy(seqs, pos0, n_tokens, tokens, argmax=None):
+        last.extend((pos0 + n_tokens - 1).tolist())
+        return decode_seqs(seqs, pos0, n_tokens, tokens, argmax)
+    rig.tc.decode_seqs = spy
+    try:
+        got = _batch_equals_alone(rig, reqs, refs, oracle=True)
+        assert last and max(last) <= rig.dec.n_ctx - 1
+        assert [r.stats.finish for r in reqs] == ["context"] * 3 and [len(g) for g in got] == [21, 20, 19]
     finally:
         rig.close()
 

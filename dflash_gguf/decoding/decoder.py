@@ -287,10 +287,13 @@ class DFlashDecoder(Scheduling):
             gate.new_run(self._prev_gate)
         self._prev_gate = gate
         choice = gate.choose() if gate is not None else 0
+        # where blocks are padded to the longest (__init__), every sequence decodes that many rows: none may
+        # draft past the room the fullest context has left
+        room = min(self.n_ctx - len(s.cache) for s in seqs) if self._pad else self.n_ctx
         ns = []
         for s in seqs:
             want = choice if s.gate is not None else s.n_draft
-            ns.append(max(0, min(want, s.max_tokens - s.produced - 1, self.n_ctx - len(s.cache) - 1)))
+            ns.append(max(0, min(want, s.max_tokens - s.produced - 1, self.n_ctx - len(s.cache) - 1, room - 1)))
         if gate is not None and gate.probing and len(seqs) > 1 and not self._pad:
             # an acceptance probe asks whether the drafter is right again: one sequence's draft answers
             # that at a fraction of the whole batch's cost (b + n verify rows instead of b (n + 1), one
