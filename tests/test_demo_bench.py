@@ -79,7 +79,11 @@ def test_headline_measures_a_kept_gate_against_plain(models):
     p = models.pair("qwen3", "dflash", 8)
     r = headline.measure(p.target, p.drafter, tokens=24, trials=2, threads=2)
     assert r["exact"] is True and r["trials"] == 2 and r["profile"] == "demo"
-    assert r["plain_tps"] > 0 and r["dflash_tps"] > 0 and r["x_plain"] > 0 and r["tau"] >= 1.0
+    assert r["plain_tps"] > 0 and r["dflash_tps"] > 0 and r["x_plain"] > 0
+    # tau: acceptance length of the timed calls' drafting passes; 0 where the kept gate decoded them all
+    # plainly, which it may on a tiny pair (a block of right tokens need not beat a plain step there, and
+    # such a drafter is probed only once per second of plain decoding); never between 0 and 1
+    assert r["tau"] == 0.0 or r["tau"] >= 1.0
     line = headline.line(r, "0.6b", "q4_0")
     assert "Qwen3-0.6B-shaped Q4_0 pair, random weights" in line and "same tokens as plain: yes" in line
     assert f"{r['x_plain']:.2f}x" in line
