@@ -110,12 +110,8 @@ class BatchLlama:
             self.drafter = self.draft_model = None
             if draft_model_path is not None:
                 self.draft_model = self._own(Model(draft_model_path))
-            self.target = self._own(Context(self.model, opts))
             n_rs_seq = self._snapshots(opts, draft_n_max, rollback_memory_mb)
-            if n_rs_seq:
-                self._owned.remove(self.target)
-                self.target.close()
-                self.target = self._own(Context(self.model, replace(opts, n_rs_seq=n_rs_seq)))
+            self.target = self._own(Context(self.model, replace(opts, n_rs_seq=n_rs_seq)))
             if self.draft_model is not None:
                 self.drafter = self._own(Context(self.draft_model, opts, other=self.target))
             self.decoder = DFlashDecoder(self.target, self.drafter,
@@ -129,7 +125,8 @@ class BatchLlama:
 
     def _snapshots(self, opts: ContextOptions, draft_n_max: int | None, cap_mb: float | None) -> int:
         """Recurrent-state snapshots per sequence for a hybrid or recurrent target that drafts (0: none,
-        rollback by host checkpoints), measured against the cap on ``self.target`` (still empty)."""
+        rollback by host checkpoints); under a cap, one sequence's state is measured on a small context
+        of its own (the batch's target is then made once, with its snapshots)."""
         m = self.model
         if self.draft_model is None or not (m.is_hybrid or m.is_recurrent):
             return 0
@@ -139,7 +136,10 @@ class BatchLlama:
         if n_draft == 0:
             return 0
         cap = None if cap_mb is None else int(cap_mb * 2**20)
-        state = recurrent_state_bytes(self.target) if cap is not None else 0
+        state = 0
+        if cap is not None:
+            with Context(m, ContextOptions(n_ctx=256, n_batch=256, n_ubatch=256, n_threads=opts.n_threads)) as probe:
+                state = recurrent_state_bytes(probe)
         kind = choose_for_memory(state, n_draft * opts.n_seq, cap)
         log.info("batch: recurrent state %.1f MiB per copy, %d sequences x %d snapshots -> %s rollback",
                  state / 2**20, opts.n_seq, n_draft, kind)
