@@ -33,14 +33,15 @@ N_CTX = 256
 class BatchRig:
     """A pair with a decoder of ``n_seq`` sequences and a plain one-sequence decoder (the reference)."""
 
-    def __init__(self, pair, n_seq, proposer=None, flash=False, **spec):
+    def __init__(self, pair, n_seq, proposer=None, flash=False, n_batch=128, n_rs_seq=0, n_threads=None, **spec):
         self.tm, self.dm = Model(pair.target), Model(pair.drafter)
         # one attention kernel for every context: the batched one and the reference
-        opts = ContextOptions(n_ctx=N_CTX, n_batch=128, n_ubatch=128, n_seq=n_seq, flash_attn=flash)
-        self.tc = Context(self.tm, opts)
+        opts = ContextOptions(n_ctx=N_CTX, n_batch=n_batch, n_ubatch=n_batch, n_seq=n_seq, flash_attn=flash,
+                              n_threads=n_threads)
+        self.tc = Context(self.tm, replace(opts, n_rs_seq=n_rs_seq))
         self.dc = Context(self.dm, opts, other=self.tc)
         self.dec = DFlashDecoder(self.tc, self.dc, SpecOptions(**spec), OverrideProposer(proposer) if proposer else None)
-        self.pc = Context(self.tm, ContextOptions(n_ctx=N_CTX, n_batch=128, n_ubatch=128, flash_attn=flash))
+        self.pc = Context(self.tm, replace(opts, n_seq=1))
         self.plain = DFlashDecoder(self.pc, None)
 
     def alone(self, r: Request) -> list[int]:
@@ -335,13 +336,7 @@ class HybridRig(BatchRig):
     """BatchRig on a hybrid target: ``n_rs_seq`` recurrent snapshots per sequence (0: host checkpoints)."""
 
     def __init__(self, pair, n_seq, n_rs_seq, proposer=None, **spec):
-        self.tm, self.dm = Model(pair.target), Model(pair.drafter)
-        opts = ContextOptions(n_ctx=N_CTX, n_batch=64, n_ubatch=64, n_seq=n_seq, n_rs_seq=n_rs_seq, n_threads=1)
-        self.tc = Context(self.tm, opts)
-        self.dc = Context(self.dm, replace(opts, n_rs_seq=0), other=self.tc)
-        self.dec = DFlashDecoder(self.tc, self.dc, SpecOptions(**spec), OverrideProposer(proposer) if proposer else None)
-        self.pc = Context(self.tm, ContextOptions(n_ctx=N_CTX, n_batch=64, n_ubatch=64, n_threads=1))
-        self.plain = DFlashDecoder(self.pc, None)
+        super().__init__(pair, n_seq, proposer, flash=None, n_batch=64, n_rs_seq=n_rs_seq, n_threads=1, **spec)
 
 
 @pytest.mark.parametrize("arch,rollback", [("qwen35", "snapshot"), ("qwen35", "checkpoint"), ("qwen3next", "snapshot")])
