@@ -363,12 +363,13 @@ class Context(_Handle):
         B.check(rc, f"decode of {n} tokens at position {pos0}")
 
     def decode_seqs(self, seqs: np.ndarray, pos0: np.ndarray, n_tokens: np.ndarray, tokens: np.ndarray,
-                    argmax: np.ndarray | None = None) -> None:
+                    argmax: np.ndarray | None = None, out_row0: np.ndarray | None = None) -> None:
         """One decode of several sequences' rows (``tokens``: each sequence's ``n_tokens[i]`` tokens at
-        ``pos0[i]..``, concatenated; int32 arrays); every row is an output, ``argmax`` gets each row's
-        argmax id. Rows keep that order for :meth:`logits_row` and the taps."""
+        ``pos0[i]..``, concatenated; int32 arrays); each sequence's rows from ``out_row0[i]`` on (default:
+        all) are outputs, ``argmax`` gets each output row's argmax id, in row order. Rows keep that order
+        for :meth:`logits_row` and the taps."""
         i32 = "int32_t[]"
-        out0 = np.zeros(len(seqs), dtype=np.int32)
+        out0 = np.zeros(len(seqs), dtype=np.int32) if out_row0 is None else np.ascontiguousarray(out_row0, dtype=np.int32)
         ap = B.ffi.NULL if argmax is None else B.ffi.from_buffer("llama_token[]", argmax)
         rc = B.lib.llama_dflash_decode_seqs(self.cptr, len(seqs), B.ffi.from_buffer(i32, seqs),
                                             B.ffi.from_buffer(i32, pos0), B.ffi.from_buffer(i32, n_tokens),

@@ -63,6 +63,8 @@ class DraftLength:
                                                              #     plain decoding's time (sets the gap between them)
     PROBE_LONGEST = 1.0                                      # ... and at most this many seconds of it apart (where
                                                              #     that is more than 4 PROBE_MAX steps, see _probe_gap)
+    FRUITLESS = 3                                            # probes in a row with nothing right halve that share,
+                                                             #     each, past the first, this many times at most
     PROBE_TAIL = 32                                          # plain steps after a probe that still run slow (the
                                                              # drafter's run pushed the target out of the caches):
                                                              # their excess over a plain step is the probe's cost
@@ -120,6 +122,8 @@ class DraftLength:
         self._probe_after = 0                       # ... with the PROBE_TAIL plain steps after one (how many
         self._probe_after_w = 1.0                   #     are left, the probe's weight in that EMA and the
         self._probe_tail = 0.0                      #     excess over a plain step they have added so far)
+        self._fruitless = 0                         # acceptance probes in a row while decoding plainly with
+                                                    #     nothing right (each one past the first halves their share)
         self.probe_len = self._probe_length()
         self.probe_every = self._probe_gap()
         # with a prior: probes until one is right, at most WARMUP_GIVE_UP (a good drafter's first probe can
@@ -203,7 +207,11 @@ class DraftLength:
         cp = seen if step != step else max(step, seen)    # max(step, nan) is step; nan where both are
         if not (c0 > 0 and math.isfinite(cp)):   # unknown yet (nan)
             return self.PROBE_EVERY
-        need = math.ceil(max(cp - c0, 0.0) / (self.PROBE_BUDGET * c0))
+        # a drafter that probe after probe gets nothing right is less and less likely to come right: each
+        # fruitless probe past the first halves the share (a never-right drafter's 0.6B-shaped pair cost its
+        # one-slot server 3-4% at the whole budget, against a plain server), down to an eighth
+        budget = self.PROBE_BUDGET / 2 ** min(max(self._fruitless - 1, 0), self.FRUITLESS)
+        need = math.ceil(max(cp - c0, 0.0) / (budget * c0))
         # at most 4 PROBE_MAX steps or PROBE_LONGEST seconds of plain decoding, whichever is longer: a
         # tiny pair's probe costs about 25 plain steps all told (the demo pair on AMD Zen 4: a 96-token
         # call with one 10 ms longer than one without), so 4 PROBE_MAX steps (0.15 s of its decoding)
@@ -373,7 +381,9 @@ class DraftLength:
             else:
                 self._probe_after = 0
         if n > 0 and self._plan == 0 and not same_step:
-            # a probe while decoding plainly: what it cost, all told (the gap between probes spends the budget)
+            # a probe while decoding plainly: what it cost, all told (the gap between probes spends the budget),
+            # and whether it found nothing again
+            self._fruitless = 0 if accepted else self._fruitless + 1
             first = self._probe_seen != self._probe_seen    # nan
             self._probe_seen = seconds if first else 0.5 * (self._probe_seen + seconds)
             self._probe_after, self._probe_after_w, self._probe_tail = self.PROBE_TAIL, (1.0 if first else 0.5), 0.0

@@ -395,9 +395,9 @@ def test_padded_blocks_stay_within_every_sequences_context(models):
     last = []                                   # the last position each batched decode wrote, per sequence
     decode_seqs = rig.tc.decode_seqs
 
-    def spy(seqs, pos0, n_tokens, tokens, argmax=None):
+    def spy(seqs, pos0, n_tokens, tokens, argmax=None, **kw):
         last.extend((pos0 + n_tokens - 1).tolist())
-        return decode_seqs(seqs, pos0, n_tokens, tokens, argmax)
+        return decode_seqs(seqs, pos0, n_tokens, tokens, argmax, **kw)
     rig.tc.decode_seqs = spy
     try:
         got = _batch_equals_alone(rig, reqs, refs, oracle=True)
@@ -481,6 +481,80 @@ def test_a_long_prompt_joins_in_chunks(models, monkeypatch):
             for i, toks, _ in dec.step():
                 got[i] += toks
         assert [got[0], got[1]] == refs
+    finally:
+        rig.close()
+
+
+def _spy_decodes(ctx) -> list[tuple[list[int], list[int]]]:
+    """Every target decode of ``ctx`` as (rows per sequence, first output row per sequence)."""
+    calls: list[tuple[list[int], list[int]]] = []
+    decode, decode_seqs = ctx.decode, ctx.decode_seqs
+
+    def one(tokens, pos0, out_row0=None, argmax=None, seq=0):
+        n = len(tokens)
+        calls.append(([n], [n - len(argmax) if out_row0 is None and argmax is not None else
+                            n if out_row0 is None else out_row0]))
+        return decode(tokens, pos0, out_row0=out_row0, argmax=argmax, seq=seq)
+
+    def many(seqs, pos0, n_tokens, tokens, argmax=None, out_row0=None):
+        calls.append((n_tokens.tolist(), [0] * len(seqs) if out_row0 is None else list(map(int, out_row0))))
+        return decode_seqs(seqs, pos0, n_tokens, tokens, argmax, out_row0=out_row0)
+    ctx.decode, ctx.decode_seqs = one, many
+    return calls
+
+
+def test_a_prompts_tail_goes_with_its_first_token(models, monkeypatch):
+    """A request's prompt is decoded up to its tail, and the tail with the prompt's last token in the
+    request's first step, whose last row gives the first token (as a prefill's last row does): one target
+    decode less per request, alone and beside the running sequences' blocks (a long prompt: its head in
+    chunks first). Outputs equal those of prefilling the whole prompt first, token for token."""
+    pair = models.pair("qwen3", "dflash", 8)
+    rig = BatchRig(pair, 2, proposer=None)
+    try:
+        short = rig.tm.tokenize(TEXTS[0])
+        long = rig.tm.tokenize(b" ".join([TEXTS[3]] * 4))
+        assert 20 < len(short) < 60 and len(long) > 100
+        reqs = [Request(short, 40, stop_tokens=[]), Request(long, 20, stop_tokens=[])]
+        with monkeypatch.context() as m:
+            m.setattr(DFlashDecoder, "_fusable", lambda self, s, others: 0)   # the whole prompt first
+            refs = [rig.alone(r) for r in reqs]
+            rig.plain.reset()                         # no prompt cached from the runs before
+            unfused = _spy_decodes(rig.pc)
+            rig.alone(reqs[0])
+            del rig.pc.decode, rig.pc.decode_seqs     # the spies go
+        rig.plain.reset()
+        fused = _spy_decodes(rig.pc)
+        assert rig.alone(reqs[0]) == refs[0]
+        assert len(fused) == len(unfused) - 1 == 40, "one target decode per token, the prompt's included"
+        assert fused[0] == ([len(short)], [len(short) - 1]), "the prompt with the first token's row"
+
+        calls = _spy_decodes(rig.tc)
+        got = rig.dec.generate_batch([Request(r.prompt, r.max_tokens, stop_tokens=[]) for r in reqs])
+        assert got == refs
+        budget = 64 - 1 - (rig.dec.n_draft + 1)    # the taps' rows beside the running request's block
+        assert calls[0] == ([len(short)], [len(short) - 1]), "the first request alone: its whole prompt"
+        tails = [c for c in calls if len(c[0]) == 2 and c[1][1] > 0]
+        assert len(tails) == 1 and tails[0][1][1] == budget, "the long prompt's tail beside the first's block"
+        prefills = [c[0][0] for c in calls if c[1] == c[0]]     # decodes without outputs
+        assert sum(prefills) == len(long) - 1 - budget, "its head prefilled before, the tail not"
+    finally:
+        rig.close()
+
+
+def test_a_request_that_keeps_nothing_of_its_first_step_leaves_its_prompt(models):
+    """A consumer that keeps none of the first step's tokens ends the request there: the prompt's tail
+    decoded in that step stays in both caches, the first token's row is rolled back, and the next request
+    on the slot reuses the prompt and gives what it gives alone."""
+    pair = models.pair("qwen3", "dflash", 8)
+    rig = BatchRig(pair, 1)
+    try:
+        prompt = rig.tm.tokenize(TEXTS[3])
+        r = Request(prompt, 10, stop_tokens=[], consumer=lambda toks: 0)
+        assert rig.dec.generate_batch([r]) == [[]] and r.stats.finish == "stop"
+        assert rig.dec.seqs[0].cache == prompt[:-1] and rig.tc.pos_max(0) == len(prompt) - 2
+        follow = Request(prompt, 12, stop_tokens=[])
+        assert rig.dec.generate_batch([follow]) == [rig.alone(follow)]
+        assert follow.stats.n_reused == len(prompt) - 1 and follow.stats.drafted > 0
     finally:
         rig.close()
 

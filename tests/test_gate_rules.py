@@ -167,7 +167,7 @@ def test_probe_gap_counts_what_probes_cost_when_that_is_more():
     assert g._probe_gap() == 60                     # (2.5 - 1) / 0.025
     g.record(g.probe_len, 0, 4.0)
     assert g._probe_seen == 4.0 and g._probe_gap() == 120      # (4 - 1) / 0.025
-    g.record(g.probe_len, 0, 6.0)
+    g.record(g.probe_len, 1, 6.0)                   # (one token right: the whole share, test below)
     assert g._probe_seen == 5.0 and g._probe_gap() == 160      # the EMA: (4 + 6) / 2
     h = G(7, prior)
     h._plan = 0
@@ -187,6 +187,39 @@ def test_probe_gap_counts_what_probes_cost_when_that_is_more():
     u.cost[0] = 1.0
     u._probe_seen = 4.0
     assert u._probe_gap() == 120
+
+
+def test_fruitless_probes_stretch_the_gap_up_to_the_longest():
+    """Each acceptance probe in a row that gets nothing right, past the first, halves the share of plain
+    decoding's time probes may take (at most FRUITLESS times), up to the longest gap; a probe that gets a
+    token right restores the whole share. Run through choose(): a never-right drafter is probed 15 times
+    in 4,000 steps where the whole share alone (PROBE_MAX steps apart) probed it 44 times."""
+    prior = np.array([1.0] + [2.5] * 7)
+    g = G(7, prior)
+    g._plan = 0
+    gaps = []
+    for _ in range(6):
+        g.record(g.probe_len, 0, 2.5)
+        gaps.append(g._probe_gap())
+    assert gaps == [60, 120, 240, 384, 384, 384]     # 1.5 / (0.025 / 2^k) steps; 4 PROBE_MAX at most
+    g.record(g.probe_len, 1, 2.5)
+    assert g._probe_gap() == 60
+    g.record(0, 0, 1.0)                              # plain steps between probes change nothing
+    assert g._fruitless == 0
+
+    def probes(fruitless: int) -> list[int]:
+        h = G(7, prior)
+        h.FRUITLESS = fruitless
+        at = []
+        for step in range(4000):
+            n = h.choose()
+            if n:
+                at.append(step)
+            h.record(n, 0, prior[n])
+        return at
+    stretched, whole = probes(G.FRUITLESS), probes(0)
+    assert (len(stretched), len(whole)) == (15, 44)
+    assert np.diff(stretched)[-5:].tolist() == [384] * 5 and np.diff(whole)[-5:].tolist() == [96] * 5
 
 
 def test_the_plain_steps_after_a_probe_charge_their_excess_to_the_probe():

@@ -149,7 +149,8 @@ def test_oracle_drafter_gives_full_blocks_and_bad_drafter_gives_one(models):
     pair = models.pair("qwen3", "dflash", 8)
     probe = Rig(pair)
     prompt = probe.tm.tokenize(PROMPTS[0])
-    ref, _ = probe.run(probe.plain, prompt, 64, stop_tokens=[])
+    # the first token comes with the prompt's pass, then 8 blocks of 8 (7 drafted tokens and the target's)
+    ref, _ = probe.run(probe.plain, prompt, 65, stop_tokens=[])
     probe.close()
     full = prompt + ref
 
@@ -159,9 +160,9 @@ def test_oracle_drafter_gives_full_blocks_and_bad_drafter_gives_one(models):
 
     rig = Rig(pair, proposer=oracle)
     try:
-        out, st = rig.run(rig.dec, prompt, 64, stop_tokens=[])
+        out, st = rig.run(rig.dec, prompt, 65, stop_tokens=[])
         assert out == ref
-        assert st.steps == 8 and st.accepted == 56 and st.tau == 8.0
+        assert st.steps == 8 and st.passes == 9 and st.accepted == 56 and st.tau == 8.0
         assert st.acceptance_rate_per_pos == [1.0] * 7
     finally:
         rig.close()
@@ -172,7 +173,7 @@ def test_oracle_drafter_gives_full_blocks_and_bad_drafter_gives_one(models):
 
     rig = Rig(pair, proposer=wrong)
     try:
-        out, st = rig.run(rig.dec, prompt, 64, stop_tokens=[])
+        out, st = rig.run(rig.dec, prompt, 65, stop_tokens=[])
         assert out == ref
         assert st.accepted == 0 and st.tau == 1.0 and st.steps == 63
     finally:
@@ -299,7 +300,7 @@ def test_the_host_buffer_grows_then_injects_at_its_cap(models, cap):
             assert len(feed.buf) == 2 * features.FIRST_ROWS
         else:
             assert 0 < feed.n <= cap                                        # injected at the cap, in order
-            assert len(feed.buf) <= max(cap, len(prompt) - 1)               # (a prompt's chunk may pass it)
+            assert len(feed.buf) <= max(cap, len(prompt))     # (a prompt's chunk, or its tail with the first token, may pass it)
         assert drafter_covers(rig.dc, feed) == len(prompt) - 1 + n
         ctx = prompt + first
         rest, st = rig.run(rig.dec, ctx, 20, stop_tokens=[])

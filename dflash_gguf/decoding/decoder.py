@@ -48,7 +48,7 @@ from dflash_gguf.decoding.features import FeatureFeed
 from dflash_gguf.decoding.proposer import DrafterProposer, LatticeProposer, Proposer
 from dflash_gguf.decoding.rollback import make_rollback
 from dflash_gguf.decoding.scheduling import Scheduling, common_prefix_len
-from dflash_gguf.decoding.sequence import Slot, Step
+from dflash_gguf.decoding.sequence import NO_HEAD, Slot, Step
 from dflash_gguf.decoding.stats import GenerationStats
 
 # target rows whose taps a decode keeps (llama_dflash_set_tap_rows_max): a verify block and the
@@ -138,8 +138,9 @@ class DFlashDecoder(Scheduling):
         self._vocab = target.model.n_vocab
         bs = max(self.n_draft + 1, 1)
         self._draft = np.zeros((self.n_seq, bs), dtype=np.int32)
-        self._rows = np.zeros(self.n_seq * bs, dtype=np.int32)
-        self._argmax = np.zeros(self.n_seq * bs, dtype=np.int32)
+        # a step's rows: every sequence's block, and a joining request's prompt tail (_fusable)
+        self._rows = np.zeros(max(self.n_seq * bs, self.tap_rows), dtype=np.int32)
+        self._argmax = np.zeros(len(self._rows), dtype=np.int32)
         self.eog = frozenset(int(t) for t in target.model.eog_tokens)   # default stop tokens
         self.reset()   # the decoder owns both caches from here on
         self._prior_checked = True   # the calibration's own generation checks nothing
@@ -264,6 +265,9 @@ class DFlashDecoder(Scheduling):
         """Tokens each sequence drafts this step, the gate that chose them (if any) and its choice."""
         gated = [s for s in seqs if s.gate is not None]
         gate = None
+        if len(seqs) == 1 and len(seqs[0].head):
+            # a prompt's tail with its first token: a prefill more than a step of any length (not the gate's)
+            gated = []
         if len(gated) == 1 and len(seqs) == 1:
             gate = gated[0].gate
         elif gated:
@@ -280,19 +284,22 @@ class DFlashDecoder(Scheduling):
                 seen = [g for g in (self.gate, *self._batch_gates.values()) if g is not None and g is not gate]
                 if seen:
                     gate.learn_acceptance(max(seen, key=lambda g: g.tries.sum()))
+        fused = any(len(s.head) for s in seqs)
         if gate is not None and gate is not self._prev_gate:
             # the step before was not this gate's: after a prefill, a new call or a step of sequences that
             # no gate drafts for, this step's cost is a switch's, not a settled one; after another batch
             # size's step, the run goes on from that gate's (the same length in a row is as settled)
             gate.new_run(self._prev_gate)
-        self._prev_gate = gate
+        # a step with a prompt's tail in it costs a prefill's share more: the step after it is a run's first
+        # (as after a prefill) and it is not recorded (_record)
+        self._prev_gate = None if fused else gate
         choice = gate.choose() if gate is not None else 0
         # where blocks are padded to the longest (__init__), every sequence decodes that many rows: none may
         # draft past the room the fullest context has left
         room = min(self.n_ctx - len(s.cache) for s in seqs) if self._pad else self.n_ctx
         ns = []
         for s in seqs:
-            want = choice if s.gate is not None else s.n_draft
+            want = 0 if len(s.head) else choice if s.gate is not None else s.n_draft   # no features for a tail yet
             ns.append(max(0, min(want, s.max_tokens - s.produced - 1, self.n_ctx - len(s.cache) - 1, room - 1)))
         if gate is not None and gate.probing and len(seqs) > 1 and not self._pad:
             # an acceptance probe asks whether the drafter is right again: one sequence's draft answers
@@ -350,41 +357,52 @@ class DFlashDecoder(Scheduling):
                 # a drafted token the grammar forbids is a sure rejection: verify no row after it
                 ns[i] = c.allowed_prefix(self._draft[s.slot, :ns[i]])
         # verify: every sequence's [pending, d1..dn] in one target decode (padded to the longest block where
-        # the target's memory splits a batch into equal rows per sequence: __init__)
+        # the target's memory splits a batch into equal rows per sequence: __init__), after a joining
+        # request's prompt tail (its rows no outputs)
+        heads = np.array([len(s.head) for s in seqs], dtype=np.int32)
         lens = np.array([n + 1 for n in ns], dtype=np.int32)
         if self._pad:
             lens[:] = lens.max()
         saved = [s.rollback.save(int(m) - 1) for s, m in zip(seqs, lens)]
-        row0 = np.concatenate(([0], np.cumsum(lens)[:-1])).astype(np.int32)
+        lens += heads
+        row0 = np.concatenate(([0], np.cumsum(lens)[:-1])).astype(np.int32)    # each sequence's first row
+        out0 = np.concatenate(([0], np.cumsum(lens - heads)[:-1]))             # ... and first output
         total = int(lens.sum())
         rows = self._rows[:total]
         for i, s in enumerate(seqs):
-            r = row0[i]
-            rows[r:r + lens[i]] = s.pending          # the padding repeats a valid token id
+            r = row0[i] + heads[i]
+            rows[row0[i]:r] = s.head
+            rows[r:row0[i] + lens[i]] = s.pending          # the padding repeats a valid token id
             rows[r + 1:r + 1 + ns[i]] = self._draft[s.slot, :ns[i]]
         greedy = any(s.greedy for s in seqs)
-        argmax = self._argmax[:total] if greedy else None
+        argmax = self._argmax[:total - int(heads.sum())] if greedy else None
         t0 = time.perf_counter()
         if len(seqs) == 1:
-            self.target.decode(rows, len(seqs[0].cache), out_row0=0, argmax=argmax, seq=seqs[0].slot)
+            self.target.decode(rows, len(seqs[0].cache), out_row0=int(heads[0]), argmax=argmax, seq=seqs[0].slot)
         else:
             self.target.decode_seqs(np.array([s.slot for s in seqs], dtype=np.int32),
-                                    np.array([len(s.cache) for s in seqs], dtype=np.int32), lens, rows, argmax)
+                                    np.array([len(s.cache) for s in seqs], dtype=np.int32), lens, rows, argmax,
+                                    out_row0=heads)
         dt = (time.perf_counter() - t0) / len(seqs)
         steps = []
         for i, s in enumerate(seqs):
-            s.stats.t_verify += dt
-            n, r = ns[i], int(row0[i])
+            h = int(heads[i])
+            if h:
+                s.stats.t_prefill += dt   # the prompt's rows and the first token, as a prefill gives it
+            else:
+                s.stats.t_verify += dt
+            n, r, o = ns[i], int(row0[i]) + h, int(out0[i])
             draft = self._draft[s.slot, :n]
             if s.greedy:
-                commit = greedy_accept(draft, self._argmax[r:r + n + 1])
+                commit = greedy_accept(draft, self._argmax[o:o + n + 1])
             else:
                 commit = sampled_accept(draft, lambda j, r=r: self.target.logits_row(r + j), s.chooser, qs[i])
             a = len(commit) - 1
             s.stats.observe_step(n, a)
             commit = cut_at_stop(commit, s.stop)
-            self._sink_rows(s, len(s.cache), r, len(commit))
-            steps.append(Step(len(s.cache), n, a, commit, rows[r:r + lens[i]].copy(), r, saved[i]))
+            self._sink_rows(s, len(s.cache) + h, r, len(commit))
+            steps.append(Step(len(s.cache), n, a, commit, rows[row0[i]:row0[i] + lens[i]].copy(), int(row0[i]),
+                              saved[i], h))
         return steps, gate, choice
 
     def _settle(self, done: list[tuple[Slot, Step, int]]) -> None:
@@ -398,15 +416,18 @@ class DFlashDecoder(Scheduling):
                 continue
             t0 = time.perf_counter()
             if st.n == 0:
-                s.features.keep(st.pos, consumed, st.row0)   # a plain step's row: on the host
+                s.features.keep(st.pos, st.head + consumed, st.row0)   # a plain step's rows: on the host
             else:
                 s.features.inject(st.pos, consumed, "injecting verified features into the drafter", row0=st.row0)
             s.stats.t_inject += time.perf_counter() - t0
         for s, st, consumed in done:
             t1 = time.perf_counter()
-            if consumed < len(st.rows):
-                s.rollback.keep(st.pos, consumed, st.rows, st.saved)
+            if st.head + consumed < len(st.rows):
+                s.rollback.keep(st.pos, st.head + consumed, st.rows, st.saved)
             s.stats.t_rollback += time.perf_counter() - t1
+            if st.head:            # the prompt's tail is in the caches whatever the step keeps
+                s.cache.extend(int(t) for t in s.head)
+                s.head = NO_HEAD
             if consumed:
                 s.chooser.accept(st.commit[:consumed])
                 s.cache.append(s.pending)
@@ -417,8 +438,8 @@ class DFlashDecoder(Scheduling):
     def _record(steps: list[tuple[Slot, Step]], gate: DraftLength | None, choice: int, seconds: float) -> None:
         """Charge the gate a step's whole work (draft with any deferred feature injection, verify,
         acceptance, sampling, keeping the rows and rolling back): what a step of that length costs."""
-        if gate is None:
-            return
+        if gate is None or any(st.head for _, st in steps):
+            return   # no gate chose, or a prompt's tail made the step a prefill's share dearer (_lengths)
         gated = [st for s, st in steps if s.gate is not None]
         # an acceptance probe of a batch drafted for one sequence (_lengths): the others drew nothing
         draws = [st for st in gated if st.n > 0] if gate.probing and len(steps) > 1 else gated
@@ -463,25 +484,55 @@ class DFlashDecoder(Scheduling):
         n_keep = self.keep_prefix(common_prefix_len(s.cache, prompt[:len(prompt) - 1]), s.slot)
         stats.n_reused = n_keep
         todo = np.asarray(prompt[n_keep:-1], dtype=np.int32)
-        s.prompt, s.todo = prompt, None
+        s.prompt, s.todo, s.head = prompt, None, NO_HEAD
         if len(todo) and defer:
             s.todo = todo
             s.cache = prompt[:n_keep]
             return
-        if len(todo):
+        # the prompt's tail goes with its last token into the first step (alone here: the step is this one's)
+        h = min(len(todo), self._fusable(s, []))
+        if len(todo) > h:
             try:
-                self._prefill(s, todo, n_keep, stats)
+                self._prefill(s, todo[:len(todo) - h], n_keep, stats, end=len(prompt) - 1)
             except BaseException:
                 self._reset_seq(s)   # a half-filled cache is worse than an empty one
                 s.done = True
                 raise
-        s.cache = prompt[:-1]
+        s.cache = prompt[:len(prompt) - 1 - h]
+        s.head = todo[len(todo) - h:]
         s.pending = prompt[-1]
 
-    def _prefill_chunk(self, s: Slot) -> bool:
-        """The next ``PREFILL_CHUNK`` tokens of a deferred prompt; True when the prompt is all in."""
+    def _fusable(self, s: Slot, others: list[Slot]) -> int:
+        """How many of the prompt tokens before its last one the request on ``s`` may decode in its first
+        step beside the steps of ``others`` (0: none, the prompt is prefilled on its own).
+
+        That step is a plain one for ``s`` whose last row gives the first token, as a prefill's last row
+        would: one target decode less per request (upstream's prefill samples its first token the same
+        way), which at short requests is several percent of the time. Its rows are kept whole or rolled
+        back to the prompt, so the rollback must keep any prefix (seq_rm; a recurrent state keeps the last
+        rows' snapshots only); not where every block is padded to the longest (the tail would pad them
+        all), where the logits sink wants the tail's rows, where nothing is generated, or for a seeded
+        sampled request (its draws follow its steps' blocks: the same text whether the prompt was cached
+        or not). Within the taps' row cap beside the others' blocks (every row's features are kept), and
+        a prefill chunk."""
+        sp = s.chooser.sp
+        if (self._pad or s.max_tokens <= 0 or s.rollback.name != "seq_rm"
+                or (s.logits_sink is not None and s.sink_from < len(s.prompt) - 1)
+                or (not sp.greedy and sp.is_repeatable)):
+            return 0
+        others_rows = sum(o.n_draft + 1 + len(o.head) for o in others)
+        return max(min(self.tap_rows, self.PREFILL_CHUNK) - 1 - others_rows, 0)
+
+    def _prefill_chunk(self, s: Slot, leave: int = 0) -> bool:
+        """The next ``PREFILL_CHUNK`` tokens of a deferred prompt, short of its last ``leave`` (those go
+        with the first step); True when the prompt is all in (its tail, if any, in ``s.head``)."""
+        if len(s.todo) <= leave:
+            s.head, s.todo = s.todo, None
+            s.pending = s.prompt[-1]
+            return True
         pos = len(s.cache)
-        chunk, s.todo = s.todo[:self.PREFILL_CHUNK], s.todo[self.PREFILL_CHUNK:]
+        n = min(self.PREFILL_CHUNK, len(s.todo) - leave)
+        chunk, s.todo = s.todo[:n], s.todo[n:]
         try:
             self._prefill(s, chunk, pos, s.stats, end=len(s.prompt) - 1)
         except BaseException:
@@ -513,6 +564,7 @@ class DFlashDecoder(Scheduling):
         if s.done:
             return
         s.done = True
+        s.head = NO_HEAD   # a prompt tail never decoded (the request ended first): the caches hold s.cache
         if s.chooser is not None and s.chooser.constraints is not None:
             s.chooser.constraints.close()
         s.stats.t_total += time.perf_counter() - s.t_start

@@ -84,7 +84,8 @@ class Scheduling:
         if self._filling:
             s = self._filling[0]
             try:
-                filled = self._prefill_chunk(s)
+                # its last tokens (those that fit beside the running blocks) go with its first step
+                filled = self._prefill_chunk(s, self._fusable(s, self._active))
             except Exception as e:   # this request fails (e.g. its context is full); the others go on
                 log.debug("prefill of request %d failed: %s", s.index, e)
                 self._filling.popleft()

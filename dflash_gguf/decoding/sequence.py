@@ -14,6 +14,9 @@ from dflash_gguf.gate import DraftLength
 from dflash_gguf.sampling import SamplingParams, TokenChooser
 
 
+NO_HEAD = np.zeros(0, dtype=np.int32)
+
+
 @dataclass
 class Request:
     """One generation for :meth:`DFlashDecoder.run`: ``max_tokens`` tokens after ``prompt`` (token ids)."""
@@ -46,6 +49,7 @@ class Step:
     rows: np.ndarray
     row0: int
     saved: bytes | None
+    head: int = 0     # prompt rows decoded before ``pending`` (a prompt's tail fused into its first step)
 
 
 @dataclass
@@ -73,6 +77,9 @@ class Slot:
     consumer: Callable[[list[int]], int | None] | None = None
     prompt: list[int] = field(default_factory=list)
     todo: np.ndarray | None = None    # prompt tokens still to prefill (run / admit: a chunk per step)
+    # the prompt's last tokens before ``pending``, decoded with it in the request's first step (a plain
+    # step: its logits give the first token, as a prefill's last row does, with no decode of its own)
+    head: np.ndarray = field(default_factory=lambda: NO_HEAD)
     request: Request | None = None
     t_start: float = 0.0
     done: bool = True

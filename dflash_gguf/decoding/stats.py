@@ -22,7 +22,8 @@ class GenerationStats:
     n_reused: int = 0
     n_generated: int = 0
     steps: int = 0             # drafting steps (a verified block of >= 1 drafted token)
-    passes: int = 0            # target passes after the prompt's: every step, drafting or plain
+    passes: int = 0            # target passes that commit tokens: every step, drafting or plain (a prompt's last
+                               # pass too where it gives the first token: decoder._fusable)
     drafted: int = 0
     accepted: int = 0
     drafted_per_pos: list[int] = field(default_factory=list)
