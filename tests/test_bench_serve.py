@@ -59,17 +59,20 @@ def _fake_servers(monkeypatch):
 
 
 def test_all_up_starts_each_server_once_per_client_count_and_alternates_runs(monkeypatch):
+    """... each repeat one server further down the list (no server always runs after the same one)."""
     events, procs = _fake_servers(monkeypatch)
-    rows = serve.bench("p", ["a", "b"], [1, 4], 8, 32, 2, 256, repeats=3, all_up=True)
-    per_count = [("start", "a"), ("start", "b")] + [("run", "a"), ("run", "b")] * 3
+    rows = serve.bench("p", ["a", "b", "c"], [1, 4], 8, 32, 2, 256, repeats=4, all_up=True)
+    order = ["a", "b", "c", "b", "c", "a", "c", "a", "b", "a", "b", "c"]
+    per_count = [("start", "a"), ("start", "b"), ("start", "c")] + [("run", s) for s in order]
     assert events == per_count * 2
     assert all(p.stopped for p in procs.values())
     assert [(r["clients"], r["server"], r["run"]) for r in rows] == \
-        [(c, s, k) for c in (1, 4) for k in range(3) for s in ("a", "b")]
+        [(c, s, k // 3) for c in (1, 4) for k, s in enumerate(order)]
 
 
 def test_without_all_up_every_run_has_a_fresh_server(monkeypatch):
     events, procs = _fake_servers(monkeypatch)
     serve.bench("p", ["a", "b"], [2], 8, 32, 2, 256, repeats=2)
-    assert events == [("start", "a"), ("run", "a"), ("start", "b"), ("run", "b")] * 2
+    assert events == [("start", "a"), ("run", "a"), ("start", "b"), ("run", "b"),
+                      ("start", "b"), ("run", "b"), ("start", "a"), ("run", "a")]
     assert len(procs) == 4 and all(p.stopped for p in procs.values())

@@ -175,10 +175,19 @@ def _measure(proc: subprocess.Popen, url: str, n_clients: int, n_requests: int, 
     return r
 
 
+def rotated(servers: list[str], rep: int) -> list[str]:
+    """The order of repeat ``rep``: the list started ``rep`` places on (a server measured right after
+    another one ran may run slower or faster for it: on this project's VMs the first of three servers
+    up at once, always the one after the third, ran 3-7% below the second with the same engine)."""
+    k = rep % len(servers) if servers else 0
+    return list(servers[k:]) + list(servers[:k])
+
+
 def bench(pair: str, servers: list[str], clients: list[int], n_requests: int, n_tokens: int, threads: int,
           ctx: int, repeats: int = 1, all_up: bool = False) -> list[dict]:
     """Every server at every client count, ``repeats`` times over in turn (the servers alternate, so a
-    slow spell of the machine falls on all of them); one row per run (``run``: 0..repeats-1).
+    slow spell of the machine falls on all of them, and each repeat starts one server further down the
+    list, so no server always runs right after the same one); one row per run (``run``: 0..repeats-1).
 
     ``all_up``: at each client count every server is started (and warmed up) once and stays up while the
     others run, so that the runs alternate within seconds, not a server start apart (on a VM whose speed
@@ -212,7 +221,7 @@ def bench(pair: str, servers: list[str], clients: list[int], n_requests: int, n_
                 for server in servers:
                     procs[server] = up(server, c)
                 for rep in range(repeats):
-                    for server in servers:
+                    for server in rotated(servers, rep):
                         proc, url = procs[server]
                         record(c, rep, server, _measure(proc, url, c, n_requests, n_tokens))
             finally:
@@ -220,7 +229,7 @@ def bench(pair: str, servers: list[str], clients: list[int], n_requests: int, n_
                     _stop(proc)
             continue
         for rep in range(repeats):
-            for server in servers:
+            for server in rotated(servers, rep):
                 proc, url = up(server, c)
                 try:
                     r = _measure(proc, url, c, n_requests, n_tokens)
