@@ -182,11 +182,11 @@ class DFlashDecoder(Prompts, Scheduling):
 
     def _lengths(self, seqs: list[Slot]) -> tuple[list[int], DraftLength | None, int]:
         """Tokens each sequence drafts this step, the gate that chose them (if any) and its choice."""
-        gated = [s for s in seqs if s.gate is not None]
+        # a step with a prompt's tail in it (_fusable): alone, a prefill more than a step of any length (not the
+        # gate's); beside others, it costs a prefill's share more
+        fused = any(len(s.head) for s in seqs)
+        gated = [s for s in seqs if s.gate is not None] if not (fused and len(seqs) == 1) else []
         gate = None
-        if len(seqs) == 1 and len(seqs[0].head):
-            # a prompt's tail with its first token: a prefill more than a step of any length (not the gate's)
-            gated = []
         if len(gated) == 1 and len(seqs) == 1:
             gate = gated[0].gate
         elif gated:
@@ -203,14 +203,12 @@ class DFlashDecoder(Prompts, Scheduling):
                 seen = [g for g in (self.gate, *self._batch_gates.values()) if g is not None and g is not gate]
                 if seen:
                     gate.learn_acceptance(max(seen, key=lambda g: g.tries.sum()))
-        fused = any(len(s.head) for s in seqs)
         if gate is not None and gate is not self._prev_gate:
             # the step before was not this gate's: after a prefill, a new call or a step of sequences that
             # no gate drafts for, this step's cost is a switch's, not a settled one; after another batch
             # size's step, the run goes on from that gate's (the same length in a row is as settled)
             gate.new_run(self._prev_gate)
-        # a step with a prompt's tail in it costs a prefill's share more: the step after it is a run's first
-        # (as after a prefill) and it is not recorded (_record)
+        # the step after a fused one is a run's first (as after a prefill); it is not recorded (_record)
         self._prev_gate = None if fused else gate
         choice = gate.choose() if gate is not None else 0
         # where blocks are padded to the longest (__init__), every sequence decodes that many rows: none may

@@ -129,22 +129,18 @@ class Prompts:
     def _prefill_chunk(self, s: Slot, leave: int = 0) -> bool:
         """The next ``PREFILL_CHUNK`` tokens of a deferred prompt, short of its last ``leave`` (those go
         with the first step); True when the prompt is all in (its tail, if any, in ``s.head``)."""
-        if len(s.todo) <= leave:
-            s.head, s.todo = s.todo, None
-            s.pending = s.prompt[-1]
-            return True
-        pos = len(s.cache)
-        n = min(self.PREFILL_CHUNK, len(s.todo) - leave)
-        chunk, s.todo = s.todo[:n], s.todo[n:]
-        try:
-            self._prefill(s, chunk, pos, s.stats, end=len(s.prompt) - 1)
-        except BaseException:
-            self._reset_seq(s)
-            raise
-        s.cache = s.prompt[:pos + len(chunk)]
-        if len(s.todo):
-            return False
-        s.todo = None
-        s.cache = s.prompt[:-1]
+        if len(s.todo) > leave:
+            pos = len(s.cache)
+            n = min(self.PREFILL_CHUNK, len(s.todo) - leave)
+            chunk, s.todo = s.todo[:n], s.todo[n:]
+            try:
+                self._prefill(s, chunk, pos, s.stats, end=len(s.prompt) - 1)
+            except BaseException:
+                self._reset_seq(s)
+                raise
+            s.cache = s.prompt[:pos + len(chunk)]
+            if len(s.todo):
+                return False       # more next step (the tail left, if that is all, goes with the first step then)
+        s.head, s.todo = s.todo, None      # the prompt is in but for this tail (none where all was prefilled)
         s.pending = s.prompt[-1]
         return True
