@@ -347,12 +347,14 @@ class DraftLength:
     def learn_acceptance(self, other: "DraftLength") -> None:
         """Start from ``other``'s acceptance history (the same drafter, another step shape: a batch of
         sequences), keeping this gate's costs: a drafter ``other`` found never right is not warmed up
-        with full blocks again."""
+        with full blocks again, nor probed at the whole budget's gaps after probes of ``other`` found
+        nothing again and again (its fruitless run goes on here)."""
         if other.n_max != self.n_max:
             raise ValueError(f"gates of {self.n_max} and {other.n_max} drafted tokens")
         self.hits[:], self.tries[:] = other.hits, other.tries
         self._evaluated = None
         self._blocks, self._right = other._blocks, other._right
+        self._fruitless = other._fruitless
 
     def new_run(self, after: "DraftLength | None" = None) -> None:
         """The next step starts a run (a generation's first, after its prefill): its cost is no steady one

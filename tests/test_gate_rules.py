@@ -772,6 +772,18 @@ def test_a_gate_can_start_from_anothers_acceptance():
     c = DraftLength(7)
     c.learn_acceptance(right)
     assert c.choose() == 7 and c.hits.tolist() == right.hits.tolist()
+    # probes of the first gate that found nothing, again and again, space the new gate's probes too
+    prior = np.array([1.0] + [2.5] * 7)
+    one = DraftLength(7, prior)
+    one._plan = 0
+    for _ in range(3):
+        one.record(one.probe_len, 0, 2.5)
+    two = DraftLength(7, prior)
+    two._plan = 0
+    two.record(two.probe_len, 0, 2.5)            # its own probes' cost, one fruitless probe
+    before = two._probe_gap()
+    two.learn_acceptance(one)
+    assert two._probe_gap() == 4 * before == one._probe_gap()
     with pytest.raises(ValueError, match="gates of 3 and 7 drafted tokens"):
         DraftLength(3).learn_acceptance(never)
 
