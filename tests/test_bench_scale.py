@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from dflash_gguf.bench.scale import synth
-from dflash_gguf.bench.scale.replay import PROFILES, ReplayProposer, expected_tau, parse_profile
+from dflash_gguf.bench.scale.replay import PROFILES, ReplayBook, ReplayProposer, expected_tau, parse_profile
 
 
 @pytest.mark.parametrize("kind", ["q4_0", "q8_0", "q6_k"])
@@ -58,6 +58,29 @@ def test_replay_matches_the_profile():
     assert prop.diverged == 0
     # a context that left the reference gets wrong proposals (and is counted)
     assert prop([1, 2, 3], 3) == [4, 4, 4] and prop.diverged == 1
+
+
+def test_a_replay_book_serves_several_prompts_at_once():
+    """One book for a server's requests: each context is matched to the reference it starts (two
+    sequences' calls interleaved, at lengths of their own), every position of each is right as often
+    as the profile says, and a context of neither gets a wrong block, counted."""
+    refs = [[7, 8] + list(range(1000, 1300)), [9] + list(range(2000, 2300))]
+    cum = [0.9, 0.6, 0.3]
+    book = ReplayBook(refs, cum, n_vocab=5000, seed=3)
+    hits = {0: np.zeros(3), 1: np.zeros(3)}
+    n = 3000
+    for k in range(n):
+        for r, L in ((0, 40 + k % 50), (1, 17 + k % 80)):
+            out = book(refs[r][:L], 3)
+            truth = refs[r][L:L + 3]
+            a = next((i for i in range(3) if out[i] != truth[i]), 3)
+            assert out[:a] == truth[:a] and (a == 3 or out[a] == truth[a] + 1)
+            hits[r][:a] += 1
+    for r in (0, 1):
+        assert np.allclose(hits[r] / n, cum, atol=0.03), r
+    assert book.diverged == 0 and book.steps == 2 * n
+    assert book([7, 9, 1000], 2) == [1001, 1001] and book.diverged == 1        # no reference starts so
+    assert len(book(refs[1], 3)) == 3 and book.diverged == 1                    # at a reference's end: filler
 
 
 SMALL = synth.Shape("test", 256, 8, 2, 1, 512, True)

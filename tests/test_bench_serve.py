@@ -1,9 +1,11 @@
 """bench.serve's per-thread CPU reading (the servers themselves are run by the benchmark, not here)."""
 from __future__ import annotations
 
+import json
 import os
 import sys
 import time
+from pathlib import Path
 
 import pytest
 
@@ -37,7 +39,7 @@ def _fake_servers(monkeypatch):
     events = []
     procs = {}
     monkeypatch.setattr(serve, "pair_files", lambda pair: ("t.gguf", "d.gguf"))
-    monkeypatch.setattr(serve, "command", lambda server, *a: [server, str(a[-1])])
+    monkeypatch.setattr(serve, "command", lambda server, *a: [server, str(a[5])])
 
     def start(cmd, port):
         procs[cmd[1]] = p = _Proc(cmd[0])
@@ -76,3 +78,59 @@ def test_without_all_up_every_run_has_a_fresh_server(monkeypatch):
     assert events == [("start", "a"), ("run", "a"), ("start", "b"), ("run", "b"),
                       ("start", "b"), ("run", "b"), ("start", "a"), ("run", "a")]
     assert len(procs) == 4 and all(p.stopped for p in procs.values())
+
+
+def test_replay_runs_ours_through_the_replay_server_with_this_tools_prompts(monkeypatch):
+    """--replay: ``ours`` (only) starts as the replay server, given the benchmark's own prompts and
+    tokens; each of its runs reports the acceptance length its drafting steps got (from /metrics)."""
+    cmd = serve.command("ours", "t.gguf", "d.gguf", 2, 2, 256, 9000, ["--replay", "demo"])
+    assert cmd[1:3] == ["-m", "dflash_gguf.bench.replay_server"] and cmd[-4:] == ["--replay", "demo", "-np", "2"]
+    for other in ("ours-plain", "ours-serial"):
+        c = serve.command(other, "t.gguf", "d.gguf", 2, 2, 256, 9000, ["--replay", "demo"])
+        assert c[2] == "dflash_gguf.server" and "--replay" not in c
+    assert serve.command("ours", "t.gguf", "d.gguf", 2, 2, 256, 9000)[2] == "dflash_gguf.server"
+
+    events, procs = _fake_servers(monkeypatch)
+    flags = []
+    monkeypatch.setattr(serve, "command", lambda server, *a: flags.append(a[6]) or [server, str(a[5])])
+    counts = iter([(10.0, 40.0), (14.0, 52.0)])       # (steps, accepted) before and after ours' run
+    monkeypatch.setattr(serve, "drafting_counts", lambda url: next(counts))
+    rows = serve.bench("p", ["ours", "upstream"], [1], 8, 24, 2, 256, all_up=True, replay="demo")
+    f = flags[0]
+    assert f[:2] == ["--replay", "demo"] and f[4:] == ["--replay-tokens", "24"] and flags[1] == f
+    assert json.loads(Path(f[3]).read_text()) == serve.PROMPTS
+    by = {r["server"]: r for r in rows}
+    assert by["ours"]["acceptance_length"] == 4.0 and by["ours"]["drafting_steps"] == 4
+    assert "acceptance_length" not in by["upstream"] and by["ours"]["pair"] == "p (ours replaying demo)"
+    assert "acceptance 4.00" in serve.table(serve.medians(rows), ["ours", "upstream"])
+
+
+def test_the_replay_server_drafts_its_prompts_continuations_at_the_profile(models, monkeypatch, tmp_path):
+    """The replay server's slots draft each listed prompt's own continuation, right as often as the
+    profile says: every token (all accepted) or none (none accepted); the text is plain decoding's."""
+    from fastapi.testclient import TestClient
+
+    from dflash_gguf.bench import replay_server
+    from dflash_gguf.server import cli
+
+    pair = models.pair()
+    prompts = ["def add(a, b):\n", "import os\n"]
+    book = tmp_path / "prompts.json"
+    book.write_text(json.dumps(prompts))
+    for profile, right in (("1,1,1,1,1,1,1", True), ("none", False)):
+        got = {}
+
+        def fake_serve(app, args, got=got):
+            with TestClient(app) as c:
+                for p in prompts:
+                    body = {"prompt": p, "max_tokens": 16, "temperature": 0}
+                    got[p] = [c.post("/v1/completions", json={**body, "dflash": d}).json() for d in (True, False)]
+
+        monkeypatch.setattr(cli, "serve", fake_serve)
+        argv = ["-m", str(pair.target), "-md", str(pair.drafter), "-np", "2", "-c", "256", "-t", "1",
+                "--no-draft-adaptive", "--replay", profile, "--replay-prompts", str(book), "--replay-tokens", "16"]
+        assert replay_server.main(argv) == 0
+        for p, (spec, plain) in got.items():
+            assert spec["choices"][0]["text"] == plain["choices"][0]["text"], (profile, p)
+            d = spec["dflash"]
+            assert d["drafted"] > 0 and d["accepted"] == (d["drafted"] if right else 0), (profile, p, d)

@@ -16,7 +16,11 @@ first token and of the whole request. Servers:
   tokens in one ``DFlashDecoder.generate_batch``, with the drafter (``engine``) and without
 
 Pairs: ``demo`` (the shipped trained pair), or ``bench.scale`` pairs by shape and type (e.g. ``0.6b:q4_0``;
-random weights: a drafter that is never right, so the gate must decode plainly). Upstream's server is
+random weights: a drafter that is never right, so the gate must decode plainly). ``--replay PROFILE``
+(``demo``, ``strong``, ... as ``bench.scale`` takes them): ``ours`` runs as
+``python -m dflash_gguf.bench.replay_server``, whose slots replay that acceptance over the benchmark's
+prompts (the drafter still runs every step); the acceptance length each run got is read from its
+``/metrics``. Upstream's servers have no such replay: ``upstream-dflash`` drafts with the drafter as it is. Upstream's server is
 the one ``python -m dflash_gguf.build --with-tools`` built from the same patched tree.
 """
 from __future__ import annotations
@@ -61,10 +65,16 @@ def pair_files(spec: str) -> tuple[Path, Path]:
     return d / "target.gguf", d / "drafter.gguf"
 
 
-def command(server: str, target: Path, drafter: Path, n_par: int, threads: int, ctx: int, port: int) -> list[str]:
+def command(server: str, target: Path, drafter: Path, n_par: int, threads: int, ctx: int, port: int,
+            replay: list[str] | None = None) -> list[str]:
+    """``replay``: the replay server's own flags (``--replay P --replay-prompts F --replay-tokens N``),
+    taken by ``ours`` only."""
     if server.startswith("ours"):
-        cmd = [sys.executable, "-m", "dflash_gguf.server", "-m", str(target), "-md", str(drafter),
+        module = "dflash_gguf.bench.replay_server" if replay and server == "ours" else "dflash_gguf.server"
+        cmd = [sys.executable, "-m", module, "-m", str(target), "-md", str(drafter),
                "-t", str(threads), "-c", str(ctx), "--port", str(port), "--chat-format", "chatml"]
+        if module != "dflash_gguf.server":
+            cmd += replay
         if server != "ours-serial":
             cmd += ["-np", str(n_par)]
         return cmd + (["--no-dflash"] if server == "ours-plain" else [])
@@ -164,14 +174,37 @@ def _stop(proc: subprocess.Popen) -> None:
         proc.kill()
 
 
-def _measure(proc: subprocess.Popen, url: str, n_clients: int, n_requests: int, n_tokens: int) -> dict:
-    """One run of ``n_clients`` clients against a warm server, with its main thread's CPU per token."""
+def drafting_counts(url: str) -> tuple[float, float] | None:
+    """(DFlash steps, accepted tokens) so far from our server's ``/metrics``; None from one without them."""
+    try:
+        text = httpx.get(f"{url}/metrics", timeout=10).text
+    except httpx.HTTPError:
+        return None
+    got = {}
+    for line in text.splitlines():
+        name, _, value = line.partition(" ")
+        if name in ("dflash_steps_total", "dflash_accepted_tokens_total"):
+            got[name] = float(value)
+    return (got["dflash_steps_total"], got["dflash_accepted_tokens_total"]) if len(got) == 2 else None
+
+
+def _measure(proc: subprocess.Popen, url: str, n_clients: int, n_requests: int, n_tokens: int,
+             ours: bool = False) -> dict:
+    """One run of ``n_clients`` clients against a warm server, with its main thread's CPU per token
+    (``ours``: and the acceptance length of the run's drafting steps)."""
     cpu0 = main_thread_cpu(proc.pid)
+    d0 = drafting_counts(url) if ours else None
     r = run_clients(url, n_clients, max(n_requests, n_clients), n_tokens)
     cpu1 = main_thread_cpu(proc.pid)
+    d1 = drafting_counts(url) if d0 is not None else None
     if cpu0 is not None and cpu1 is not None and r["tokens"]:
         # ours: the event loop's CPU per streamed token (taken from ggml's threads on these cores)
         r["main_ms_per_token"] = 1e3 * (cpu1 - cpu0) / r["tokens"]
+    if d0 is not None and d1 is not None:
+        steps = d1[0] - d0[0]
+        r["drafting_steps"] = steps
+        if steps:
+            r["acceptance_length"] = 1 + (d1[1] - d0[1]) / steps
     return r
 
 
@@ -184,7 +217,7 @@ def rotated(servers: list[str], rep: int) -> list[str]:
 
 
 def bench(pair: str, servers: list[str], clients: list[int], n_requests: int, n_tokens: int, threads: int,
-          ctx: int, repeats: int = 1, all_up: bool = False) -> list[dict]:
+          ctx: int, repeats: int = 1, all_up: bool = False, replay: str | None = None) -> list[dict]:
     """Every server at every client count, ``repeats`` times over in turn (the servers alternate, so a
     slow spell of the machine falls on all of them, and each repeat starts one server further down the
     list, so no server always runs right after the same one); one row per run (``run``: 0..repeats-1).
@@ -192,14 +225,21 @@ def bench(pair: str, servers: list[str], clients: list[int], n_requests: int, n_
     ``all_up``: at each client count every server is started (and warmed up) once and stays up while the
     others run, so that the runs alternate within seconds, not a server start apart (on a VM whose speed
     swings within minutes, that is what makes a few percent visible); otherwise each run has a fresh
-    server, started after the last one stopped."""
+    server, started after the last one stopped. ``replay``: the acceptance profile ``ours`` replays."""
     target, drafter = pair_files(pair)
     rows = []
+    flags = None
+    if replay:                 # the replay server's flags: the profile, this tool's prompts, the tokens
+        import tempfile
+
+        book = Path(tempfile.mkdtemp(prefix="dflash-serve-")) / "prompts.json"
+        book.write_text(json.dumps(PROMPTS))
+        flags = ["--replay", replay, "--replay-prompts", str(book), "--replay-tokens", str(n_tokens)]
 
     def up(server: str, c: int) -> tuple[subprocess.Popen, str]:
         port = _free_port()
         log.info("%s, %d client(s): starting %s", pair, c, server)
-        proc = start(command(server, target, drafter, c, threads, ctx, port), port)
+        proc = start(command(server, target, drafter, c, threads, ctx, port, flags), port)
         url = f"http://127.0.0.1:{port}"
         try:
             one_request(url, PROMPTS[0], 4)   # warm-up (and the gate's calibration, ours)
@@ -209,10 +249,12 @@ def bench(pair: str, servers: list[str], clients: list[int], n_requests: int, n_
         return proc, url
 
     def record(c: int, rep: int, server: str, r: dict) -> None:
-        rows.append({"pair": pair, "clients": c, "server": server, "run": rep,
-                     **{k: round(v, 4) for k, v in r.items()}})
-        log.info("  %s: %.1f tok/s, ttft p50 %.0f ms, request p50 %.0f ms, main thread %.3f ms CPU a token", server,
-                 r["tok_s"], 1e3 * r["ttft_p50"], 1e3 * r["lat_p50"], r.get("main_ms_per_token", float("nan")))
+        rows.append({"pair": pair + (f" (ours replaying {replay})" if replay else ""), "clients": c,
+                     "server": server, "run": rep, **{k: round(v, 4) for k, v in r.items()}})
+        log.info("  %s: %.1f tok/s, ttft p50 %.0f ms, request p50 %.0f ms, main thread %.3f ms CPU a token%s", server,
+                 r["tok_s"], 1e3 * r["ttft_p50"], 1e3 * r["lat_p50"], r.get("main_ms_per_token", float("nan")),
+                 f", acceptance length {r['acceptance_length']:.2f} over {r['drafting_steps']:.0f} drafting steps"
+                 if "acceptance_length" in r else "")
 
     for c in clients:
         if all_up:
@@ -223,7 +265,7 @@ def bench(pair: str, servers: list[str], clients: list[int], n_requests: int, n_
                 for rep in range(repeats):
                     for server in rotated(servers, rep):
                         proc, url = procs[server]
-                        record(c, rep, server, _measure(proc, url, c, n_requests, n_tokens))
+                        record(c, rep, server, _measure(proc, url, c, n_requests, n_tokens, server == "ours"))
             finally:
                 for proc, _ in procs.values():
                     _stop(proc)
@@ -232,7 +274,7 @@ def bench(pair: str, servers: list[str], clients: list[int], n_requests: int, n_
             for server in rotated(servers, rep):
                 proc, url = up(server, c)
                 try:
-                    r = _measure(proc, url, c, n_requests, n_tokens)
+                    r = _measure(proc, url, c, n_requests, n_tokens, server == "ours")
                 finally:
                     _stop(proc)
                 record(c, rep, server, r)
@@ -310,8 +352,9 @@ def table(rows: list[dict], servers: list[str]) -> str:
         cells = []
         for s in servers:
             r = by.get(s)
+            tau = f", acceptance {r['acceptance_length']:.2f}" if r is not None and "acceptance_length" in r else ""
             cells.append("-" if r is None else f"{r['tok_s']:.1f}" if "ttft_p50" not in r else
-                         f"{r['tok_s']:.1f} ({1e3 * r['ttft_p50']:.0f} / {1e3 * r['lat_p50']:.0f})")
+                         f"{r['tok_s']:.1f} ({1e3 * r['ttft_p50']:.0f} / {1e3 * r['lat_p50']:.0f}{tau})")
         line = f"| {pair} | {c} | " + " | ".join(cells)
         if ratio:
             best = max((by[s]["tok_s"] for s in ("upstream", "upstream-dflash") if s in by), default=None)
@@ -337,6 +380,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--all-up", action="store_true",
                     help="keep every server of a client count up at once, warmed once, and alternate the runs "
                          "between them (default: a fresh server per run)")
+    ap.add_argument("--replay", default=None, metavar="PROFILE",
+                    help="ours replays this acceptance profile (demo, strong, none, p1,p2,...) over this tool's "
+                         "prompts in its slots (python -m dflash_gguf.bench.replay_server); default: the drafter's own")
     ap.add_argument("--engine", action="store_true",
                     help="also time the batched engine in this process (no HTTP): C sequences in one generate_batch")
     a = ap.parse_args(argv)
@@ -345,7 +391,8 @@ def main(argv: list[str] | None = None) -> int:
     rows = []
     servers = list(a.servers)
     for pair in a.pairs:
-        rows += bench(pair, a.servers, clients, a.requests, a.tokens, a.threads, a.ctx_size, a.repeats, a.all_up)
+        rows += bench(pair, a.servers, clients, a.requests, a.tokens, a.threads, a.ctx_size, a.repeats, a.all_up,
+                      a.replay)
         if a.engine:
             rows += engine_only(pair, clients, 2 * a.tokens, a.threads, a.ctx_size)
     if a.engine:

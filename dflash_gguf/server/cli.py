@@ -72,27 +72,38 @@ def io_stack() -> tuple[str, str]:
     return ("uvloop" if have("uvloop") else "asyncio"), ("httptools" if have("httptools") else "h11")
 
 
-def main(argv: list[str] | None = None, prog: str = "python -m dflash_gguf.server") -> int:
-    import uvicorn
+def build(args: argparse.Namespace):
+    """The app (and its Llama) that ``args`` (from :func:`parser`) describe."""
+    from dflash_gguf.options import load_llama
 
-    from dflash_gguf.options import load_llama, setup_logging
-
-    args = parser(prog).parse_args(argv)
-    setup_logging(args.verbose, logging.INFO)
     api_key = args.api_key or os.environ.get(API_KEY_ENV) or None
     if not api_key and not loopback(args.host):
         log.warning("serving on %s without an API key: anyone who can reach port %d can use the model "
                     "(--api-key KEY or %s)", args.host, args.port, API_KEY_ENV)
     llm = load_llama(args)
-    app = create_app(llm, args.model_alias, max_queue=args.max_queue, request_timeout=args.request_timeout,
-                     parallel=args.parallel,
-                     api_key=api_key)
+    return create_app(llm, args.model_alias, max_queue=args.max_queue, request_timeout=args.request_timeout,
+                      parallel=args.parallel, api_key=api_key), llm
+
+
+def serve(app, args: argparse.Namespace) -> None:
+    """Serve ``app`` with uvicorn on ``args``' host and port (until interrupted)."""
+    import uvicorn
+
     loop, http = io_stack()
     if (loop, http) != ("uvloop", "httptools"):
         log.info("event loop %s, HTTP parser %s (pip install uvloop httptools: less CPU per streamed token)",
                  loop, http)
     uvicorn.run(app, host=args.host, port=args.port, loop=loop, http=http,
                 log_level="debug" if args.verbose else "info")
+
+
+def main(argv: list[str] | None = None, prog: str = "python -m dflash_gguf.server") -> int:
+    from dflash_gguf.options import setup_logging
+
+    args = parser(prog).parse_args(argv)
+    setup_logging(args.verbose, logging.INFO)
+    app, _ = build(args)
+    serve(app, args)
     return 0
 
 

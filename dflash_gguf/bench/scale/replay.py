@@ -91,11 +91,41 @@ class ReplayProposer:
             self._ok = 0
             return [(int(ctx[-1]) + 1) % self.n_vocab] * n
         self._ok = L
-        truth = self.ref[L:L + n]
-        truth += [(truth[-1] + 1) % self.n_vocab if truth else 0] * (n - len(truth))
-        cum = self.cum[:n]
-        a = int((cum > u).sum()) if len(cum) else 0
-        out = list(truth)
-        if a < n:
-            out[a] = (truth[a] + 1) % self.n_vocab
-        return out
+        return replayed_block(self.ref, L, n, self.cum, u, self.n_vocab)
+
+
+def replayed_block(ref: Sequence[int], L: int, n: int, cum: np.ndarray, u: float, n_vocab: int) -> list[int]:
+    """``n`` proposed tokens after ``ref[:L]``: ``ref``'s next ones, the one at ``a = #{i : cum[i] > u}``
+    made wrong (past ``ref``'s end: its last token + 1, repeated)."""
+    truth = list(ref[L:L + n])
+    truth += [(truth[-1] + 1) % n_vocab if truth else 0] * (n - len(truth))
+    a = int((cum[:n] > u).sum()) if n else 0
+    if a < n:
+        truth[a] = (truth[a] + 1) % n_vocab
+    return truth
+
+
+class ReplayBook:
+    """A proposal function replaying several references at one profile (a server's requests, each a
+    prompt of ``references``' followed by its plain continuation), for any number of sequences at once:
+    each call finds the reference the context is a prefix of (one ``u`` drawn per call, as
+    :class:`ReplayProposer` draws one per step of its sequence). A context no reference starts with
+    (another prompt, or a continuation that left the reference) gets a wrong block, counted in ``diverged``."""
+
+    def __init__(self, references: Sequence[Sequence[int]], cum: Sequence[float], n_vocab: int, seed: int = 0):
+        self.refs = [[int(t) for t in r] for r in references]
+        self.cum = np.asarray(cum, dtype=np.float64)
+        self.n_vocab = n_vocab
+        self.rng = np.random.default_rng(seed)
+        self.diverged = 0
+        self.steps = 0
+
+    def __call__(self, ctx: list[int], n: int) -> list[int]:
+        self.steps += 1
+        L = len(ctx)
+        u = self.rng.random()
+        for ref in self.refs:
+            if L <= len(ref) and ref[:L] == ctx:
+                return replayed_block(ref, L, n, self.cum, u, self.n_vocab)
+        self.diverged += 1
+        return [(int(ctx[-1]) + 1) % self.n_vocab] * n
