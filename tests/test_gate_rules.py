@@ -790,25 +790,26 @@ def test_a_gate_can_start_from_anothers_acceptance():
 
 def test_batch_prior_scales_one_sequences_costs_by_the_rows():
     """A step of b sequences drafting n each verifies b (n + 1) rows: costed as one sequence's step of
-    that many rows (within the calibrated block), beyond it as the full block's per row, a b-th each; a
-    plain step of b rows without the drafter's call that one sequence's step of b rows made."""
+    that many rows less its drafter call (within the calibrated block), beyond it as the full block's
+    verify per row, plus b drafter calls, a b-th each; a plain step of b rows without any drafter call."""
     from dflash_gguf.gate import batch_prior
 
     c = np.array([10.0, 12.0, 13.0, 15.0, 16.0, 18.0, 19.0, 21.0])    # n = 0..7: 1..8 rows
     assert np.allclose(batch_prior(c, 1), c)
     two = batch_prior(c, 2)
     call = c[1] - c[0]                                                           # the drafter's, about
-    assert np.allclose(two[:4], [c[0] / 2, c[3] / 2, c[5] / 2, c[7] / 2])        # 2 (plain), 4, 6, 8 rows
-    assert np.allclose(two[4:], c[7] * np.array([10, 12, 14, 16]) / 8 / 2)       # past the block: per row
+    assert np.allclose(two[:4], [c[0] / 2, (c[3] + call) / 2, (c[5] + call) / 2, (c[7] + call) / 2])  # 2..8 rows
+    per_row = (c[7] - call) / 8                                                  # past the block: per row
+    assert np.allclose(two[4:], (per_row * np.array([10, 12, 14, 16]) + 2 * call) / 2)
     three = batch_prior(c, 3)                                                    # 3, 6, 9, 12 ... rows
-    assert np.allclose(three[:2], [(c[2] - call) / 3, c[5] / 3]) and np.allclose(three[2], c[7] * 9 / 8 / 3)
+    assert np.allclose(three[:3], [(c[2] - call) / 3, (c[5] + 2 * call) / 3, (per_row * 9 + 3 * call) / 3])
     assert np.allclose(batch_prior([10, 12, 13, 15, 16, 18, 19, 21], 3), three)  # integer costs alike
     eight = batch_prior(c, 8)
-    assert np.allclose(eight[0], (c[7] - call) / 8) and (np.diff(eight) > 0).all()
+    assert np.allclose(eight[:2], [(c[7] - call) / 8, (per_row * 16 + 8 * call) / 8]) and (np.diff(eight) > 0).all()
     # never below what one sequence's plain step costs, the batch's whole step
     assert np.allclose(batch_prior([10.0, 30.0, 25.0, 32.0], 3)[0], 10.0 / 3)
     assert np.allclose(batch_prior(c / 1000, 3), three / 1000)                  # seconds, as the gate's are
-    assert np.allclose(batch_prior([10.0, 14.0], 2), [10.0 / 2, 14.0 * 4 / 2 / 2])  # a one-token block
+    assert np.allclose(batch_prior([10.0, 14.0], 2), [10.0 / 2, (10.0 * 4 / 2 + 2 * 4.0) / 2])  # a one-token block
     assert np.allclose(batch_prior([10.0], 2), [10.0])                          # no drafting at all
     # drafting looks dearer, per sequence, the larger the batch (as on a CPU); plain steps cheaper
     assert eight[7] / eight[0] > two[7] / two[0] > c[7] / c[0]
