@@ -96,7 +96,7 @@ class ReplayProposer:
 
 def replayed_block(ref: Sequence[int], L: int, n: int, cum: np.ndarray, u: float, n_vocab: int) -> list[int]:
     """``n`` proposed tokens after ``ref[:L]``: ``ref``'s next ones, the one at ``a = #{i : cum[i] > u}``
-    made wrong (past ``ref``'s end: its last token + 1, repeated)."""
+    made wrong (past ``ref``'s end: filler, one more than its last token, or 0s)."""
     truth = list(ref[L:L + n])
     truth += [(truth[-1] + 1) % n_vocab if truth else 0] * (n - len(truth))
     a = int((cum[:n] > u).sum()) if n else 0
