@@ -50,7 +50,8 @@ def batch_prior(costs: np.ndarray, b: int) -> np.ndarray:
     verify = np.where(rows <= n_max + 1, costs[np.minimum(rows, n_max + 1) - 1] - call,
                       (costs[n_max] - call) * rows / (n_max + 1))
     whole = verify + b * call * (np.arange(n_max + 1) > 0)
-    # never below one sequence's plain step, the batch's whole step (one row: costs[0], less no call)
+    # never below one sequence's plain step, the batch's whole step (at b = 1 the one-row entry came out
+    # less a drafter call that step never made: this gives it back)
     whole[0] = max(whole[0], costs[0])
     return whole / b
 

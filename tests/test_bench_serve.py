@@ -92,13 +92,14 @@ def test_replay_runs_ours_through_the_replay_server_with_this_tools_prompts(monk
 
     events, procs = _fake_servers(monkeypatch)
     flags = []
-    monkeypatch.setattr(serve, "command", lambda server, *a: flags.append(a[6]) or [server, str(a[5])])
+    monkeypatch.setattr(serve, "command", lambda server, *a: flags.append((a[6], json.loads(Path(a[6][3]).read_text())))
+                        or [server, str(a[5])])
     counts = iter([(10.0, 40.0), (14.0, 52.0)])       # (steps, accepted) before and after ours' run
     monkeypatch.setattr(serve, "drafting_counts", lambda url: next(counts))
     rows = serve.bench("p", ["ours", "upstream"], [1], 8, 24, 2, 256, all_up=True, replay="demo")
-    f = flags[0]
-    assert f[:2] == ["--replay", "demo"] and f[4:] == ["--replay-tokens", "24"] and flags[1] == f
-    assert json.loads(Path(f[3]).read_text()) == serve.PROMPTS
+    f, prompts = flags[0]
+    assert f[:2] == ["--replay", "demo"] and f[4:] == ["--replay-tokens", "24"] and flags[1][0] == f
+    assert prompts == serve.PROMPTS and not Path(f[3]).exists()       # the prompts' file is gone after the run
     by = {r["server"]: r for r in rows}
     assert by["ours"]["acceptance_length"] == 4.0 and by["ours"]["drafting_steps"] == 4
     assert "acceptance_length" not in by["upstream"] and by["ours"]["pair"] == "p (ours replaying demo)"

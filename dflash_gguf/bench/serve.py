@@ -30,6 +30,7 @@ import json
 import logging
 import os
 import platform
+import shutil
 import socket
 import statistics
 import subprocess
@@ -256,28 +257,32 @@ def bench(pair: str, servers: list[str], clients: list[int], n_requests: int, n_
                  f", acceptance length {r['acceptance_length']:.2f} over {r['drafting_steps']:.0f} drafting steps"
                  if "acceptance_length" in r else "")
 
-    for c in clients:
-        if all_up:
-            procs: dict[str, tuple[subprocess.Popen, str]] = {}
-            try:
-                for server in servers:
-                    procs[server] = up(server, c)
-                for rep in range(repeats):
-                    for server in rotated(servers, rep):
-                        proc, url = procs[server]
-                        record(c, rep, server, _measure(proc, url, c, n_requests, n_tokens, server == "ours"))
-            finally:
-                for proc, _ in procs.values():
-                    _stop(proc)
-            continue
-        for rep in range(repeats):
-            for server in rotated(servers, rep):
-                proc, url = up(server, c)
+    try:
+        for c in clients:
+            if all_up:
+                procs: dict[str, tuple[subprocess.Popen, str]] = {}
                 try:
-                    r = _measure(proc, url, c, n_requests, n_tokens, server == "ours")
+                    for server in servers:
+                        procs[server] = up(server, c)
+                    for rep in range(repeats):
+                        for server in rotated(servers, rep):
+                            proc, url = procs[server]
+                            record(c, rep, server, _measure(proc, url, c, n_requests, n_tokens, server == "ours"))
                 finally:
-                    _stop(proc)
-                record(c, rep, server, r)
+                    for proc, _ in procs.values():
+                        _stop(proc)
+                continue
+            for rep in range(repeats):
+                for server in rotated(servers, rep):
+                    proc, url = up(server, c)
+                    try:
+                        r = _measure(proc, url, c, n_requests, n_tokens, server == "ours")
+                    finally:
+                        _stop(proc)
+                    record(c, rep, server, r)
+    finally:
+        if flags:
+            shutil.rmtree(Path(flags[3]).parent, ignore_errors=True)
     return rows
 
 
