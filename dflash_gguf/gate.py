@@ -127,6 +127,7 @@ class DraftLength:
         self._probe_after = 0                       # ... with the PROBE_TAIL plain steps after one (how many
         self._probe_after_w = 1.0                   #     are left, the probe's weight in that EMA and the
         self._probe_tail = 0.0                      #     excess over a plain step they have added so far)
+        self._learned = False                       # acceptance taken from a gate that drew it many times
         self._fruitless = 0                         # acceptance probes in a row while decoding plainly with
                                                     #     nothing right (each one past the first halves their share)
         self.probe_len = self._probe_length()
@@ -313,7 +314,10 @@ class DraftLength:
                     self.probe_every = max(self.probe_every, self._longest_gap())
                     if not steady:
                         self._next_probe = max(self._next_probe, self.steps + self.probe_every)
-                if plan == 0 and not steady and not hopeless:
+                if plan == 0 and not steady and not hopeless and not (self._plan is None and self._learned):
+                    # (not a gate's first plan on acceptance another gate drew many times: a batch size's,
+                    # where plain wins on the rows' cost; re-probing it soon asks again what is known, at
+                    # every batch size a server passes through)
                     self.probe_every = self.PROBE_SOON
                     self._next_probe = min(self._next_probe, self.steps + self.PROBE_SOON)
                 if 0 < plan < self.n_max and self.n_max in self._prior:
@@ -360,6 +364,7 @@ class DraftLength:
         self._evaluated = None
         self._blocks, self._right = other._blocks, other._right
         self._fruitless = other._fruitless
+        self._learned = bool(other.tries[0] >= self.FEW_DRAWS)
 
     def new_run(self, after: "DraftLength | None" = None) -> None:
         """The next step starts a run (a generation's first, after its prefill): its cost is no steady one

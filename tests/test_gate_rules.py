@@ -788,6 +788,33 @@ def test_a_gate_can_start_from_anothers_acceptance():
         DraftLength(3).learn_acceptance(never)
 
 
+def test_a_gate_that_learned_a_drafter_and_decodes_plainly_probes_at_the_usual_gap():
+    """A batch size's gate starts from the acceptance another gate drew many times (learn_acceptance).
+    Where its first plan is plain on the rows' cost (a drafter right often enough to keep, not to pay
+    at this batch size), it probes first at the usual gap, not every PROBE_SOON steps: that re-probe is
+    for plain chosen on few draws, which still get it."""
+    prior = np.array([1.0, 2.0, 2.2, 2.4, 2.6, 2.8, 3.0, 3.2])      # every token right would pay (2.5x)
+
+    def probes(draws: list[int]) -> tuple[bool, list[int]]:
+        seen = G(7)
+        for a in draws:
+            seen.record(7, a, 0.01)
+        g = G(7, prior)
+        g.learn_acceptance(seen)
+        at = []
+        for step in range(1, 60):
+            n = g.choose()
+            if n:
+                at.append(step)
+            g.record(n, min(n, 1), prior[n])
+        return g._learned, at
+
+    learned, at = probes([0, 0, 0, 0, 1, 1, 1, 2, 2, 3] * 3)         # about 2 tokens a step: plain wins
+    assert learned and at[0] > G.PROBE_EVERY
+    learned, at = probes([1, 2, 0])                                  # the same drafter, three draws
+    assert not learned and at[:2] == [G.PROBE_SOON + 1, 2 * G.PROBE_SOON + 1]
+
+
 def test_batch_prior_scales_one_sequences_costs_by_the_rows():
     """A step of b sequences drafting n each verifies b (n + 1) rows: costed as one sequence's step of
     that many rows less its drafter call (within the calibrated block), beyond it as the full block's
