@@ -813,6 +813,14 @@ def test_a_gate_that_learned_a_drafter_and_decodes_plainly_probes_at_the_usual_g
     assert learned and at[0] > G.PROBE_EVERY
     learned, at = probes([1, 2, 0])                                  # the same drafter, three draws
     assert not learned and at[:2] == [G.PROBE_SOON + 1, 2 * G.PROBE_SOON + 1]
+    # "many": FEW_DRAWS blocks drawn at least (their first position's draws)
+    seen, g = G(7), G(7, prior)
+    seen.tries[0] = G.FEW_DRAWS
+    g.learn_acceptance(seen)
+    assert g._learned
+    seen.tries[0] = G.FEW_DRAWS - 0.5
+    g.learn_acceptance(seen)
+    assert not g._learned
 
 
 def test_batch_prior_scales_one_sequences_costs_by_the_rows():
