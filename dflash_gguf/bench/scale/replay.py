@@ -69,31 +69,6 @@ def expected_tau(cum: Sequence[float], n: int) -> float:
     return 1.0 + float(sum(list(cum)[:n]))
 
 
-class ReplayProposer:
-    """A proposal function (for ``OverrideProposer``) that replays ``reference`` (prompt + plain continuation) at a profile."""
-
-    def __init__(self, reference: Sequence[int], cum: Sequence[float], n_vocab: int, seed: int = 0):
-        self.ref = [int(t) for t in reference]
-        self.cum = np.asarray(cum, dtype=np.float64)
-        self.n_vocab = n_vocab
-        self.rng = np.random.default_rng(seed)
-        self._ok = 0               # length of the context prefix already known to match the reference
-        self.diverged = 0          # steps whose context left the reference (batched-rounding near-ties)
-        self.steps = 0
-
-    def __call__(self, ctx: list[int], n: int) -> list[int]:
-        self.steps += 1
-        L = len(ctx)
-        u = self.rng.random()
-        start = self._ok if L >= self._ok else 0     # a shorter context: a new generation
-        if L > len(self.ref) or ctx[start:L] != self.ref[start:L]:
-            self.diverged += 1
-            self._ok = 0
-            return [(int(ctx[-1]) + 1) % self.n_vocab] * n
-        self._ok = L
-        return replayed_block(self.ref, L, n, self.cum, u, self.n_vocab)
-
-
 def replayed_block(ref: Sequence[int], L: int, n: int, cum: np.ndarray, u: float, n_vocab: int) -> list[int]:
     """``n`` proposed tokens after ``ref[:L]``: ``ref``'s next ones, the one at ``a = #{i : cum[i] > u}``
     made wrong (past ``ref``'s end: filler, one more than its last token, or 0s)."""
@@ -108,8 +83,7 @@ def replayed_block(ref: Sequence[int], L: int, n: int, cum: np.ndarray, u: float
 class ReplayBook:
     """A proposal function replaying several references at one profile (a server's requests, each a
     prompt of ``references``' followed by its plain continuation), for any number of sequences at once:
-    each call finds the reference the context is a prefix of (one ``u`` drawn per call, as
-    :class:`ReplayProposer` draws one per step of its sequence). A context no reference starts with
+    each call finds the reference the context is a prefix of (one ``u`` drawn per call). A context no reference starts with
     (another prompt, or a continuation that left the reference) gets a wrong block, counted in ``diverged``."""
 
     def __init__(self, references: Sequence[Sequence[int]], cum: Sequence[float], n_vocab: int, seed: int = 0):
@@ -129,3 +103,11 @@ class ReplayBook:
                 return replayed_block(ref, L, n, self.cum, u, self.n_vocab)
         self.diverged += 1
         return [(int(ctx[-1]) + 1) % self.n_vocab] * n
+
+
+class ReplayProposer(ReplayBook):
+    """A proposal function (for ``OverrideProposer``) that replays one ``reference`` (prompt + plain
+    continuation) at a profile: a book of one."""
+
+    def __init__(self, reference: Sequence[int], cum: Sequence[float], n_vocab: int, seed: int = 0):
+        super().__init__([reference], cum, n_vocab, seed)
