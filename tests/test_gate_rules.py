@@ -322,6 +322,42 @@ def test_what_a_probe_drafts(plan, probes):
     assert got == probes
 
 
+def test_a_plain_plan_probes_the_whole_block_while_its_deep_positions_are_unknown():
+    """Decoding plainly, an acceptance probe drafts the whole block while a position the estimate says is
+    reached at least half the time has fewer than FEW_DRAWS draws, if the first token is right at least
+    half the time and whole blocks could pay with every token right; else a short block."""
+    could = np.array([1.0] + [2.4 + 0.4 * n for n in range(1, 8)])      # 8 tokens for 5.2: could pay
+    never = np.array([1.0] + [4.0 + 1.0 * n for n in range(1, 8)])      # 8 tokens for 11: never pays
+
+    def probe(prior=could, hits=(3.0,), tries=(4.0,)):
+        g = past_warmup(G(7, prior))
+        g._plan = 0
+        g.hits[:len(hits)], g.tries[:len(tries)] = hits, tries
+        g.steps += 1
+        g._next_probe = g.steps
+        n = g._scheduled()
+        assert g.probing
+        return n
+
+    assert G(7, could).probe_len == 1
+    assert probe() == 7
+    assert probe(hits=(2.0,)) == 7                            # right exactly half the time
+    assert probe(hits=(1.9,)) == 1                            # ... less often: a short probe
+    assert probe(hits=(0.0,), tries=(0.0,)) == 1              # nothing drawn yet
+    assert probe(prior=never) == 1                            # whole blocks could not pay anyway
+    few, many = G.FEW_DRAWS - 0.1, G.FEW_DRAWS
+    # every position drawn FEW_DRAWS times: known; one past the first drawn fewer: not
+    assert probe(hits=(many,) * 7, tries=(many,) * 7) == 1
+    assert probe(hits=(many,) * 6 + (few,), tries=(many,) * 6 + (few,)) == 7
+    # the second position drawn often and never right: the third, drawn seldom, is seldom reached
+    assert probe(hits=(8.0, 0.0), tries=(8.0, 8.0)) == 1
+    # ... right on half its draws: the third is reached about half the time, and drawn too seldom
+    g = G(7)
+    g.hits[:2], g.tries[:2] = (8.0, 4.0), (8.0, 8.0)
+    e = g.expected_tokens()
+    assert e[2] - e[1] >= 0.5 and probe(hits=(8.0, 4.0), tries=(8.0, 8.0)) == 7
+
+
 @pytest.mark.parametrize("plan, probe", [(0, [4, None, None]), (7, [0, 0, None]), (3, [7, 7, None])])
 def test_a_cost_probe_takes_two_steps_an_acceptance_probe_one(plan, probe):
     g = past_warmup(G(7))
