@@ -358,6 +358,40 @@ def test_a_plain_plan_probes_the_whole_block_while_its_deep_positions_are_unknow
     assert e[2] - e[1] >= 0.5 and probe(hits=(8.0, 4.0), tries=(8.0, 8.0)) == 7
 
 
+def _plain_probe(prior, hits=(3.0,), tries=(4.0,)) -> int:
+    g = past_warmup(G(7, np.asarray(prior, float)))
+    g._plan = 0
+    g.hits[:len(hits)], g.tries[:len(tries)] = hits, tries
+    g.steps += 1
+    g._next_probe = g.steps
+    return g._scheduled()
+
+
+@pytest.mark.parametrize("c0, c7, whole", [
+    (1.0, 7.0, True),      # 8 tokens in 7 plain steps' time: 1.14 > 1.1
+    (1.0, 7.5, False),     # ... in 7.5: 1.07
+    (1.0, 8.5, False),     # 0.94: less than plain decoding even with every token right
+    (2.0, 14.0, True),     # the same ratio at another plain cost
+    (1.1, 8.0, False),     # exactly HOPE better (8 / 8 == 1.1 / 1.1): not more
+])
+def test_whole_block_probes_need_whole_blocks_to_beat_plain_by_hope(c0, c7, whole):
+    """(n_max + 1) tokens a whole block could give, against HOPE more than plain decoding's one a step."""
+    prior = [c0] + list(np.linspace(2 * c0, c7, 7))
+    assert G(7, np.asarray(prior)).probe_len == 1
+    assert _plain_probe(prior) == (7 if whole else 1)
+
+
+def test_whole_block_probes_read_the_first_positions_draws():
+    """Right on fewer than half its first-position draws: short probes, even where the estimate, leaning
+    on the pooled rate of deeper positions drawn right, reaches the second position more often than half;
+    a first position drawn fewer than FEW_DRAWS times, all right: whole blocks (the second is unknown)."""
+    could = [1.0] + [2.4 + 0.4 * n for n in range(1, 8)]
+    assert _plain_probe(could, hits=(1.9, 3.0, 3.0, 3.0), tries=(4.0, 3.0, 3.0, 3.0)) == 1
+    assert _plain_probe(could, hits=(2.0, 3.0, 3.0, 3.0), tries=(4.0, 3.0, 3.0, 3.0)) == 7
+    assert _plain_probe(could, hits=(1.0,), tries=(1.0,)) == 7
+    assert _plain_probe(could, hits=(0.5,), tries=(0.5,)) == 7
+
+
 @pytest.mark.parametrize("plan, probe", [(0, [4, None, None]), (7, [0, 0, None]), (3, [7, 7, None])])
 def test_a_cost_probe_takes_two_steps_an_acceptance_probe_one(plan, probe):
     g = past_warmup(G(7))
