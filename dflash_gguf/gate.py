@@ -196,7 +196,8 @@ class DraftLength:
 
     def _explore_deep(self) -> bool:
         """Whether a probe while decoding plainly drafts the whole block, not a short one: where whole
-        blocks could beat plain decoding with every token right, the drafter's first token is right at least
+        blocks could beat plain decoding by HOPE with every token right and a probe's short block could not
+        (then only the deep positions can make drafting pay), the drafter's first token is right at least
         half the time (decayed counts), and a position the estimate says is reached at least half the time
         has fewer than FEW_DRAWS draws. Short probes draw only the first positions, and the estimate carries
         their rate to the deep ones as a product of like rates (a geometric fall), where a good drafter's
@@ -208,12 +209,14 @@ class DraftLength:
         t1 = float(self.tries[0])
         if self.n_max <= self.probe_len or t1 <= 0 or 2 * float(self.hits[0]) < t1:
             return False
+        c = self.step_cost()
+        if (self.probe_len + 1) / c[self.probe_len] > (1 + self.HOPE) / c[0]:
+            return False      # short blocks could pay: the short probes' own positions decide (where rows are cheap)
         e = self.expected_tokens()
         for i in range(1, self.n_max):
             if self.tries[i] < self.FEW_DRAWS:
                 if e[i] - e[i - 1] < 0.5:      # position i + 1 is reached this seldom: what lies past it hardly counts
                     return False
-                c = self.step_cost()
                 return bool((self.n_max + 1) / c[self.n_max] > (1 + self.HOPE) / c[0])
         return False
 

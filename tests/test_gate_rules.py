@@ -381,6 +381,22 @@ def test_whole_block_probes_need_whole_blocks_to_beat_plain_by_hope(c0, c7, whol
     assert _plain_probe(prior) == (7 if whole else 1)
 
 
+@pytest.mark.parametrize("c0, c1, whole", [
+    (1.0, 1.85, True),     # a probe's 2 tokens in 1.85 plain steps' time: 1.08, not HOPE better than plain
+    (1.0, 1.8, False),     # ... in 1.8: 1.11: short blocks could pay, their own probes decide
+    (1.1, 2.0, True),      # exactly HOPE better (2 / 2 == 1.1 / 1.1): not more
+])
+def test_whole_block_probes_only_where_a_probes_short_block_could_not_pay(c0, c1, whole):
+    """Where a probe's own short block could beat plain decoding by HOPE with every token right (rows
+    nearly free: a target bound by its weights), the short probes' positions decide and probes stay short;
+    only where it could not (a target so small that a block's rows cost what its tokens do) do the deep
+    positions matter enough to probe the whole block."""
+    prior = [c0, c1] + [c1 + 0.5 * c0 * n for n in range(1, 6)] + [4.5 * c0]
+    g = G(7, np.asarray(prior))
+    assert g.probe_len == 1 and 8 / prior[7] > 1.1 / c0
+    assert _plain_probe(prior) == (7 if whole else 1)
+
+
 def test_whole_block_probes_read_the_first_positions_draws():
     """Right on fewer than half its first-position draws: short probes, even where the estimate, leaning
     on the pooled rate of deeper positions drawn right, reaches the second position more often than half;
