@@ -385,6 +385,7 @@ def test_whole_block_probes_need_whole_blocks_to_beat_plain_by_hope(c0, c7, whol
     (1.0, 1.85, True),     # a probe's 2 tokens in 1.85 plain steps' time: 1.08, not HOPE better than plain
     (1.0, 1.8, False),     # ... in 1.8: 1.11: short blocks could pay, their own probes decide
     (1.1, 2.0, True),      # exactly HOPE better (2 / 2 == 1.1 / 1.1): not more
+    (2.0, 3.5, False),     # 2 tokens in 1.75 plain steps' time (a plain step of 2 s): 1.14
 ])
 def test_whole_block_probes_only_where_a_probes_short_block_could_not_pay(c0, c1, whole):
     """Where a probe's own short block could beat plain decoding by HOPE with every token right (rows
