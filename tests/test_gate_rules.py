@@ -910,6 +910,70 @@ def test_a_gate_that_learned_a_drafter_and_decodes_plainly_probes_at_the_usual_g
     assert not g._learned
 
 
+def test_a_gate_that_learned_from_few_draws_drafts_only_once_it_drew_enough_itself():
+    """A batch size's gate whose learned acceptance rests on fewer than FEW_DRAWS blocks (a server's
+    first request, its first steps) plans plainly, whatever that acceptance says, and probes soon; once
+    its own probes have drawn FEW_DRAWS blocks, it plans on them. Learned from many draws, it plans at once."""
+    prior = np.array([1.0] + [1.2 + 0.05 * n for n in range(1, 8)])     # rows nearly free: drafting pays
+
+    def run(draws: int) -> tuple[G, list[int]]:
+        seen = G(7)
+        for _ in range(draws):
+            seen.record(7, 7, 0.01)                                  # every token right
+        g = G(7, prior)
+        g.learn_acceptance(seen)
+        chosen = []
+        for _ in range(40):
+            n = g.choose()
+            chosen.append(n)
+            g.record(n, n, prior[n])
+        return g, chosen
+
+    g, chosen = run(G.FEW_DRAWS + 1)                                # (decayed: 4.7 draws)
+    assert g._learned and chosen[0] == 7
+    g, chosen = run(2)
+    assert not g._learned
+    assert chosen.index(g.probe_len) == G.PROBE_SOON, chosen                # plain chosen over few draws: soon
+    first = chosen.index(7)
+    probes = [n for n in chosen[:first] if n]
+    assert chosen[0] == 0 and len(probes) >= 2 and all(n == g.probe_len for n in probes), chosen
+    # the plan drafts from the first re-plan after the probes drew FEW_DRAWS blocks (decayed counts)
+    assert first <= chosen.index(g.probe_len) + G.PROBE_SOON * 8, chosen
+    # whole blocks from there, but for the plan's two-step cost probes (plain) every PROBE_EVERY steps or so
+    assert set(chosen[first:]) == {0, 7} and chosen[first:].count(7) >= len(chosen[first:]) - 4, chosen
+
+
+def test_few_learned_draws_keep_the_soon_probes_going():
+    """Plain on few learned draws is plain chosen over a drafter that does get tokens right: its probes
+    come PROBE_SOON steps apart, doubling (here right but slow ones, which do not re-plan at once), not at
+    the longest gap of a drafter whose tokens could never pay."""
+    prior = np.array([1.0] + [1.2 + 0.05 * n for n in range(1, 8)])
+    seen = G(7)
+    seen.record(7, 7, 0.01)
+    g = G(7, prior)
+    g.learn_acceptance(seen)
+    at = []
+    for step in range(1, 40):
+        n = g.choose()
+        if n:
+            at.append(step)
+        g.record(n, n, 100.0 if n else prior[0])
+    assert at[:3] == [G.PROBE_SOON + 1, 2 * G.PROBE_SOON + 1, 4 * G.PROBE_SOON + 1], at
+
+
+@pytest.mark.parametrize("first, second, plan", [(G.FEW_DRAWS, 0.0, 7), (G.FEW_DRAWS - 0.01, G.FEW_DRAWS, 0)])
+def test_few_learned_draws_are_the_first_positions(first, second, plan):
+    """What counts as enough of its own: position 1's (decayed) draws, at least FEW_DRAWS."""
+    g = G(7, np.array([1.0] + [1.2 + 0.05 * n for n in range(1, 8)]))
+    g.learn_acceptance(G(7))
+    assert g._few
+    g.hits[:], g.tries[:] = first, first
+    g.tries[1], g.hits[1] = second, second
+    g.hits[2:], g.tries[2:] = G.FEW_DRAWS, G.FEW_DRAWS
+    g._evaluated = None
+    assert past_warmup(g).choose() == plan
+
+
 def test_batch_prior_scales_one_sequences_costs_by_the_rows():
     """A step of b sequences drafting n each verifies b (n + 1) rows: costed as one sequence's step of
     that many rows less its drafter call (within the calibrated block), beyond it as the full block's
