@@ -875,6 +875,29 @@ def test_a_gate_can_start_from_anothers_acceptance():
         DraftLength(3).learn_acceptance(never)
 
 
+def _learned_from(prior: np.ndarray, draws: list[int]) -> G:
+    """A gate with ``prior`` that learned the acceptance of another one's whole blocks, ``draws[i]``
+    tokens of 7 right in its i-th."""
+    seen = G(7)
+    for a in draws:
+        seen.record(7, a, 0.01)
+    g = G(7, prior)
+    g.learn_acceptance(seen)
+    return g
+
+
+def _probe_steps(g: G, steps: int, accepted, seconds) -> list[int]:
+    """Drive ``g`` for ``steps`` - 1 steps (``accepted(n)`` of n drafted right, in ``seconds(n)``); the
+    steps that drafted."""
+    at = []
+    for step in range(1, steps):
+        n = g.choose()
+        if n:
+            at.append(step)
+        g.record(n, accepted(n), seconds(n))
+    return at
+
+
 def test_a_gate_that_learned_a_drafter_and_decodes_plainly_probes_at_the_usual_gap():
     """A batch size's gate starts from the acceptance another gate drew many times (learn_acceptance).
     Where its first plan is plain on the rows' cost (a drafter right often enough to keep, not to pay
@@ -883,18 +906,8 @@ def test_a_gate_that_learned_a_drafter_and_decodes_plainly_probes_at_the_usual_g
     prior = np.array([1.0, 2.0, 2.2, 2.4, 2.6, 2.8, 3.0, 3.2])      # every token right would pay (2.5x)
 
     def probes(draws: list[int]) -> tuple[bool, list[int]]:
-        seen = G(7)
-        for a in draws:
-            seen.record(7, a, 0.01)
-        g = G(7, prior)
-        g.learn_acceptance(seen)
-        at = []
-        for step in range(1, 60):
-            n = g.choose()
-            if n:
-                at.append(step)
-            g.record(n, min(n, 1), prior[n])
-        return g._learned, at
+        g = _learned_from(prior, draws)
+        return g._learned, _probe_steps(g, 60, lambda n: min(n, 1), lambda n: prior[n])
 
     learned, at = probes([0, 0, 0, 0, 1, 1, 1, 2, 2, 3] * 3)         # about 2 tokens a step: plain wins
     assert learned and at[0] > G.PROBE_EVERY
@@ -917,11 +930,7 @@ def test_a_gate_that_learned_from_few_draws_drafts_only_once_it_drew_enough_itse
     prior = np.array([1.0] + [1.2 + 0.05 * n for n in range(1, 8)])     # rows nearly free: drafting pays
 
     def run(draws: int) -> tuple[G, list[int]]:
-        seen = G(7)
-        for _ in range(draws):
-            seen.record(7, 7, 0.01)                                  # every token right
-        g = G(7, prior)
-        g.learn_acceptance(seen)
+        g = _learned_from(prior, [7] * draws)                        # every token right
         chosen = []
         for _ in range(40):
             n = g.choose()
@@ -948,16 +957,7 @@ def test_few_learned_draws_keep_the_soon_probes_going():
     come PROBE_SOON steps apart, doubling (here right but slow ones, which do not re-plan at once), not at
     the longest gap of a drafter whose tokens could never pay."""
     prior = np.array([1.0] + [1.2 + 0.05 * n for n in range(1, 8)])
-    seen = G(7)
-    seen.record(7, 7, 0.01)
-    g = G(7, prior)
-    g.learn_acceptance(seen)
-    at = []
-    for step in range(1, 40):
-        n = g.choose()
-        if n:
-            at.append(step)
-        g.record(n, n, 100.0 if n else prior[0])
+    at = _probe_steps(_learned_from(prior, [7]), 40, lambda n: n, lambda n: 100.0 if n else prior[0])
     assert at[:3] == [G.PROBE_SOON + 1, 2 * G.PROBE_SOON + 1, 4 * G.PROBE_SOON + 1], at
 
 
