@@ -129,7 +129,7 @@ class DraftLength:
         self._probe_tail = 0.0                      #     excess over a plain step they have added so far)
         self._learned = False                       # acceptance taken from a gate that drew it many times
         self._few = False                           # ... taken from one that drew it fewer times: no drafting
-                                                    #     plan until this gate has FEW_DRAWS draws of its own
+                                                    #     plan while this gate has fewer than FEW_DRAWS draws
         self._fruitless = 0                         # acceptance probes in a row while decoding plainly with
                                                     #     nothing right (each one past the first halves their share)
         self.probe_len = self._probe_length()
@@ -319,15 +319,12 @@ class DraftLength:
                 early = self._recheck and not (due or self._replan_due or self._plan is None)
                 self._replan_due = self._recheck = False
                 plan, hopeless, futile = self._evaluate()
-                if plan and self._few:
-                    if self.tries[0] < self.FEW_DRAWS:
-                        # acceptance from another gate's first blocks or two (a server's first request, its first
-                        # steps): at this batch size's rows a plan on it drafted whole blocks for every sequence
-                        # (4 steps of 0.4-0.7 s at 3-5 sequences, 1.7B on 2 cores, where plain steps took 45-60 ms)
-                        # on a draw or two; decode plainly and probe soon (one sequence a probe) until FEW_DRAWS
-                        plan, hopeless, futile = 0, False, False
-                    else:
-                        self._few = False
+                if plan and self._few and self.tries[0] < self.FEW_DRAWS:
+                    # acceptance from another gate's first blocks or two (a server's first request, its first
+                    # steps): at this batch size's rows a plan on it drafted whole blocks for every sequence
+                    # (4 steps of 0.4-0.7 s at 3-5 sequences, 1.7B on 2 cores, where plain steps took 45-60 ms)
+                    # on a draw or two; decode plainly and probe soon (one sequence a probe) until FEW_DRAWS
+                    plan, hopeless, futile = 0, False, False
                 if early and plan == self._plan:
                     return plan
                 # a choice that survives re-measuring is probed less often (a never-right drafter then
