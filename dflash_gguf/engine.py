@@ -27,18 +27,38 @@ PARTIAL_ONLY = 1  # LLAMA_STATE_SEQ_FLAGS_PARTIAL_ONLY
 class _Handle:
     """Owner of one native pointer: ``close()`` (or leaving a ``with`` block) frees it once.
 
-    A borrowed handle (``_owned = False``) only forgets the pointer; its owner frees it.
+    A borrowed handle (``_owned = False``) only forgets the pointer; its owner frees it. A handle
+    that others use (a model under its contexts, a target context whose tensors a drafter context
+    borrows) is freed after the last of them: closing it earlier only marks it. So the order in which
+    they are closed, or collected (a reference cycle's objects are finalized in no set order, as a
+    script's globals are at exit), never frees memory that is still in use.
     """
     ptr = None
     _owned = False
+    _users = 0          # open handles that use this one's memory
+    _held: tuple = ()   # the handles this one uses
+    _closing = False    # close() came while users were open: freed with the last of them
 
     def _free(self, ptr) -> None:
         raise NotImplementedError
 
+    def _hold(self, *handles: "_Handle | None") -> None:
+        self._held = tuple(h for h in handles if h is not None)
+        for h in self._held:
+            h._users += 1
+
     def close(self) -> None:
         if self.ptr and self._owned:
+            if self._users:
+                self._closing = True
+                return
             self._free(self.ptr)
         self.ptr = None
+        held, self._held = self._held, ()
+        for h in held:
+            h._users -= 1
+            if h._closing and not h._users:
+                h.close()
 
     def __enter__(self):
         return self
@@ -286,6 +306,7 @@ class Context(_Handle):
         self._owned = True
         self._describe(ptr)
         self._other = other  # keep the target alive while the drafter borrows its tensors
+        self._hold(model, other)   # and free neither before this context
 
     @classmethod
     def borrow(cls, model: Model, ptr, opts: ContextOptions | None = None) -> "Context":

@@ -108,6 +108,8 @@ def _capi(spec: dict, run: dict, grab: _Grab, arrays: dict, tag: str) -> dict:
         with Model(spec["drafter"], n_gpu_layers=run["dngl"]) as dm:
             where["drafter"] = grab.take()
             toks = np.array(tm.tokenize(spec["prompt"].encode()), dtype=np.int32)
+            if run.get("rows"):   # the prompt's tokens repeated to this many rows (at most n_batch, 64)
+                toks = np.resize(toks, run["rows"]).astype(np.int32)
             n = len(toks)
             o = _opts(run)
             res: dict = {}

@@ -362,3 +362,29 @@ def test_decode_argmax_ids_are_each_rows_first_largest_logit():
         ctx.close()
     finally:
         tm.close()
+
+
+def test_a_handle_is_freed_after_the_handles_that_use_it(models):
+    """Closing (or collecting: a reference cycle's objects, a script's globals at exit, are finalized
+    in no set order) a model before its contexts, or a target context before the drafter context
+    that borrows its tensors, only marks it: it is freed with the last handle that uses it, and
+    those keep working until then."""
+    pair = models.pair("qwen3", "dflash", 8)
+    tm, dm = Model(pair.target), Model(pair.drafter)
+    tc = Context(tm, ContextOptions(n_ctx=128, n_batch=32, n_ubatch=32))
+    dc = Context(dm, ContextOptions(n_ctx=128, n_batch=32, n_ubatch=32), other=tc)
+    B.check(B.lib.llama_dflash_prepare(tc.cptr, dc.cptr, B.ffi.NULL), "pair")
+    tm.close()
+    tc.close()
+    assert tm.ptr is not None and tc.ptr is not None, "freed while a context (and a drafter) still use them"
+    toks = np.array(tm.tokenize(PROMPT), dtype=np.int32)
+    am = np.zeros(len(toks), dtype=np.int32)
+    B.check(B.lib.llama_dflash_decode(tc.cptr, 0, 0, B.ffi.from_buffer("llama_token[]", toks), len(toks), 0,
+                                      B.ffi.from_buffer("llama_token[]", am)), "decode on a closed-early target")
+    assert (am >= 0).all() and (am < tm.n_vocab).all()
+    dc.close()   # the last user: the target context goes, then its model
+    assert dc.ptr is None and tc.ptr is None and tm.ptr is None
+    assert dm.ptr is not None   # nothing closed it
+    dm.close()
+    assert dm.ptr is None
+    tm.close(), tc.close()   # closing again is a no-op
