@@ -305,14 +305,13 @@ class Context(_Handle):
                               f"(n_ctx={opts.n_ctx}); lower n_ctx or free memory")
         self._owned = True
         self._describe(ptr)
-        self._other = other  # keep the target alive while the drafter borrows its tensors
-        self._hold(model, other)   # and free neither before this context
+        self._hold(model, other)   # both stay alive, and are freed after this context (a drafter borrows the target's tensors)
 
     @classmethod
     def borrow(cls, model: Model, ptr, opts: ContextOptions | None = None) -> "Context":
         """A view of a ``llama_context`` owned elsewhere (e.g. by ``llama_cpp.Llama``); never freed here."""
         self = cls.__new__(cls)
-        self.model, self.opts, self._owned, self._other = model, opts or ContextOptions(), False, None
+        self.model, self.opts, self._owned = model, opts or ContextOptions(), False
         self.window = 0
         self._describe(ptr)
         return self
