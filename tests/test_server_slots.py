@@ -300,3 +300,25 @@ def test_a_hybrid_target_runs_in_the_slots(models):
     finally:
         app.state.server.slots.close()
         llm.close()
+
+
+def test_ignore_eos_masks_end_of_generation_tokens(server, plain):
+    """llama-server's ``ignore_eos``: the end-of-generation tokens get a logit of -inf, over any bias the
+    request gives them. A bias of +30 on EOS ends the reply at once; with ignore_eos it runs to max_tokens,
+    equal to llama_cpp's reply with EOS masked, in the slots and on the Llama one request at a time."""
+    url, srv = server
+    eos = plain.token_eos()
+    p, n = PROMPTS[0], 24
+    want = plain.create_completion(p, max_tokens=n, temperature=0, logit_bias={eos: float("-inf")})["choices"][0]
+    pushed = _complete(url, p, max_tokens=n, logit_bias={str(eos): 30.0})
+    assert pushed["choices"][0]["finish_reason"] == "stop" and pushed["usage"]["completion_tokens"] == 0
+    got = _complete(url, p, max_tokens=n, logit_bias={str(eos): 30.0}, ignore_eos=True)
+    assert (got["choices"][0]["text"], got["choices"][0]["finish_reason"]) == (want["text"], "length")
+    assert got["usage"]["completion_tokens"] == n and got["dflash"]["enabled"] is True
+    with serve(create_app(srv.llm, "demo")) as one:      # the same Llama, one request at a time, no slots
+        r = _complete(one, p, max_tokens=n, logit_bias={str(eos): 30.0}, ignore_eos=True)
+    assert (r["choices"][0]["text"], r["choices"][0]["finish_reason"]) == (want["text"], "length")
+    chat = httpx.post(f"{url}/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}],
+                      "max_tokens": 8, "temperature": 0, "logit_bias": {str(eos): 30.0}, "ignore_eos": True},
+                      timeout=120).json()
+    assert chat["usage"]["completion_tokens"] == 8 and chat["choices"][0]["finish_reason"] == "length"

@@ -4,7 +4,8 @@ Unknown fields are rejected (400) so that a typo never silently changes sampling
 fields this server cannot honour (``n > 1``, ``best_of > 1``, ``suffix``) are rejected too, with a
 message saying why (llama_cpp.server ignores ``n`` and ``best_of`` and answers with one choice). Extensions in the
 llama.cpp tradition: ``top_k``, ``min_p``, ``typical_p``, ``repeat_penalty``, ``mirostat_*``,
-``grammar`` (GBNF), ``dflash`` (per-request on/off) and, for chat, ``chat_template_kwargs``.
+``grammar`` (GBNF), ``ignore_eos`` (llama-server's: the end-of-generation tokens are masked, as a
+``logit_bias`` of -inf), ``dflash`` (per-request on/off) and, for chat, ``chat_template_kwargs``.
 """
 from __future__ import annotations
 
@@ -46,6 +47,8 @@ class _Sampling(_Strict):
     n: Optional[int] = Field(1, description="only 1 is supported")
     user: Optional[str] = None
     dflash: Optional[bool] = Field(None, description="false: plain decoding for this request")
+    ignore_eos: bool = Field(False, description="llama-server's: no end-of-generation token is chosen "
+                                                "(their logits become -inf); the reply ends at max_tokens")
 
     @field_validator("n")
     @classmethod
