@@ -257,6 +257,44 @@ def test_queue_limit_counts_requests_waiting_for_a_slot():
         llm.close()
 
 
+def test_timeouts_and_a_gone_client_free_the_slot():
+    """--request-timeout and a client that leaves, in the slots: a whole response past its deadline is a 408,
+    a stream past it ends with a 408 error event, a client that gives up on a whole response frees its slot,
+    and each is counted in /metrics."""
+    llm = Llama(str(TARGET), draft_model_path=str(DRAFTER), **KW)
+    app = create_app(llm, "demo", parallel=1, request_timeout=0.5)
+    slots = app.state.server.slots
+    step = slots.decoder.step
+    slots.decoder.step = lambda: (time.sleep(0.02), step())[1]   # 480 tokens take well over the 0.5 s
+    body = {"prompt": PROMPTS[1], "max_tokens": 480, "temperature": 0}
+
+    def freed(url):
+        deadline = time.time() + 20
+        while httpx.get(f"{url}/health").json()["slots"]["busy"] and time.time() < deadline:
+            time.sleep(0.05)
+        return httpx.get(f"{url}/health").json()["slots"]["busy"] == 0
+
+    try:
+        with serve(app) as url:
+            t0 = time.time()
+            r = httpx.post(f"{url}/v1/completions", json=body, timeout=60)
+            assert r.status_code == 408 and r.json()["error"]["code"] == "request_timeout", r.text
+            assert time.time() - t0 < 5 and freed(url)
+            events = [json.loads(x[6:]) for x in httpx.post(f"{url}/v1/completions", json={**body, "stream": True},
+                                                             timeout=60).text.splitlines() if x.startswith("data: {")]
+            assert events[-1]["error"]["code"] == 408 and any("choices" in e for e in events[:-1]), events[-1]
+            assert freed(url)
+            with pytest.raises(httpx.ReadTimeout):
+                httpx.post(f"{url}/v1/completions", json={**body, "max_tokens": 20000 // 50}, timeout=0.2)
+            assert freed(url)
+            m = httpx.get(f"{url}/metrics?format=json").json()
+            assert m["timeouts"] == 2 and m["client_disconnects"] == 1, m
+            assert _complete(url, PROMPTS[2], max_tokens=8)["usage"]["completion_tokens"] == 8
+    finally:
+        slots.close()
+        llm.close()
+
+
 def test_echo_of_a_text_prompt_runs_in_the_slots(server, plain):
     """echo=true with a text prompt: the text starts with the prompt (as llama_cpp's; its streams leave the
     prompt out, and so do ours), decoded in the batched engine."""
@@ -322,3 +360,15 @@ def test_ignore_eos_masks_end_of_generation_tokens(server, plain):
                       "max_tokens": 8, "temperature": 0, "logit_bias": {str(eos): 30.0}, "ignore_eos": True},
                       timeout=120).json()
     assert chat["usage"]["completion_tokens"] == 8 and chat["choices"][0]["finish_reason"] == "length"
+
+
+@pytest.mark.parametrize("chat", [False, True])
+def test_a_streams_text_chunk_is_the_json_of_its_chunk(chat):
+    """The streamed text chunks are written from a frame made once per stream: byte for byte the JSON of
+    the chunk (quotes, escapes, control characters and non-ASCII text included)."""
+    from dflash_gguf.server.slots import chunk, text_chunk_frame
+
+    head, tail = text_chunk_frame("cmpl-1", 'a "model"\\', chat, 1700000000)
+    for text in ["", "x", 'say "hi"\n', "tab\there\\", "\x00\x1f\x7f", "é 漢字 🙂", "\ud800"[:0] + "end"]:
+        want = json.dumps(chunk("cmpl-1", 'a "model"\\', text, None, chat, created=1700000000))
+        assert head + json.dumps(text) + tail == want

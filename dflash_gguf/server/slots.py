@@ -58,6 +58,7 @@ class Job:
         self.id = 0
         self.queue: asyncio.Queue = asyncio.Queue()
         self.cancelled = False      # set by the event loop (client gone, timeout): ends at the next step
+        self.stream = True          # False: a whole response, which needs no item before the end
         self.n_tokens = 0
         self.why_plain: str | None = None   # why it decodes plainly (dflash off for it or for the server)
         self.echo = ""      # a completion's text starts with this (echo=true: the prompt, as llama_cpp)
@@ -195,7 +196,7 @@ class Slots:
                     del self._running[idx]
                 if ended and j.request.error is not None:   # its prompt could not be decoded
                     j.put(("error", j.request.error))
-                elif toks or ended:
+                elif ended or (toks and j.stream):
                     # the text so far, taken here, right after the consumer saw these tokens: it holds no
                     # whole stop string unless the request ended on it (then it is cut before it)
                     j.put(("end" if ended else "tokens", j.text.text()))
@@ -353,10 +354,11 @@ def completion_body(job: Job, model_id: str, text: str, chat: bool, drafting: bo
 
 
 def chunk(job_id: str, model_id: str, text: str | None, finish: str | None, chat: bool, first: bool = False,
-          logprobs: dict | None = None, job: Job | None = None) -> dict:
+          logprobs: dict | None = None, job: Job | None = None, created: int | None = None) -> dict:
     """A streamed chunk; ``logprobs``: a completion's for the tokens whose text it completes; ``job``: a
-    chat reply's, for its tool call (deltas as llama_cpp streams them: the call's id and name in each)."""
-    now = int(time.time())
+    chat reply's, for its tool call (deltas as llama_cpp streams them: the call's id and name in each);
+    ``created``: the stream's time (every chunk of a stream carries the same, as OpenAI's do)."""
+    now = int(time.time()) if created is None else created
     if chat and job is not None and job.tool is not None:
         none = {"role": None, "content": None, "function_call": None, "tool_calls": None}
         delta = {**none, "role": "assistant"} if first else none if text is None else \
@@ -372,28 +374,23 @@ def chunk(job_id: str, model_id: str, text: str | None, finish: str | None, chat
 
 
 # ---------------------------------------------------------------------- serving a job (the event loop)
-if hasattr(asyncio, "timeout"):         # Python 3.11+: a timer on this task (wait_for makes a task per call)
-    async def _get_within(q: asyncio.Queue, seconds: float):
-        async with asyncio.timeout(seconds):
-            return await q.get()
-else:
-    async def _get_within(q: asyncio.Queue, seconds: float):
-        return await asyncio.wait_for(q.get(), seconds)
-
-
-async def _next(job, request, deadline: float | None):
-    """The job's next item from the engine thread, or (None, "timeout" | "disconnect")."""
-    q = job.queue
+async def _watch(job: Job, request, deadline: float | None) -> None:
+    """Every ``POLL_S`` while ``job`` is served: a passed deadline or a gone client puts its reason in the
+    job's queue (after whatever the engine already sent). One timer per request, not one per token."""
     while True:
-        if not q.empty():                       # what a step already sent: no wait, no timer
-            return q.get_nowait(), None
-        try:
-            return await _get_within(q, POLL_S), None
-        except asyncio.TimeoutError:
-            if deadline is not None and time.monotonic() >= deadline:
-                return None, "timeout"
-            if await request.is_disconnected():
-                return None, "disconnect"
+        await asyncio.sleep(POLL_S)
+        if deadline is not None and time.monotonic() >= deadline:
+            job.queue.put_nowait(("why", "timeout"))
+            return
+        if await request.is_disconnected():
+            job.queue.put_nowait(("why", "disconnect"))
+            return
+
+
+async def _next(job: Job):
+    """The job's next item from the engine thread, or (None, "timeout" | "disconnect") from its watch."""
+    item = await job.queue.get()
+    return (None, item[1]) if item[0] == "why" else (item, None)
 
 
 async def serve(srv, request, endpoint: str, job: Job, stream: bool, include_usage: bool, chat: bool):
@@ -405,24 +402,24 @@ async def serve(srv, request, endpoint: str, job: Job, stream: bool, include_usa
     try:
         sl = srv.slots
         srv.admit(busy=sl.busy() + sl.n_waiting >= sl.n, waiting=sl.n_waiting, what="a slot")
+        job.stream = stream
         srv.slots.submit(job)
         if stream:
             streaming = True
             srv.metrics.request(endpoint, 200)
             return StreamingResponse(_events(srv, request, job, deadline, include_usage, chat, drafting),
                                      media_type="text/event-stream")
-        text = ""
-        while True:
-            item, why = await _next(job, request, deadline)
-            if why is not None:
-                job.cancelled = True
-                return srv._stopped(endpoint, why)
-            kind, val = item
-            if kind == "error":
-                raise val
-            text = val
-            if kind == "end":
-                break
+        watch = asyncio.ensure_future(_watch(job, request, deadline))
+        try:
+            item, why = await _next(job)     # a whole response: the engine sends only its end
+        finally:
+            watch.cancel()
+        if why is not None:
+            job.cancelled = True
+            return srv._stopped(endpoint, why)
+        kind, text = item
+        if kind == "error":
+            raise text
         body = completion_body(job, srv.model_id, text, chat, drafting, srv.llm)
         srv.metrics.generation(body.get("dflash"), body["usage"])
         srv.metrics.request(endpoint, 200)
@@ -434,16 +431,31 @@ async def serve(srv, request, endpoint: str, job: Job, stream: bool, include_usa
             srv.metrics.in_flight -= 1
 
 
+_MARK = "\x00text\x00"
+
+
+def text_chunk_frame(job_id: str, model_id: str, chat: bool, created: int) -> tuple[str, str]:
+    """The JSON of a text chunk (no logprobs, no tool call) around its text: ``head + json.dumps(text) +
+    tail`` is ``json.dumps(chunk(...))`` of that text, built once per stream rather than per token."""
+    whole = json.dumps(chunk(job_id, model_id, _MARK, None, chat, created=created))
+    head, _, tail = whole.partition(json.dumps(_MARK))
+    return head, tail
+
+
 async def _events(srv, request, job: Job, deadline: float | None, include_usage: bool, chat: bool, drafting: bool):
     jid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4()}"
+    created = int(time.time())
     hold = max((len(x) for x in job.text.stops), default=1) - 1   # a stop string may still be forming
     sent = 0
     fmt = job.logprobs_format(srv.llm)
+    # the usual chunk (text only) from a frame made once; logprobs and tool calls go through chunk()
+    frame = text_chunk_frame(jid, srv.model_id, chat, created) if fmt is None and job.tool is None else None
+    watch = asyncio.ensure_future(_watch(job, request, deadline))
     try:
         if chat:
-            yield f"data: {json.dumps(chunk(jid, srv.model_id, None, None, chat, first=True, job=job))}\n\n"
+            yield f"data: {json.dumps(chunk(jid, srv.model_id, None, None, chat, first=True, job=job, created=created))}\n\n"
         while True:
-            item, why = await _next(job, request, deadline)
+            item, why = await _next(job)
             if why is not None:
                 job.cancelled = True
                 if why == "timeout":
@@ -463,11 +475,15 @@ async def _events(srv, request, job: Job, deadline: float | None, include_usage:
             # of a stop string's tokens too, as the whole response reports them)
             lp = None if fmt is None else fmt.take(job.logprobs.entries, None if kind == "end" else upto)
             if upto > sent or lp is not None:
-                yield f"data: {json.dumps(chunk(jid, srv.model_id, val[sent:upto], None, chat, logprobs=lp, job=job))}\n\n"
+                if frame is not None:
+                    yield f"data: {frame[0]}{json.dumps(val[sent:upto])}{frame[1]}\n\n"
+                else:
+                    data = chunk(jid, srv.model_id, val[sent:upto], None, chat, logprobs=lp, job=job, created=created)
+                    yield f"data: {json.dumps(data)}\n\n"
                 sent = upto
             if kind == "end":
                 break
-        fin = chunk(jid, srv.model_id, None, finish_reason(job), chat, job=job)
+        fin = chunk(jid, srv.model_id, None, finish_reason(job), chat, job=job, created=created)
         info, used = dflash_object(job, drafting), usage(job)
         if info is not None:
             fin["dflash"] = info
@@ -483,6 +499,7 @@ async def _events(srv, request, job: Job, deadline: float | None, include_usage:
         srv.metrics.disconnects += 1
         raise
     finally:
+        watch.cancel()
         job.cancelled = True     # a no-op once it ended; else its slot frees at the next step
         srv.metrics.in_flight -= 1
 
