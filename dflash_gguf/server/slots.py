@@ -59,6 +59,7 @@ class Job:
         self.queue: asyncio.Queue = asyncio.Queue()
         self.cancelled = False      # set by the event loop (client gone, timeout): ends at the next step
         self.stream = True          # False: a whole response, which needs no item before the end
+        self.taken = 0              # items the event loop has taken from the queue so far
         self.n_tokens = 0
         self.why_plain: str | None = None   # why it decodes plainly (dflash off for it or for the server)
         self.echo = ""      # a completion's text starts with this (echo=true: the prompt, as llama_cpp)
@@ -376,12 +377,18 @@ def chunk(job_id: str, model_id: str, text: str | None, finish: str | None, chat
 # ---------------------------------------------------------------------- serving a job (the event loop)
 async def _watch(job: Job, request, deadline: float | None) -> None:
     """Every ``POLL_S`` while ``job`` is served: a passed deadline or a gone client puts its reason in the
-    job's queue (after whatever the engine already sent). One timer per request, not one per token."""
+    job's queue (after whatever the engine already sent). One timer per request, not one per token; the
+    client is asked whether it is still there only when nothing reached it since the last look (a
+    stream's writes show a gone client by themselves)."""
+    taken = -1
     while True:
         await asyncio.sleep(POLL_S)
         if deadline is not None and time.monotonic() >= deadline:
             job.queue.put_nowait(("why", "timeout"))
             return
+        if job.taken != taken:
+            taken = job.taken
+            continue
         if await request.is_disconnected():
             job.queue.put_nowait(("why", "disconnect"))
             return
@@ -390,6 +397,7 @@ async def _watch(job: Job, request, deadline: float | None) -> None:
 async def _next(job: Job):
     """The job's next item from the engine thread, or (None, "timeout" | "disconnect") from its watch."""
     item = await job.queue.get()
+    job.taken += 1
     return (None, item[1]) if item[0] == "why" else (item, None)
 
 
