@@ -90,6 +90,20 @@ def logit_bias_processor(bias: dict) -> Callable:
     return processor
 
 
+def end_of_generation_ids(llm) -> list[int]:
+    """The end-of-generation token ids of ``llm``'s vocabulary (llama.cpp's ``llama_vocab_is_eog``)."""
+    vocab = llm._model.vocab
+    return [t for t in range(llm.n_vocab()) if llama_cpp.llama_vocab_is_eog(vocab, t)]
+
+
+def masked(bias: dict | None, ids) -> dict:
+    """``bias`` (a ``logit_bias``) with a bias of -inf on ``ids``, over any it gives them: llama-server's
+    ``ignore_eos`` with the end-of-generation ids (none is chosen; a reply runs to its ``max_tokens``)."""
+    out = dict(bias or {})
+    out.update((int(t), float("-inf")) for t in ids)
+    return out
+
+
 def tool_call_grammar(tools: list | None, tool_choice) -> tuple[str, object] | None:
     """The function a chat request forces, as llama_cpp's chat handlers read it: a ``tool_choice`` of
     ``{"type": "function", "function": {"name": NAME}}`` with ``tools`` given; then (NAME, the grammar of

@@ -160,16 +160,7 @@ class _Server:
         self.metrics = Metrics()
         self.waiting = 0
         self.slots = None          # --parallel N: the batched engine (dflash_gguf.server.slots.Slots)
-        self._eog: list[int] | None = None
-
-    def eog_tokens(self) -> list[int]:
-        """The model's end-of-generation token ids (computed once)."""
-        if self._eog is None:
-            import llama_cpp
-
-            vocab = self.llm._model.vocab
-            self._eog = [t for t in range(self.llm.n_vocab()) if llama_cpp.llama_vocab_is_eog(vocab, t)]
-        return self._eog
+        self.eog: list[int] | None = None   # the model's end-of-generation ids, once a request needs them
 
     async def run(self, fn: Callable, *args):
         return await asyncio.wrap_future(self.worker.submit(fn, *args))
@@ -481,11 +472,19 @@ def create_app(llm, model_id: str | None = None, *, max_queue: int | None = None
             return srv.metrics.as_dict()
         return PlainTextResponse(srv.metrics.prometheus(), media_type="text/plain; version=0.0.4")
 
+    def no_eog(kw: dict) -> None:
+        """llama-server's ``ignore_eos``: the end-of-generation tokens masked (constraints.masked)."""
+        from dflash_gguf.constraints import end_of_generation_ids, masked
+
+        if srv.eog is None:
+            srv.eog = end_of_generation_ids(llm)
+        kw["logit_bias"] = masked(kw.get("logit_bias"), srv.eog)
+
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request):
         kw = body.sampling_kwargs()
         if body.ignore_eos:
-            _mask_eog(srv, kw)
+            no_eog(kw)
         kw.update(max_tokens=body.max_tokens if body.max_tokens is not None else 16, echo=body.echo,
                   logprobs=body.logprobs, stream=body.stream, model=model_id)
         grammar = _grammar(llm, body.grammar)
@@ -523,7 +522,7 @@ def create_app(llm, model_id: str | None = None, *, max_queue: int | None = None
     async def chat(body: ChatRequest, request: Request):
         kw = body.sampling_kwargs()
         if body.ignore_eos:
-            _mask_eog(srv, kw)
+            no_eog(kw)
         messages = [m.as_dict() for m in body.messages]
         kw.update(max_tokens=body.max_completion_tokens or body.max_tokens, stream=body.stream, model=model_id,
                   logprobs=body.logprobs, top_logprobs=body.top_logprobs, response_format=body.response_format,
@@ -576,14 +575,6 @@ def _echoed(completion: dict, text: str) -> dict:
     """A non-streamed completion whose text starts with ``text`` (echo of a token-id prompt)."""
     completion["choices"][0]["text"] = text + completion["choices"][0]["text"]
     return completion
-
-
-def _mask_eog(srv: _Server, kw: dict) -> None:
-    """``ignore_eos``, as llama-server does it: every end-of-generation token gets a logit bias of -inf
-    (over any bias the request gives it), so none is chosen and the reply runs to ``max_tokens``."""
-    bias = dict(kw.get("logit_bias") or {})
-    bias.update((t, float("-inf")) for t in srv.eog_tokens())
-    kw["logit_bias"] = bias
 
 
 def _set(kw: dict) -> dict:
