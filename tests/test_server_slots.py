@@ -369,6 +369,7 @@ def test_a_streams_text_chunk_is_the_json_of_its_chunk(chat):
     from dflash_gguf.server.slots import chunk, text_chunk_frame
 
     head, tail = text_chunk_frame("cmpl-1", 'a "model"\\', chat, 1700000000)
-    for text in ["", "x", 'say "hi"\n', "tab\there\\", "\x00\x1f\x7f", "é 漢字 🙂", "\ud800"[:0] + "end"]:
+    for text in ["", "x", 'say "hi"\n', "tab\there\\", "\x00\x1f\x7f", "é 漢字 🙂", "end"]:
         want = json.dumps(chunk("cmpl-1", 'a "model"\\', text, None, chat, created=1700000000))
         assert head + json.dumps(text) + tail == want
+    assert text_chunk_frame("cmpl-1", "\x00text\x00", chat, 1) is None     # a model id that is the marker: no frame

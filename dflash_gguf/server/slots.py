@@ -442,11 +442,14 @@ async def serve(srv, request, endpoint: str, job: Job, stream: bool, include_usa
 _MARK = "\x00text\x00"
 
 
-def text_chunk_frame(job_id: str, model_id: str, chat: bool, created: int) -> tuple[str, str]:
+def text_chunk_frame(job_id: str, model_id: str, chat: bool, created: int) -> tuple[str, str] | None:
     """The JSON of a text chunk (no logprobs, no tool call) around its text: ``head + json.dumps(text) +
-    tail`` is ``json.dumps(chunk(...))`` of that text, built once per stream rather than per token."""
-    whole = json.dumps(chunk(job_id, model_id, _MARK, None, chat, created=created))
-    head, _, tail = whole.partition(json.dumps(_MARK))
+    tail`` is ``json.dumps(chunk(...))`` of that text, built once per stream rather than per token (None
+    where another string of the chunk is the marker it is cut at: a model id that is)."""
+    whole, mark = json.dumps(chunk(job_id, model_id, _MARK, None, chat, created=created)), json.dumps(_MARK)
+    if whole.count(mark) != 1:
+        return None
+    head, _, tail = whole.partition(mark)
     return head, tail
 
 
