@@ -90,10 +90,9 @@ def logit_bias_processor(bias: dict) -> Callable:
     return processor
 
 
-def end_of_generation_ids(llm) -> list[int]:
-    """The end-of-generation token ids of ``llm``'s vocabulary (llama.cpp's ``llama_vocab_is_eog``)."""
-    vocab = llm._model.vocab
-    return [t for t in range(llm.n_vocab()) if llama_cpp.llama_vocab_is_eog(vocab, t)]
+def end_of_generation_ids(vocab, n_vocab: int) -> list[int]:
+    """The end-of-generation token ids of a llama.cpp vocabulary of ``n_vocab`` tokens (``llama_vocab_is_eog``)."""
+    return [t for t in range(n_vocab) if llama_cpp.llama_vocab_is_eog(vocab, t)]
 
 
 def masked(bias: dict | None, ids) -> dict:

@@ -15,6 +15,7 @@ import llama_cpp.llama_cpp as C
 import numpy as np
 
 from dflash_gguf import _bindings as B
+from dflash_gguf.constraints import end_of_generation_ids
 from dflash_gguf.errors import (DFlashError, InvalidArgumentError, ModelFileError, PairMismatchError,
                                RollbackError, UnsupportedError)
 from dflash_gguf.gguf_check import check_gguf
@@ -119,7 +120,7 @@ class Model(_Handle):
         self.arch = self.meta("general.architecture") or "?"
         self.is_recurrent = bool(C.llama_model_is_recurrent(ptr))
         self.is_hybrid = bool(C.llama_model_is_hybrid(ptr))
-        eog = [t for t in range(self.n_vocab) if C.llama_vocab_is_eog(self.vocab, t)] if self.n_vocab < 300_000 else []
+        eog = end_of_generation_ids(self.vocab, self.n_vocab) if self.n_vocab < 300_000 else []
         self.eog_tokens = np.array(eog, dtype=np.int32)
 
     def meta(self, key: str) -> str | None:

@@ -56,6 +56,14 @@ def _stream(url, path, body):
     return chunks
 
 
+def _slots_freed(url, within: float = 20.0) -> bool:
+    """Whether every slot of the server at ``url`` is free within ``within`` seconds."""
+    deadline = time.time() + within
+    while httpx.get(f"{url}/health").json()["slots"]["busy"] and time.time() < deadline:
+        time.sleep(0.05)
+    return httpx.get(f"{url}/health").json()["slots"]["busy"] == 0
+
+
 def test_concurrent_completions_equal_llama_cpp_alone(server, plain):
     url, srv = server
     want = [plain.create_completion(p, max_tokens=40, temperature=0)["choices"][0] for p in PROMPTS]
@@ -195,10 +203,7 @@ def test_an_abandoned_stream_frees_its_slot(server):
         for line in r.iter_lines():
             if line.startswith("data: "):
                 break
-    deadline = time.time() + 20
-    while httpx.get(f"{url}/health").json()["slots"]["busy"] and time.time() < deadline:
-        time.sleep(0.05)
-    assert httpx.get(f"{url}/health").json()["slots"]["busy"] == 0
+    assert _slots_freed(url)
     assert _complete(url, PROMPTS[2], max_tokens=8)["choices"][0]["text"]
 
 
@@ -268,25 +273,19 @@ def test_timeouts_and_a_gone_client_free_the_slot():
     slots.decoder.step = lambda: (time.sleep(0.02), step())[1]   # 480 tokens take well over the 0.5 s
     body = {"prompt": PROMPTS[1], "max_tokens": 480, "temperature": 0}
 
-    def freed(url):
-        deadline = time.time() + 20
-        while httpx.get(f"{url}/health").json()["slots"]["busy"] and time.time() < deadline:
-            time.sleep(0.05)
-        return httpx.get(f"{url}/health").json()["slots"]["busy"] == 0
-
     try:
         with serve(app) as url:
             t0 = time.time()
             r = httpx.post(f"{url}/v1/completions", json=body, timeout=60)
             assert r.status_code == 408 and r.json()["error"]["code"] == "request_timeout", r.text
-            assert time.time() - t0 < 5 and freed(url)
+            assert time.time() - t0 < 5 and _slots_freed(url)
             events = [json.loads(x[6:]) for x in httpx.post(f"{url}/v1/completions", json={**body, "stream": True},
                                                              timeout=60).text.splitlines() if x.startswith("data: {")]
             assert events[-1]["error"]["code"] == 408 and any("choices" in e for e in events[:-1]), events[-1]
-            assert freed(url)
+            assert _slots_freed(url)
             with pytest.raises(httpx.ReadTimeout):
                 httpx.post(f"{url}/v1/completions", json={**body, "max_tokens": 20000 // 50}, timeout=0.2)
-            assert freed(url)
+            assert _slots_freed(url)
             m = httpx.get(f"{url}/metrics?format=json").json()
             assert m["timeouts"] == 2 and m["client_disconnects"] == 1, m
             assert _complete(url, PROMPTS[2], max_tokens=8)["usage"]["completion_tokens"] == 8

@@ -477,7 +477,7 @@ def create_app(llm, model_id: str | None = None, *, max_queue: int | None = None
         from dflash_gguf.constraints import end_of_generation_ids, masked
 
         if srv.eog is None:
-            srv.eog = end_of_generation_ids(llm)
+            srv.eog = end_of_generation_ids(llm._model.vocab, llm.n_vocab())
         kw["logit_bias"] = masked(kw.get("logit_bias"), srv.eog)
 
     @app.post("/v1/completions")
