@@ -88,6 +88,8 @@ class DraftLength:
                                                              #     while fewer blocks than this reached position 1
     DECAY = 0.97                                             # acceptance memory, per drafting step
     PRIOR = 2.0                                              # pseudo-draws of the previous position's rate
+    NEUTRAL = 0.5                                            # ... and, for position 1, of this rate (from above
+                                                             # only): one right draw is not a drafter always right
     COST_EMA = 0.2
     OUTLIER = 2.0                                            # a step costing more than this x its estimate counts as this
     SETTLE = {0: 12}                                         # steps of one length before its cost may rise (default 1):
@@ -254,6 +256,21 @@ class DraftLength:
         # would spend 6.5% of the time on probes
         return int(min(max(need, self.PROBE_EVERY), self._longest_gap()))
 
+    def _middle_probe_gap(self, plan: int) -> int:
+        """Steps between a middle plan's probes: each is a pair of whole blocks or of plain steps, in turn.
+        A whole block loses what it costs over the plan's time for the tokens it is expected to commit
+        (cost(n_max) - tokens(n_max) x cost(plan) / tokens(plan)); a pair of them every other probe is that
+        loss a probe, spaced so that it takes at most PROBE_BUDGET of the plan's time, at most
+        ``_longest_gap()`` apart. Where whole blocks nearly keep up with the plan, PROBE_EVERY and its
+        doubling decide, as before; where they are dear (AVX2 without VNNI, the 1.7B Q4_0 shape: a whole
+        block 0.37 s for about 4 tokens, a 1-token block 0.055 s for 1.8) pairs every 24-96 steps of the
+        plan took 12-50% of its time."""
+        c, e = self.step_cost(), self.expected_tokens()
+        loss = float(c[self.n_max] - e[self.n_max] * c[plan] / e[plan])
+        if not (c[plan] > 0 and math.isfinite(loss)) or loss <= 0:
+            return self.PROBE_EVERY
+        return int(min(math.ceil(loss / (self.PROBE_BUDGET * c[plan])), self._longest_gap()))
+
     def _longest_gap(self) -> int:
         """The most steps between probes while decoding plainly: 4 PROBE_MAX, or PROBE_LONGEST seconds of
         plain decoding where that is more."""
@@ -274,7 +291,17 @@ class DraftLength:
         # step of a small pair is a few hundred microseconds and numpy's per-call cost would show
         hits, tries = self.hits.tolist(), self.tries.tolist()
         reached = sum(tries)
-        prior = sum(hits) / reached if reached > 0 else 0.0    # position 1: the pooled rate
+        # position 1 leans on the pooled rate of every position, drawn down towards NEUTRAL by PRIOR
+        # pseudo-draws (never up: a drafter with nothing right yet is not made a half-right one): from one
+        # right probe the bare pooled rate was 1.0, every position after leaned on it, and the plan drafted
+        # whole blocks on one draw - where a block's rows are dear (AVX2 without VNNI: a 16-row verify of
+        # the 1.7B Q4_0 shape 8.7x a one-row decode) each four to six times as long as a plain step, for
+        # tokens a 1-token block got as cheaply. Many draws hardly move.
+        if reached > 0:
+            pooled = sum(hits) / reached
+            prior = min(pooled, (sum(hits) + self.PRIOR * self.NEUTRAL) / (reached + self.PRIOR))
+        else:
+            prior = 0.0
         out, p, total = [1.0], 1.0, 1.0
         for h, t in zip(hits, tries):        # position i + 1 leans on position i's estimate
             prior = (h + self.PRIOR * prior) / (t + self.PRIOR)
@@ -356,6 +383,10 @@ class DraftLength:
                     # every batch size a server passes through)
                     self.probe_every = self.PROBE_SOON
                     self._next_probe = min(self._next_probe, self.steps + self.PROBE_SOON)
+                if 0 < plan < self.n_max:
+                    # a middle plan's probes (two steps of the whole block or of plain decoding, in turn) no
+                    # closer than their cost allows
+                    self.probe_every = max(self.probe_every, self._middle_probe_gap(plan))
                 if 0 < plan < self.n_max and self.n_max in self._prior:
                     # a middle length chosen on the prior's word for the whole block: measure that soon
                     # (a prior taken while the machine was busy must not keep full blocks away for long)
@@ -488,12 +519,17 @@ class DraftLength:
             switched = True
         elif n == self._plan:
             self._switches = 0
-        if not switched and (self._probe_step == self.steps or not settled) and seconds >= c:
+        if not switched and (self._probe_step == self.steps or not settled) and seconds >= c \
+                and not (n > 0 and n in self._prior):
             # a probe's second step, or a plain step before SETTLE of them, still runs warmer than
             # settled steps (on a small pair plain steps settle over about ten after a drafting one):
             # it may lower a cost, not raise it (a prior measured on a busier machine still comes down
             # at once; a lasting rise shows in the settled steps, and a plan that looks worse is left
-            # for the one it underrates)
+            # for the one it underrates). Except a drafting length's prior, which the plan's own steps
+            # have scaled: its probe's second step (settled: a drafting block settles after one) is the
+            # first measure of it and replaces it. Left standing, a middle plan "on the prior's word for
+            # the whole block" probed whole blocks at every re-planning (1.7B Q4_0 on AVX2: two steps of
+            # 0.37 s every 6-8 steps of 0.05 s, where the scaled prior said 0.34 s)
             return
         # one slow step (the OS, a page fault, a collector pause) moves the estimate a little; a
         # lasting change still shows within a few steps

@@ -103,8 +103,13 @@ def test_adaptive_decoder_is_lossless(models, proposer):
         # every drafted token accepted, and the gate's acceptance estimate says so (whether full blocks
         # then beat plain steps is this machine's costs: on this tiny pair at 1 thread, oracle blocks of
         # 8 are within about 10% of plain decoding, either way)
+        # (the estimate from a few draws is drawn towards an even chance: past one right probe it does not
+        # yet take the drafter for one always right, but never for one worse than a coin)
         assert st.drafted > 0 and st.accepted == st.drafted
-        assert dec.gate.expected_tokens()[-1] > 0.8 * (dec.n_draft + 1), dec.gate.expected_tokens()
+        g = dec.gate
+        assert g.tries[0] > 0 and np.allclose(g.hits, g.tries), (g.hits, g.tries)
+        e = g.expected_tokens()
+        assert np.all(np.diff(e) > 0.5 ** np.arange(1, len(e))), e
     # the gate is fed each step's measured seconds (a probe's length may keep the prior's cost): its
     # estimates for the lengths it drafted, summed over its steps, are of the order of the generation's
     # own seconds (a constant or a wrong unit would be far off)

@@ -1,0 +1,89 @@
+"""Large ggml buffers ask for transparent huge pages (patches/0024).
+
+``ggml_aligned_malloc`` (what the CPU backend's buffers come from: repacked weights, KV caches, compute
+buffers) advises MADV_HUGEPAGE over the 2 MiB-aligned interior of an allocation of 32 MiB or more; the
+kernel marks such a mapping (smaps ``VmFlags: hg``) and, where THP is enabled ("madvise" or "always"),
+backs its touched memory with huge pages. Smaller allocations and any under ``GGML_HUGE_PAGES=0`` are
+left alone; every one goes back to the system on ``ggml_aligned_free``."""
+from __future__ import annotations
+
+import ctypes
+from pathlib import Path
+
+import pytest
+
+THP = Path("/sys/kernel/mm/transparent_hugepage/enabled")
+MIB = 1 << 20
+
+pytestmark = pytest.mark.skipif(not THP.exists(), reason="this kernel has no transparent huge pages "
+                                "(/sys/kernel/mm/transparent_hugepage): MADV_HUGEPAGE cannot be given")
+
+
+@pytest.fixture(scope="module")
+def ggml():
+    import llama_cpp.llama_cpp as low
+    lib = ctypes.CDLL(str(Path(low._lib._name).parent / "libggml-base.so"))   # the one llama_cpp loaded
+    lib.ggml_aligned_malloc.restype = ctypes.c_void_p
+    lib.ggml_aligned_malloc.argtypes = [ctypes.c_size_t]
+    lib.ggml_aligned_free.restype = None
+    lib.ggml_aligned_free.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+    return lib
+
+
+def _mapping(addr: int) -> dict | None:
+    """The smaps entry of the mapping holding ``addr``: its flags and AnonHugePages (kB), or None."""
+    found = None
+    for line in Path("/proc/self/smaps").read_text().splitlines():
+        head = line.split()
+        if "-" in head[0] and not head[0].endswith(":"):
+            lo, hi = (int(x, 16) for x in head[0].split("-"))
+            if found is not None:
+                return found
+            if lo <= addr < hi:
+                found = {"start": lo, "end": hi}
+        elif found is not None and line.startswith("AnonHugePages:"):
+            found["huge_kb"] = int(head[1])
+        elif found is not None and line.startswith("VmFlags:"):
+            found["flags"] = head[1:]
+    return found
+
+
+def _allocate(ggml, size: int, monkeypatch, huge_pages: str | None):
+    if huge_pages is None:
+        monkeypatch.delenv("GGML_HUGE_PAGES", raising=False)
+    else:
+        monkeypatch.setenv("GGML_HUGE_PAGES", huge_pages)
+    ptr = ggml.ggml_aligned_malloc(size)
+    assert ptr, f"ggml_aligned_malloc({size}) failed"
+    assert ptr % 64 == 0
+    ctypes.memset(ptr, 1, size)         # touched: the kernel has to back all of it now
+    mid = ptr + size // 2
+    return ptr, mid, _mapping(mid)
+
+
+def test_a_large_buffer_asks_for_huge_pages_and_is_freed(ggml, monkeypatch):
+    size = 96 * MIB + 12345
+    ptr, mid, m = _allocate(ggml, size, monkeypatch, None)
+    try:
+        assert m is not None and "hg" in m["flags"], f"no MADV_HUGEPAGE on a {size}-byte buffer: {m}"
+        # the advice covers the buffer's 2 MiB-aligned interior and nothing outside the buffer
+        assert m["start"] >= ptr - 2 * MIB and m["end"] <= ptr + size + 2 * MIB, m
+        mode = THP.read_text()
+        if "[never]" not in mode:
+            # THP on ("madvise" or "always"): most of 96 touched MiB on 2 MiB pages
+            assert m["huge_kb"] >= 48 * 1024, f"THP {mode.strip()!r}: only {m['huge_kb']} kB on huge pages"
+    finally:
+        ggml.ggml_aligned_free(ptr, size)
+    after = _mapping(mid)
+    assert after is None or "hg" not in after["flags"], f"the buffer's mapping outlived its free: {after}"
+
+
+def test_small_buffers_and_huge_pages_off_are_left_alone(ggml, monkeypatch):
+    for size, env in ((31 * MIB, None), (96 * MIB, "0")):
+        ptr, mid, m = _allocate(ggml, size, monkeypatch, env)
+        try:
+            assert m is not None and "hg" not in m["flags"], \
+                f"{size >> 20} MiB with GGML_HUGE_PAGES={env}: the mapping was advised: {m}"
+            assert m["huge_kb"] == 0 or "[always]" in THP.read_text(), m
+        finally:
+            ggml.ggml_aligned_free(ptr, size)
