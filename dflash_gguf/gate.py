@@ -264,11 +264,10 @@ class DraftLength:
         ``_longest_gap()`` apart. Where whole blocks nearly keep up with the plan, PROBE_EVERY and its
         doubling decide, as before; where they are dear (AVX2 without VNNI, the 1.7B Q4_0 shape: a whole
         block 0.37 s for about 4 tokens, a 1-token block 0.055 s for 1.8) pairs every 24-96 steps of the
-        plan took 12-50% of its time."""
-        c, e = self.step_cost(), self.expected_tokens()
+        plan took 12-50% of its time. (A loss of 0 or less, as the whole block's own plan has, leaves the
+        caller's gap as it is.)"""
+        c, e = self.step_cost(), self.expected_tokens()        # costs are never 0 (see step_cost)
         loss = float(c[self.n_max] - e[self.n_max] * c[plan] / e[plan])
-        if not (c[plan] > 0 and math.isfinite(loss)) or loss <= 0:
-            return self.PROBE_EVERY
         return int(min(math.ceil(loss / (self.PROBE_BUDGET * c[plan])), self._longest_gap()))
 
     def _longest_gap(self) -> int:
@@ -520,14 +519,14 @@ class DraftLength:
         elif n == self._plan:
             self._switches = 0
         if not switched and (self._probe_step == self.steps or not settled) and seconds >= c \
-                and not (n > 0 and n in self._prior):
+                and not (n == self.n_max and n in self._prior):
             # a probe's second step, or a plain step before SETTLE of them, still runs warmer than
             # settled steps (on a small pair plain steps settle over about ten after a drafting one):
             # it may lower a cost, not raise it (a prior measured on a busier machine still comes down
             # at once; a lasting rise shows in the settled steps, and a plan that looks worse is left
-            # for the one it underrates). Except a drafting length's prior, which the plan's own steps
+            # for the one it underrates). Except the whole block's prior, which the plan's own steps
             # have scaled: its probe's second step (settled: a drafting block settles after one) is the
-            # first measure of it and replaces it. Left standing, a middle plan "on the prior's word for
+            # first measure of it and replaces it (the only drafting length a probe's second step has). Left standing, a middle plan "on the prior's word for
             # the whole block" probed whole blocks at every re-planning (1.7B Q4_0 on AVX2: two steps of
             # 0.37 s every 6-8 steps of 0.05 s, where the scaled prior said 0.34 s)
             return

@@ -527,8 +527,28 @@ def test_one_right_probe_is_not_a_drafter_always_right(prior, plan):
     assert g.probing and n == g.probe_len
     g.record(n, n, prior[n])                       # every token of the probe right
     assert g.choose() == plan
+    if plan < 15:                                  # a middle plan: whole blocks probed no closer than they cost
+        assert g.probe_every == g._middle_probe_gap(plan) > 4 * G.PROBE_EVERY
     e = g.expected_tokens()
     assert e[1] - e[0] == pytest.approx((1 + 2 * min(1.0, (n + 1) / (n + 2))) / 3)
+
+
+def test_the_whole_blocks_prior_gives_way_to_its_probe_even_when_dearer():
+    """A middle plan on the prior's word for the whole block measures it soon; the probe's second step
+    replaces the prior even where it costs more (the plan's own steps had scaled the prior down): from
+    then on the whole block is probed at the budget's gap, not at every re-planning."""
+    prior = AVX2_PRIOR
+    g = G(15, prior)
+    n = g.choose()
+    g.record(n, n, prior[n])
+    seen = []
+    for _ in range(40):
+        n = g.choose()
+        seen.append(n)
+        g.record(n, 0 if n == 15 else 1, 1.2 * prior[n] if n == 15 else 0.9 * prior[n])
+    assert seen[:4] == [1] * 4 and seen[4:6] == [15, 15], seen       # PROBE_SOON steps, then two whole blocks
+    assert 15 not in g._prior and g.cost[15] == pytest.approx(1.2 * prior[15])
+    assert 15 not in seen[6:], seen                                    # not again within 34 steps
 
 
 def test_a_plain_step_is_no_probe():
