@@ -526,9 +526,10 @@ class DraftLength:
             # at once; a lasting rise shows in the settled steps, and a plan that looks worse is left
             # for the one it underrates). Except the whole block's prior, which the plan's own steps
             # have scaled: its probe's second step (settled: a drafting block settles after one) is the
-            # first measure of it and replaces it (the only drafting length a probe's second step has). Left standing, a middle plan "on the prior's word for
-            # the whole block" probed whole blocks at every re-planning (1.7B Q4_0 on AVX2: two steps of
-            # 0.37 s every 6-8 steps of 0.05 s, where the scaled prior said 0.34 s)
+            # first measure of it and replaces it (the only drafting length a probe's second step has).
+            # Left standing, a middle plan "on the prior's word for the whole block" probed whole blocks
+            # at every re-planning (1.7B Q4_0 on AVX2: two steps of 0.37 s every 6-8 steps of 0.05 s,
+            # where the scaled prior said 0.34 s)
             return
         # one slow step (the OS, a page fault, a collector pause) moves the estimate a little; a
         # lasting change still shows within a few steps
