@@ -47,6 +47,20 @@ BUFT_TYPES = {
 ROW_EXACT_BUFTS = {"CPU_X86MM"}
 
 
+def claimed_types(ggml: "Ggml", buft: str) -> list[str]:
+    """The weight types ``buft`` takes with this ggml on this CPU: BUFT_TYPES, less Q8_0 for CPU_X86MM on
+    its AVX2 path without VNNI (Q8_0's u8 = q + 128 would saturate VPMADDUBSW's int16 pairs: ggml keeps it)."""
+    types = list(BUFT_TYPES.get(buft, ()))
+    if buft == "CPU_X86MM":
+        f = getattr(ggml.cpu, "ggml_backend_cpu_x86mm_isa", None)
+        if f is not None:
+            f.restype = ctypes.c_char_p
+            isa = f()
+            if isa is not None and isa.decode() == "AVX2":
+                types.remove("q8_0")
+    return types
+
+
 def default_lib_dir() -> Path:
     import importlib.util
     spec = importlib.util.find_spec("llama_cpp")
@@ -365,8 +379,13 @@ def main(argv: list[str] | None = None) -> int:
     if args.buft not in extra:
         log.error("this ggml registers no %s buffer type (it has: %s)", args.buft, ", ".join(sorted(extra)) or "none")
         return 3
-    types = ([t.strip().lower() for t in args.types.split(",") if t.strip()] if args.types
-             else list(BUFT_TYPES.get(args.buft, ())))
+    claimed = claimed_types(ggml, args.buft)
+    types = ([t.strip().lower() for t in args.types.split(",") if t.strip()] if args.types else claimed)
+    unclaimed = [t for t in types if t not in claimed and args.buft in BUFT_TYPES]
+    if unclaimed and not args.time:
+        log.error("%s takes no %s weights with this ggml on this CPU (it takes: %s)", args.buft,
+                  ", ".join(unclaimed), ", ".join(claimed))
+        return 2
     if args.time:
         # this buffer type, then every other extra one that claims a type (AMX beside CPU_X86MM on a
         # CPU with AMX), then the plain CPU path
