@@ -100,6 +100,9 @@ class DraftLength:
                                                              # gate's steps always follow others': batch sizes
                                                              # that come and go): from the SWITCHES-th on, their
                                                              # costs count (they are what this plan costs)
+    PLAIN_DOUBT = 0.7                                        # a plain step's prior may be this much too dear (taken
+                                                             # on a busy machine; calibration.STALE): a drafting
+                                                             # plan that beats it by less measures plain soon
     PREFER_FULL = 0.03                                       # the whole block unless another length is this much faster
 
     def __init__(self, n_max: int, costs: np.ndarray | None = None):
@@ -151,6 +154,7 @@ class DraftLength:
         self._recheck = False                       # a block of the plan got nothing accepted: re-plan next step
         self.probing = False                        # the last choice was an acceptance probe (is the drafter
                                                     # right?), not a length the plan or a cost probe drafts
+        self._plain_checked = False                 # a plain probe's second step did not lower plain's prior
         self._probe_step = -1                       # the last step that was a cost probe's second
         self._run: int | None = None                # the length of the last step recorded (None: a new run)
         self._streak = 0                            # ... and how many steps of it in a row
@@ -309,6 +313,16 @@ class DraftLength:
             out.append(total)
         return np.array(out)
 
+    def _plain_could_win(self, plan: int) -> bool:
+        """Whether plain decoding would beat ``plan`` if a plain step cost PLAIN_DOUBT x its estimate."""
+        e, c = self.expected_tokens(), self.step_cost()
+        return bool(e[plan] / c[plan] < e[0] / (self.PLAIN_DOUBT * c[0]))
+
+    def _plain_on_prior(self) -> bool:
+        """Whether plain decoding's cost is still a prior's (or a switch's) word: no steady plain step
+        replaced it and no plain probe checked it."""
+        return 0 in self._prior and not self._plain_checked
+
     def step_cost(self) -> np.ndarray:
         """Seconds per step for n = 0..n_max: measured where known, else a line through the measured
         drafting steps (n >= 1). A plain step (n = 0) has no drafter call, so it stays out of the fit:
@@ -327,7 +341,20 @@ class DraftLength:
             model = [max(ym + slope * (i - xm), 1e-9) for i in range(self.n_max + 1)]
         else:
             model = [max(cost[i] for i in known) if known else 1.0] * (self.n_max + 1)
-        return np.array([c if c == c else m for c, m in zip(cost, model)])
+        out = [c if c == c else m for c, m in zip(cost, model)]
+        if self._plain_on_prior():
+            # plain decoding on the prior's word costs at most what a measured drafting step does (that step
+            # does a plain step's work and more): a prior taken while the machine was busy rated plain steps
+            # 18.9 ms and 1-token blocks 27.7, the blocks then measured 18.6, and a plan that drafts never
+            # runs a plain step to find out (a never-right drafter's 1-token blocks, 0.62x plain, 0.6B Q4_0
+            # shape on an AVX2 Zen 4; plain steps cost 14 ms)
+            seen = [cost[i] for i in range(1, len(cost)) if cost[i] == cost[i] and i not in self._prior]
+            if seen:
+                out[0] = min(out[0], min(seen))
+        # and no drafting step costs less than a plain one: the plan's own steps scale every cost by one
+        # factor, so a block measured against that busy prior (18.6 ms against 18.9) stayed under plain's
+        # cost when plain steps then measured 14 ms and scaled it to 13.8
+        return np.array([out[0]] + [max(c, out[0]) for c in out[1:]])
 
     def choose(self) -> int:
         self.steps += 1
@@ -390,6 +417,13 @@ class DraftLength:
                     # a middle length chosen on the prior's word for the whole block: measure that soon
                     # (a prior taken while the machine was busy must not keep full blocks away for long)
                     self._probe_full = False
+                    self._next_probe = min(self._next_probe, self.steps + self.PROBE_SOON)
+                if plan and self._plain_on_prior() and self._plain_could_win(plan):
+                    # drafting chosen against plain decoding on the prior's word, by less than a busy prior
+                    # can be off: measure plain soon too (the whole block's probe first where that is the
+                    # prior's too: the toggle then brings plain)
+                    if plan < self.n_max and self.n_max not in self._prior:
+                        self._probe_full = True
                     self._next_probe = min(self._next_probe, self.steps + self.PROBE_SOON)
                 self._plan = plan
             n = self._plan
@@ -530,6 +564,8 @@ class DraftLength:
             # Left standing, a middle plan "on the prior's word for the whole block" probed whole blocks
             # at every re-planning (1.7B Q4_0 on AVX2: two steps of 0.37 s every 6-8 steps of 0.05 s,
             # where the scaled prior said 0.34 s)
+            if n == 0 and self._probe_step == self.steps:
+                self._plain_checked = True         # plain's prior stands, checked by a probe
             return
         # one slow step (the OS, a page fault, a collector pause) moves the estimate a little; a
         # lasting change still shows within a few steps

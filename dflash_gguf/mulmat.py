@@ -9,6 +9,12 @@ weights) and with an exact float64 product of the dequantized weights:
     python -m dflash_gguf.mulmat --buft CPU_X86MM                 # default grid, JSON lines, exit 1 on a mismatch
     python -m dflash_gguf.mulmat --buft CPU_X86MM --types q4_0 --rows 1-33 --k 2048 --n 96
     python -m dflash_gguf.mulmat --buft CPU_X86MM --time 20 --k 2048 --n 6144 --rows 1,2,4,8,16
+    python -m dflash_gguf.mulmat --buft CPU_X86MM --extreme      # the largest integer sums a kernel can meet
+
+``--extreme`` writes every weight at its type's largest quant (and largest scales) and makes every
+activation row one constant, positive or negative, so that each int8 activation is +-127: the
+kernels' int16 and int32 partial sums reach their bounds (an overflow there gives a wrong result, where
+random data, with its sums near zero, would pass).
 
 Exit codes: 0 all cases match, 1 a case differs, 3 the buffer type is not registered in that ggml.
 A crash in a kernel kills the process, so callers (tests) run this in a child process.
@@ -304,9 +310,34 @@ def cpu_backend(ggml: Ggml, threads: int):
         ggml.ggml_backend_free(backend)
 
 
+def extreme_weights(ggml: Ggml, name: str, n: int, k: int, rng: np.random.Generator) -> np.ndarray:
+    """Quantized bytes of an n x k weight with every quant at its type's largest value (Q4_0 / Q4_K
+    nibbles 15, Q6_K 63, Q8_0 127) and the K-quants' sub-block scales and mins at their largest (Q4_K
+    63, Q6_K 127), with small random positive fp16 block scales (so results stay finite)."""
+    layout = {  # bytes of one block: (block bytes, quants (offset, size, byte), scales, fp16 offsets)
+        "q4_0": (18, [(2, 16, 0xFF)], [0]),
+        "q8_0": (34, [(2, 32, 0x7F)], [0]),
+        "q4_k": (144, [(4, 12, 0xFF), (16, 128, 0xFF)], [0, 2]),        # d, dmin, 6-bit scales/mins, nibbles
+        "q6_k": (210, [(0, 192, 0xFF), (192, 16, 0x7F)], [208]),        # ql, qh, int8 scales, d
+    }
+    if name not in layout:
+        raise ValueError(f"no extreme pattern for {name} (have: {', '.join(layout)})")
+    size, fills, halves = layout[name]
+    nblocks = n * k // BLOCK_K[name]
+    assert ggml.ggml_row_size(GGML_TYPES[name], k) * n == nblocks * size
+    blocks = np.zeros((nblocks, size), dtype=np.uint8)
+    for off, length, byte in fills:
+        blocks[:, off:off + length] = byte
+    for off in halves:
+        d = rng.uniform(2**-12, 2**-10, nblocks).astype(np.float16)
+        blocks[:, off:off + 2] = d.view(np.uint8).reshape(-1, 2)
+    return blocks.reshape(-1)
+
+
 def run_grid(ggml: Ggml, buft_name: str, types: list[str], rows: list[int], k: int, n: int,
-             batch: int, threads: int, seed: int = 0):
-    """One CaseResult per (type, row count); raises if the buffer type is not registered."""
+             batch: int, threads: int, seed: int = 0, extreme: bool = False):
+    """One CaseResult per (type, row count); raises if the buffer type is not registered. ``extreme``:
+    the weights of extreme_weights and activation rows that are each one constant of alternating sign."""
     bufts = ggml.extra_bufts()
     if buft_name not in bufts:
         raise RuntimeError(f"no {buft_name} buffer type in this ggml (extra buffer types: {sorted(bufts)})")
@@ -316,12 +347,18 @@ def run_grid(ggml: Ggml, buft_name: str, types: list[str], rows: list[int], k: i
     with cpu_backend(ggml, threads) as backend:
         for name in types:
             t = GGML_TYPES[name]
-            w = rng.standard_normal((n, k)).astype(np.float32)
-            wq = ggml.quantize(t, w)
+            if extreme:
+                wq = extreme_weights(ggml, name, n, k, rng)
+            else:
+                wq = ggml.quantize(t, rng.standard_normal((n, k)).astype(np.float32))
             wd = ggml.dequantize(t, wq, n, k).astype(np.float64)
             for m in rows:
                 shape = (m, k) if batch == 1 else (batch, m, k)
-                x = rng.standard_normal(shape).astype(np.float32)
+                if extreme:
+                    sign = np.where(np.arange(batch * m) % 2 == 0, 1.0, -1.0).reshape(shape[:-1] + (1,))
+                    x = np.broadcast_to(sign * 0.75, shape).astype(np.float32)
+                else:
+                    x = rng.standard_normal(shape).astype(np.float32)
                 exact = x.astype(np.float64) @ wd.T
                 y_cpu = ggml.mul_mat(backend, cpu, t, wq, n, k, x)
                 y = ggml.mul_mat(backend, buft, t, wq, n, k, x)
@@ -369,6 +406,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--batch", type=int, default=1, help="src1 ne2 (weights broadcast over it)")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--extreme", action="store_true",
+                    help="weights at their largest quants and scales, activation rows of one constant each "
+                         "(the kernels' partial sums at their bounds) instead of random data")
     ap.add_argument("--time", type=int, default=0, metavar="REPEATS",
                     help="instead of checking, time one MUL_MAT per row count on this buffer type, every other "
                          "extra one that claims the type (AMX, CPU_REPACK) and the plain CPU path (fastest of REPEATS)")
@@ -395,7 +435,7 @@ def main(argv: list[str] | None = None) -> int:
             print(json.dumps(rec), flush=True)
         return 0
     return report(run_grid(ggml, args.buft, types, parse_rows(args.rows), args.k, args.n, args.batch, args.threads,
-                           args.seed))
+                           args.seed, extreme=args.extreme))
 
 
 def report(cases) -> int:

@@ -4,8 +4,10 @@ MUL_MAT through CPU_X86MM is compared with ggml's plain CPU path (its reference 
 quantized weights) and with the exact float64 product of the dequantized weights, for every weight
 type the kernels take, every row count a DFlash step verifies (1..17), tile edges (24, 31-33) and
 prompt batches, on one and two threads, with src1 batches; a row computed alone must give the same
-bits as inside any batch. The same grid runs on the AVX2 build variant (no AVX-512: the 256-bit
-VPMADDUBSW path) and, on a CPU with AVX-VNNI, on the AVX-VNNI variant (256-bit VPDPBUSD, Q8_0 included).
+bits as inside any batch. The extreme grid (``mulmat --extreme``: every quant and scale at its
+largest, activations at +-127) drives the kernels' int16 and int32 sums to their bounds, where an
+overflow shows (random data keeps them near zero). The same grids run on the AVX2 build variant (no
+AVX-512: the 256-bit VPMADDUBSW path with int16 sums, patches/0025) and, on a CPU with AVX-VNNI, on the AVX-VNNI variant (256-bit VPDPBUSD, Q8_0 included).
 End to end, greedy DFlash equals plain decoding with the kernels on and off, and with the AVX-VNNI
 variant's libraries.
 
@@ -96,6 +98,14 @@ def test_one_thread_wide_k_and_many_groups(native_types):
     assert len(cases) == len(native_types) * 6 and not _bad(cases), "\n".join(_bad(cases))
 
 
+def test_the_largest_sums_do_not_overflow(native_types):
+    """Every weight at its largest quant and scales, activation rows of one constant each (+-127 after
+    quantization): the AVX2 path's int16 block sums (patches/0025) and every path's int32 sums at their
+    bounds, row counts across the tile sizes (8 with AVX2, 16 with AVX-512)."""
+    cases = _native_grid(native_types, ["--extreme", "--rows", "1,2,7,8,9,16,17,33", "--k", "1024", "--n", "64"])
+    assert len(cases) == len(native_types) * 8 and not _bad(cases), "\n".join(_bad(cases))
+
+
 def test_src1_batches_broadcast_over_one_weight(native_types):
     cases = _native_grid(native_types, ["--rows", "1,2,9,17", "--batch", "3", "--n", "64"])
     assert len(cases) == len(native_types) * 4 and not _bad(cases), "\n".join(_bad(cases))
@@ -131,12 +141,15 @@ def avx2_lib() -> Path:
 
 
 def test_avx2_variant_every_type_and_row_count(avx2_lib):
-    """The 256-bit path (8-row groups, 4-row tiles, VPMADDUBSW). Q8_0 is not claimed there (its
-    u8 = q + 128 would saturate VPMADDUBSW's int16 pairs), so ggml keeps it."""
+    """The 256-bit path (8-row groups and tiles, VPMADDUBSW sums added in int16). Q8_0 is not claimed
+    there (its u8 = q + 128 would saturate VPMADDUBSW's int16 pairs), so ggml keeps it."""
     assert _isa(avx2_lib) == "AVX2"
     cases = _grid(["--types", "q4_0,q4_k,q6_k", "--rows", "1-9,16,17,33", "--k", "512", "--n", "136"], avx2_lib)
     assert len(cases) == 3 * 12 and not _bad(cases), "\n".join(_bad(cases))
     assert all(c["rows_exact"] for c in cases)
+    extreme = _grid(["--extreme", "--types", "q4_0,q4_k,q6_k", "--rows", "1,8,9,17", "--k", "1024", "--n", "64"],
+                    avx2_lib)
+    assert len(extreme) == 3 * 4 and not _bad(extreme), "\n".join(_bad(extreme))
 
 
 @pytest.fixture(scope="module")
