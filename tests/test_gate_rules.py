@@ -1398,7 +1398,7 @@ def test_a_busy_plain_prior_does_not_draft_for_a_never_right_drafter():
     real = lambda n: 14e-3 if n == 0 else 18.6e-3 + 4.8e-3 * (n - 1)   # noqa: E731
     g = G(15, BUSY_PRIOR)
     drafted = 0
-    for call in range(4):
+    for _call in range(4):
         g.new_run()
         for _ in range(64):
             n = g.choose()
