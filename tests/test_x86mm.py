@@ -8,8 +8,8 @@ bits as inside any batch. The extreme grid (``mulmat --extreme``: every quant an
 largest, activations at +-127) drives the kernels' int16 and int32 sums to their bounds, where an
 overflow shows (random data keeps them near zero). The same grids run on the AVX2 build variant (no
 AVX-512: the 256-bit VPMADDUBSW path with int16 sums, patches/0025) and, on a CPU with AVX-VNNI, on
-the AVX-VNNI variant (256-bit VPDPBUSD, Q8_0 included). End to end, greedy DFlash equals plain decoding with the kernels on and off, and with the AVX-VNNI
-variant's libraries.
+the AVX-VNNI variant (256-bit VPDPBUSD, Q8_0 included). End to end, greedy DFlash equals plain
+decoding with the kernels on and off, and with the AVX-VNNI variant's libraries.
 
 Everything runs in child processes: a fault in a kernel must fail a test, not kill the run, and
 ``GGML_CPU_X86MM`` only takes effect when ggml is loaded. Skipped, with the reason, on a CPU without
