@@ -1218,6 +1218,24 @@ def test_the_plans_switch_steps_count_from_the_switches_th_in_a_row():
         "the SWITCHES-th moves the plan's cost (the steady step replaced the prior: an average now), and only its"
 
 
+def test_a_switch_step_of_another_length_starts_the_count_again():
+    """A step of another length (a probe), itself a run's first, sets the count of the plan's switch
+    steps back to none: SWITCHES - 1 more of them move no cost, the next does."""
+    g = G(3, np.array([10.0, 30.0, 40.0, 50.0]))
+    g._plan = 0
+    g.new_run()
+    g.record(0, 0, 20.0)                                 # the plan's first switch step
+    g.new_run()
+    g.record(2, 0, 45.0)                                 # a probe's, also a run's first
+    for _ in range(G.SWITCHES - 1):
+        g.new_run()
+        g.record(0, 0, 20.0)
+    assert g.cost[0] == 10.0 and g.cost[2] == 40.0, "the probe started the count again"
+    g.new_run()
+    g.record(0, 0, 20.0)
+    assert g.cost[0] == 20.0, "the SWITCHES-th in a row replaces plain's prior"
+
+
 def test_the_switch_count_runs_on_when_the_plan_changes():
     """The count of switch steps is the gate's, not a plan's: it says that every step of this gate follows
     another gate's, which a new plan does not change. After SWITCHES - 1 of one plan, a new plan's first
@@ -1389,6 +1407,12 @@ def test_plain_on_the_priors_word_costs_at_most_a_measured_drafting_step():
     assert g.step_cost()[0] == pytest.approx(20e-3)
     h = G(15, BUSY_PRIOR)                              # nothing measured: the prior as it is
     assert h.step_cost()[0] == pytest.approx(BUSY_PRIOR[0])
+    k = G(3)                                           # no prior: plain's first step, a switch's, stands in ...
+    k.record(0, 0, 20.0)
+    k.record(2, 0, 30.0)
+    k.record(2, 0, 15.0)                               # ... and a steady 2-token block measured under it
+    assert 0 in k._prior and 1 not in k._prior and k.cost[1] != k.cost[1]   # (1: not measured, nan)
+    assert k.step_cost()[0] == 15.0
 
 
 def test_a_busy_plain_prior_does_not_draft_for_a_never_right_drafter():
@@ -1413,7 +1437,7 @@ def test_a_drafting_plan_close_to_a_plain_prior_probes_plain_soon():
     measures plain soon (two plain steps in PROBE_SOON); one far ahead of it, or plain measured, keeps
     the schedule."""
     exp = np.array([1.0, 1.5, 1.6, 1.7])
-    cost = np.array([1.0, 1.2, 2.5, 3.0])              # the 1-token block: 1.25 tokens per unit, plain 1.0
+    cost = np.array([1.0, 1.2, 2.5, 3.0]) * 14e-3      # the 1-token block: 1.25x plain's tokens a second
     g = past_warmup(Fixed(3, exp, cost, prior=cost))
     g._prior.discard(3)                                # the whole block measured: plain is the probe
     g._next_probe = g.steps + 50
@@ -1429,3 +1453,24 @@ def test_a_drafting_plan_close_to_a_plain_prior_probes_plain_soon():
     near._prior.discard(3)
     near._next_probe = near.steps + 50
     assert near.choose() == 1 and near._next_probe == near.steps - 1 + 50
+
+
+def _second_step(n: int, probe: bool) -> G:
+    """A gate on a prior whose step of ``n`` follows one of ``n`` (steady, not settled for plain), costing
+    more than the prior says: a cost probe's second step if ``probe``."""
+    g = G(3, np.array([10.0, 12.0, 14.0, 16.0]))
+    g.steps = 5
+    g._probe_step = 5 if probe else 4
+    g._run, g._streak = n, 1
+    g.record(n, 0, 1.1 * g.cost[n])
+    return g
+
+
+def test_only_a_plain_probes_second_step_checks_plains_prior():
+    """A plain probe's second step that does not lower plain's prior checks it (no more plain probes on
+    its account); a plain step that is no probe's, or a drafting probe's second step, does not."""
+    g = _second_step(0, probe=True)
+    assert g.cost[0] == 10.0 and not g._plain_on_prior()
+    assert _second_step(0, probe=False)._plain_on_prior()
+    k = _second_step(2, probe=True)
+    assert k.cost[2] == 14.0 and k._plain_on_prior()
