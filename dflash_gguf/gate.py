@@ -101,7 +101,7 @@ class DraftLength:
                                                              # that come and go): from the SWITCHES-th on, their
                                                              # costs count (they are what this plan costs)
     PLAIN_DOUBT = 0.7                                        # a plain step's prior may be this much too dear (taken
-                                                             # on a busy machine; calibration.STALE): a drafting
+                                                             # on a busy machine; calibration.STALE is this): a drafting
                                                              # plan that beats it by less measures plain soon
     PREFER_FULL = 0.03                                       # the whole block unless another length is this much faster
 
