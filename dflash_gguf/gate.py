@@ -11,7 +11,8 @@ the product of the per-position conditional rates. A position seldom reached (de
 while shorter blocks or short probes are drafted) leans on the estimate of the position before it
 instead of on a few old draws, so an unlucky warm-up block cannot pin the choice to short blocks or
 to plain decoding. Near a tie (within ``PREFER_FULL``) it drafts the whole block, whose cost is
-measured rather than read off the fitted line. A step's cost is its whole work as the decoder
+measured rather than read off the fitted line. From plain decoding it drafts only where that pays for
+the switch as well (what probes cost beyond their steps, over the steps a plan runs at least). A step's cost is its whole work as the decoder
 measures it (drafting, verifying, acceptance and sampling, keeping the rows), so per-step overheads
 that do not scale with the model count on small pairs. Costs are those of a length drafted step after
 step, as a plan runs it: the first step of a length after another (or after a prefill) pays for the
@@ -448,10 +449,29 @@ class DraftLength:
             # drawing every position's acceptance (shorter blocks leave the deep ones to extrapolation);
             # the most this gives up is PREFER_FULL
             plan = self.n_max
+        if plan and not self._plan:
+            # from plain decoding, a drafting plan must pay for its switch too: a probe's cost over a settled
+            # step of its length (injecting the rows kept meanwhile, the drafter's run on cold caches, the
+            # slow plain steps after it), spread over the REPLAN_EVERY steps a plan runs at least. On a small
+            # pair that is several plain steps, and near a tie the plan toggled at every re-planning: the demo
+            # pair on an AVX2 Zen 4 sat within 2-6% of plain decoding's rate and ran at 0.76-0.81x plain.
+            # At real sizes a switch costs next to nothing against a step, and this changes nothing.
+            switch = self._switch_cost(costs)
+            runs = self.REPLAN_EVERY
+            if switch > 0 and max(expected[n] * runs / (costs[n] * runs + switch)
+                                  for n in range(1, self.n_max + 1)) < rate[0]:
+                plan = 0
         futile = plan == 0 and not self._could_pay(costs)
         hopeless = futile or (plan == 0 and bool(expected[-1] <= self.DIP))
         self._evaluated = (plan, hopeless, futile)
         return plan, hopeless, futile
+
+    def _switch_cost(self, costs: np.ndarray) -> float:
+        """Seconds a switch from plain decoding to drafting and back costs beyond the steps' own: what
+        probes while decoding plainly cost all told (``_probe_seen``) over a step of their length; 0 until
+        a probe has been measured."""
+        seen = self._probe_seen
+        return max(seen - float(costs[self.probe_len]), 0.0) if seen == seen else 0.0
 
     def learn_acceptance(self, other: "DraftLength") -> None:
         """Start from ``other``'s acceptance history (the same drafter, another step shape: a batch of

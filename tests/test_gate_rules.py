@@ -665,6 +665,32 @@ def test_an_exact_tie_with_the_band_edge_takes_the_whole_block():
     assert past_warmup(Fixed(7, exp, cost)).choose() == 7
 
 
+@pytest.mark.parametrize("gain, switch, plan_from, drafts", [
+    (1.05, 0.0, 0, True),       # no switch cost measured (no probe yet, or a free one): the plain rate decides
+    (1.05, 4.0, 0, False),      # from plain decoding a switch of 4 plain steps eats a 5% gain over 8 steps
+    (1.05, 4.0, None, False),   # ... so it does on a re-plan after a right probe (the plan dropped)
+    (1.05, 4.0, 7, True),       # ... not while drafting: leaving for plain takes no margin (hysteresis)
+    (1.30, 4.0, 0, True),       # a clear gain pays for the switch
+])
+def test_from_plain_decoding_a_drafting_plan_must_pay_for_its_switch(gain, switch, plan_from, drafts):
+    """A probe while decoding plainly costs more than a settled step of its length (the rows kept meanwhile
+    injected, the drafter on cold caches, the slow plain steps after it): that excess is what switching to
+    drafting and back costs, and from plain decoding a drafting plan must pay it over the REPLAN_EVERY steps
+    it runs at least. Near a tie the demo pair's gate toggled at every re-planning and ran at 0.76-0.81x
+    plain; at real sizes a switch is a small share of a step and nothing changes."""
+    e = np.array([1.0, 1.9, 2.8, 3.6, 4.3, 4.9, 5.4, 5.9])
+    cost = np.concatenate([[1.0], e[1:] / gain])            # every drafting length `gain` x plain's rate
+    g = past_warmup(Fixed(7, e, cost, prior=cost))
+    g._probe_seen = float(cost[g.probe_len]) + switch
+    g._plan = plan_from
+    assert g._switch_cost(cost) == pytest.approx(switch)
+    assert (g._evaluate()[0] > 0) == drafts
+    runs = G.REPLAN_EVERY                                   # the bound itself: a switch the gain just pays
+    edge = runs * (gain - 1) * float(cost[7]) * 0.99
+    g._probe_seen, g._evaluated = float(cost[g.probe_len]) + edge, None
+    assert g._evaluate()[0] == 7
+
+
 def test_replanning_happens_every_replan_steps():
     g = past_warmup(Fixed(7, 1 + np.arange(8.0), 1 + 0.01 * np.arange(8)))
     assert g.choose() == 7
