@@ -12,7 +12,7 @@ while shorter blocks or short probes are drafted) leans on the estimate of the p
 instead of on a few old draws, so an unlucky warm-up block cannot pin the choice to short blocks or
 to plain decoding. Near a tie (within ``PREFER_FULL``) it drafts the whole block, whose cost is
 measured rather than read off the fitted line. From plain decoding it drafts only where that pays for
-the switch as well (what probes cost beyond their steps, over the steps a plan runs at least). A step's cost is its whole work as the decoder
+the way back as well (the slow plain steps after a drafting one, over the steps a plan runs at least). A step's cost is its whole work as the decoder
 measures it (drafting, verifying, acceptance and sampling, keeping the rows), so per-step overheads
 that do not scale with the model count on small pairs. Costs are those of a length drafted step after
 step, as a plan runs it: the first step of a length after another (or after a prefill) pays for the
@@ -133,6 +133,8 @@ class DraftLength:
         self._probe_after = 0                       # ... with the PROBE_TAIL plain steps after one (how many
         self._probe_after_w = 1.0                   #     are left, the probe's weight in that EMA and the
         self._probe_tail = 0.0                      #     excess over a plain step they have added so far)
+        self._tail_seen = math.nan                  # ... that excess alone (EMA): what going back to plain
+                                                    #     decoding after drafting costs
         self._learned = False                       # acceptance taken from a gate that drew it many times
         self._few = False                           # ... taken from one that drew it fewer times: no drafting
                                                     #     plan while this gate has fewer than FEW_DRAWS draws
@@ -449,29 +451,27 @@ class DraftLength:
             # drawing every position's acceptance (shorter blocks leave the deep ones to extrapolation);
             # the most this gives up is PREFER_FULL
             plan = self.n_max
-        if plan and not self._plan:
-            # from plain decoding, a drafting plan must pay for its switch too: a probe's cost over a settled
-            # step of its length (injecting the rows kept meanwhile, the drafter's run on cold caches, the
-            # slow plain steps after it), spread over the REPLAN_EVERY steps a plan runs at least. On a small
-            # pair that is several plain steps, and near a tie the plan toggled at every re-planning: the demo
-            # pair on an AVX2 Zen 4 sat within 2-6% of plain decoding's rate and ran at 0.76-0.81x plain.
-            # At real sizes a switch costs next to nothing against a step, and this changes nothing.
-            switch = self._switch_cost(costs)
+        if plan and not self._plan and self._switch_cost() > 0:
+            # from plain decoding, a drafting plan must pay for its way back too: the plain steps after a
+            # drafting one run slow (the drafter's run pushed the target out of the caches; probes measure
+            # it), spread over the REPLAN_EVERY steps a plan runs at least. On a small pair that is several
+            # plain steps, and near a tie the plan toggled at re-plannings: the demo pair on an AVX2 Zen 4,
+            # its 3-token blocks 1.72 tokens a ms against plain's 1.68, ran at 0.76-0.81x plain. At real sizes
+            # those steps are within noise of settled ones, and this changes nothing.
             runs = self.REPLAN_EVERY
-            if switch > 0 and max(expected[n] * runs / (costs[n] * runs + switch)
-                                  for n in range(1, self.n_max + 1)) < rate[0]:
+            if max(expected[n] * runs / (costs[n] * runs + self._switch_cost())
+                   for n in range(1, self.n_max + 1)) < rate[0]:
                 plan = 0
         futile = plan == 0 and not self._could_pay(costs)
         hopeless = futile or (plan == 0 and bool(expected[-1] <= self.DIP))
         self._evaluated = (plan, hopeless, futile)
         return plan, hopeless, futile
 
-    def _switch_cost(self, costs: np.ndarray) -> float:
-        """Seconds a switch from plain decoding to drafting and back costs beyond the steps' own: what
-        probes while decoding plainly cost all told (``_probe_seen``) over a step of their length; 0 until
-        a probe has been measured."""
-        seen = self._probe_seen
-        return max(seen - float(costs[self.probe_len]), 0.0) if seen == seen else 0.0
+    def _switch_cost(self) -> float:
+        """Seconds the way back from drafting to plain decoding costs beyond settled plain steps: the excess
+        of the PROBE_TAIL plain steps after probes (EMA); 0 until a probe's tail has been measured."""
+        seen = self._tail_seen
+        return seen if seen == seen else 0.0
 
     def learn_acceptance(self, other: "DraftLength") -> None:
         """Start from ``other``'s acceptance history (the same drafter, another step shape: a batch of
@@ -511,6 +511,7 @@ class DraftLength:
                 was = max(self._probe_tail, 0.0)
                 self._probe_tail += min(seconds, self.OUTLIER * c0) - c0   # a slow step (the OS) counts as OUTLIER
                 self._probe_seen += self._probe_after_w * (max(self._probe_tail, 0.0) - was)
+                self._tail_seen += self._probe_after_w * (max(self._probe_tail, 0.0) - was)
             else:
                 self._probe_after = 0
         if n > 0 and self._plan == 0 and not same_step:
@@ -519,6 +520,7 @@ class DraftLength:
             self._fruitless = 0 if accepted else self._fruitless + 1
             first = self._probe_seen != self._probe_seen    # nan
             self._probe_seen = seconds if first else 0.5 * (self._probe_seen + seconds)
+            self._tail_seen = 0.0 if first else 0.5 * self._tail_seen
             self._probe_after, self._probe_after_w, self._probe_tail = self.PROBE_TAIL, (1.0 if first else 0.5), 0.0
         if n > 0 and self._plan == 0 and 2 * accepted >= n and \
                 not (1 + accepted) * self.cost[0] <= seconds:

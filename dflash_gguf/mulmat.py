@@ -314,7 +314,7 @@ def extreme_weights(ggml: Ggml, name: str, n: int, k: int, rng: np.random.Genera
     """Quantized bytes of an n x k weight with every quant at its type's largest value (Q4_0 / Q4_K
     nibbles 15, Q6_K 63, Q8_0 127) and the K-quants' sub-block scales and mins at their largest (Q4_K
     63, Q6_K 127), with small random positive fp16 block scales (so results stay finite)."""
-    layout = {  # bytes of one block: (block bytes, quants (offset, size, byte), scales, fp16 offsets)
+    layout = {  # one block: (its bytes, byte fills (offset, length, byte) of quants and scales, fp16 scale offsets)
         "q4_0": (18, [(2, 16, 0xFF)], [0]),
         "q8_0": (34, [(2, 32, 0x7F)], [0]),
         "q4_k": (144, [(4, 12, 0xFF), (16, 128, 0xFF)], [0, 2]),        # d, dmin, 6-bit scales/mins, nibbles

@@ -666,29 +666,55 @@ def test_an_exact_tie_with_the_band_edge_takes_the_whole_block():
 
 
 @pytest.mark.parametrize("gain, switch, plan_from, drafts", [
-    (1.05, 0.0, 0, True),       # no switch cost measured (no probe yet, or a free one): the plain rate decides
-    (1.05, 4.0, 0, False),      # from plain decoding a switch of 4 plain steps eats a 5% gain over 8 steps
+    (1.05, 0.0, 0, True),       # no way back measured (no probe yet, or plain steps after one as fast as ever)
+    (1.05, 4.0, 0, False),      # from plain decoding, 4 plain steps' excess eats a 5% gain over 8 steps
     (1.05, 4.0, None, False),   # ... so it does on a re-plan after a right probe (the plan dropped)
     (1.05, 4.0, 7, True),       # ... not while drafting: leaving for plain takes no margin (hysteresis)
-    (1.30, 4.0, 0, True),       # a clear gain pays for the switch
+    (1.30, 4.0, 0, True),       # a clear gain pays for the way back
 ])
-def test_from_plain_decoding_a_drafting_plan_must_pay_for_its_switch(gain, switch, plan_from, drafts):
-    """A probe while decoding plainly costs more than a settled step of its length (the rows kept meanwhile
-    injected, the drafter on cold caches, the slow plain steps after it): that excess is what switching to
-    drafting and back costs, and from plain decoding a drafting plan must pay it over the REPLAN_EVERY steps
-    it runs at least. Near a tie the demo pair's gate toggled at every re-planning and ran at 0.76-0.81x
-    plain; at real sizes a switch is a small share of a step and nothing changes."""
+def test_from_plain_decoding_a_drafting_plan_must_pay_for_its_way_back(gain, switch, plan_from, drafts):
+    """The plain steps after a drafting one run slow on a small pair (the drafter's run pushed the target
+    out of the caches; probes measure their excess): from plain decoding, a drafting plan must pay that
+    too, over the REPLAN_EVERY steps it runs at least. Near a tie the demo pair's gate toggled at
+    re-plannings and ran at 0.76-0.81x plain."""
     e = np.array([1.0, 1.9, 2.8, 3.6, 4.3, 4.9, 5.4, 5.9])
     cost = np.concatenate([[1.0], e[1:] / gain])            # every drafting length `gain` x plain's rate
     g = past_warmup(Fixed(7, e, cost, prior=cost))
-    g._probe_seen = float(cost[g.probe_len]) + switch
+    g._tail_seen = switch
     g._plan = plan_from
-    assert g._switch_cost(cost) == pytest.approx(switch)
+    assert g._switch_cost() == switch
     assert (g._evaluate()[0] > 0) == drafts
-    runs = G.REPLAN_EVERY                                   # the bound itself: a switch the gain just pays
-    edge = runs * (gain - 1) * float(cost[7]) * 0.99
-    g._probe_seen, g._evaluated = float(cost[g.probe_len]) + edge, None
+    runs = G.REPLAN_EVERY                                   # the bound itself: a way back the gain just pays
+    g._tail_seen, g._evaluated = runs * (gain - 1) * float(cost[7]) * 0.99, None
     assert g._evaluate()[0] == 7
+
+
+def test_the_way_back_is_what_probes_tails_cost():
+    """The switch cost is the excess of the plain steps after probes (an EMA as probes' own cost is), not
+    the probe step's (which also injects the rows kept since the last probe, a cost a plan switched to
+    right after a probe does not pay); none until a probe has been seen."""
+    g = G(7, np.array([1.0] + [2.5] * 7))
+    g._prior.clear()                                        # measured costs (a prior's first step replaces it)
+    g._plan = 0
+    assert g._switch_cost() == 0.0
+    g.record(g.probe_len, 1, 4.0)
+    assert g._switch_cost() == 0.0
+    g.record(0, 0, 1.5)
+    g.record(0, 0, 1.25)
+    assert g._switch_cost() == pytest.approx(0.75)
+    g.record(0, 0, 0.25)                                    # a fast step takes back ...
+    assert g._switch_cost() == pytest.approx(0.0)
+    g.record(0, 0, 0.25)                                    # ... never below nothing
+    assert g._switch_cost() == 0.0
+    for _ in range(G.PROBE_TAIL):
+        g.record(0, 0, float(g.cost[0]) + 0.25)
+    tail = g._switch_cost()
+    assert tail > 0
+    g.record(g.probe_len, 1, 4.0)                           # a second probe: half of the EMA ...
+    assert g._switch_cost() == pytest.approx(0.5 * tail)
+    c = float(g.cost[0])
+    g.record(0, 0, c + 1.0)                                 # ... and half of its own tail
+    assert g._switch_cost() == pytest.approx(0.5 * tail + 0.5)
 
 
 def test_replanning_happens_every_replan_steps():
