@@ -12,8 +12,9 @@ while shorter blocks or short probes are drafted) leans on the estimate of the p
 instead of on a few old draws, so an unlucky warm-up block cannot pin the choice to short blocks or
 to plain decoding. Near a tie (within ``PREFER_FULL``) it drafts the whole block, whose cost is
 measured rather than read off the fitted line. From plain decoding it drafts only where that pays for
-the way back as well (the slow plain steps after a drafting one, over the steps a plan runs at least). A step's cost is its whole work as the decoder
-measures it (drafting, verifying, acceptance and sampling, keeping the rows), so per-step overheads
+the way back as well (the slow plain steps after a drafting one, over the steps a plan runs at least).
+A step's cost is its whole work as the decoder measures it (drafting, verifying, acceptance and
+sampling, keeping the rows), so per-step overheads
 that do not scale with the model count on small pairs. Costs are those of a length drafted step after
 step, as a plan runs it: the first step of a length after another (or after a prefill) pays for the
 switch (the other model's weights and buffers in the caches: on a small pair the first plain step
