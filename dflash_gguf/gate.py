@@ -452,16 +452,15 @@ class DraftLength:
             # drawing every position's acceptance (shorter blocks leave the deep ones to extrapolation);
             # the most this gives up is PREFER_FULL
             plan = self.n_max
-        if plan and not self._plan and self._switch_cost() > 0:
+        if plan and not self._plan:
             # from plain decoding, a drafting plan must pay for its way back too: the plain steps after a
             # drafting one run slow (the drafter's run pushed the target out of the caches; probes measure
             # it), spread over the REPLAN_EVERY steps a plan runs at least. On a small pair that is several
             # plain steps, and near a tie the plan toggled at re-plannings: the demo pair on an AVX2 Zen 4,
             # its 3-token blocks 1.72 tokens a ms against plain's 1.68, ran at 0.76-0.81x plain. At real sizes
             # those steps are within noise of settled ones, and this changes nothing.
-            runs = self.REPLAN_EVERY
-            if max(expected[n] * runs / (costs[n] * runs + self._switch_cost())
-                   for n in range(1, self.n_max + 1)) < rate[0]:
+            runs, back = self.REPLAN_EVERY, self._switch_cost()
+            if max(expected[n] * runs / (costs[n] * runs + back) for n in range(1, self.n_max + 1)) < rate[0]:
                 plan = 0
         futile = plan == 0 and not self._could_pay(costs)
         hopeless = futile or (plan == 0 and bool(expected[-1] <= self.DIP))

@@ -689,6 +689,22 @@ def test_from_plain_decoding_a_drafting_plan_must_pay_for_its_way_back(gain, swi
     assert g._evaluate()[0] == 7
 
 
+def test_the_way_back_is_weighed_for_every_drafting_length_and_a_tie_keeps_drafting():
+    """Any drafting length that pays for the way back keeps the plan (a 1-token block alone here), and
+    one whose rate with it is exactly plain's is not beaten by it."""
+    e = np.array([1.0, 1.9, 2.8, 3.6, 4.3, 4.9, 5.4, 8.0])
+    one = np.concatenate([[1.0], [1.9 / 1.3], e[2:] / 0.5])  # only 1-token blocks beat plain (1.3x)
+    g = past_warmup(Fixed(7, e, one, prior=one))
+    g._plan, g._tail_seen = 0, 2.0                          # 8 x 1.9 / (8 x 1.46 + 2) = 1.11 x plain's rate
+    assert g._evaluate()[0] == 1
+    tie = np.concatenate([[1.0], e[1:-1] / 0.5, [4.0]])     # whole blocks: 8 tokens in 4 steps' time
+    g = past_warmup(Fixed(7, e, tie, prior=tie))
+    g._plan, g._tail_seen = 0, 32.0                         # 8 x 8 / (8 x 4 + 32) = 1, plain's rate exactly
+    assert g._evaluate()[0] == 7
+    g._tail_seen, g._evaluated = 32.5, None
+    assert g._evaluate()[0] == 0
+
+
 def test_the_way_back_is_what_probes_tails_cost():
     """The switch cost is the excess of the plain steps after probes (an EMA as probes' own cost is), not
     the probe step's (which also injects the rows kept since the last probe, a cost a plan switched to
