@@ -14,11 +14,10 @@ to plain decoding. Near a tie (within ``PREFER_FULL``) it drafts the whole block
 measured rather than read off the fitted line. From plain decoding it drafts only where that pays for
 the way back as well (the slow plain steps after a drafting one, over the steps a plan runs at least).
 A step's cost is its whole work as the decoder measures it (drafting, verifying, acceptance and
-sampling, keeping the rows), so per-step overheads
-that do not scale with the model count on small pairs. Costs are those of a length drafted step after
-step, as a plan runs it: the first step of a length after another (or after a prefill) pays for the
-switch (the other model's weights and buffers in the caches: on a small pair the first plain step
-after a drafting one costs about twice what settled ones do) and only sets a cost not known yet;
+sampling, keeping the rows), so per-step overheads that do not scale with the model count on small
+pairs. Costs are those of a length drafted step after step, as a plan runs it: the first step of a
+length after another (or after a prefill) pays for the switch (the other model's weights and buffers
+in the caches: on a small pair the first plain step after a drafting one costs about twice what settled ones do) and only sets a cost not known yet;
 probes that re-measure a cost take two steps, and may lower it, not raise it. A settled step of the
 plan that moves its cost moves every other length's by the same factor (the machine got busier or
 quieter for all of them): only steps of another length change how the lengths compare. It only
@@ -510,8 +509,9 @@ class DraftLength:
                 self._probe_after -= 1
                 was = max(self._probe_tail, 0.0)
                 self._probe_tail += min(seconds, self.OUTLIER * c0) - c0   # a slow step (the OS) counts as OUTLIER
-                self._probe_seen += self._probe_after_w * (max(self._probe_tail, 0.0) - was)
-                self._tail_seen += self._probe_after_w * (max(self._probe_tail, 0.0) - was)
+                grew = self._probe_after_w * (max(self._probe_tail, 0.0) - was)
+                self._probe_seen += grew
+                self._tail_seen += grew
             else:
                 self._probe_after = 0
         if n > 0 and self._plan == 0 and not same_step:

@@ -59,7 +59,7 @@ COUNTED = 2                        # steps counted per run of a length ...
 WARM = DraftLength.SETTLE          # ... after this many (default 1): the steps the gate leaves out too
 SPREAD = 1.5                       # a length whose rounds differ by more than this (max / min) is unsteady
 UNSTEADY = 1 / 3                   # ... and a measurement with more such lengths than this share is not kept
-STALE = DraftLength.PLAIN_DOUBT      # a gate's plain steps under this x the prior's: the prior was measured busy
+STALE = DraftLength.PLAIN_DOUBT    # a gate's plain steps under this x the prior's: the prior was measured busy
 FORMAT = 2                         # how the costs are measured and kept (2: runs, first steps left out)
 # a neutral prompt: the costs do not depend on what is drafted, only on how many rows
 PROMPT = b"The quick brown fox jumps over the lazy dog. " * 4
