@@ -17,7 +17,8 @@ A step's cost is its whole work as the decoder measures it (drafting, verifying,
 sampling, keeping the rows), so per-step overheads that do not scale with the model count on small
 pairs. Costs are those of a length drafted step after step, as a plan runs it: the first step of a
 length after another (or after a prefill) pays for the switch (the other model's weights and buffers
-in the caches: on a small pair the first plain step after a drafting one costs about twice what settled ones do) and only sets a cost not known yet;
+in the caches: on a small pair the first plain step after a drafting one costs about twice what
+settled ones do) and only sets a cost not known yet;
 probes that re-measure a cost take two steps, and may lower it, not raise it. A settled step of the
 plan that moves its cost moves every other length's by the same factor (the machine got busier or
 quieter for all of them): only steps of another length change how the lengths compare. It only
