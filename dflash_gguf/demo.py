@@ -180,8 +180,9 @@ def main(argv=None) -> int:
         print("  note: a 6 M-parameter target is not bound by reading its weights, so checking a block costs"
               " several one-token passes here")
         if spec_all.steps * 4 < spec_all.passes:
-            print("        and the speed gate decoded plainly; what is left is its probes, whose drafter runs push"
-                  " a model this small out of the CPU's caches")
+            print("        and the speed gate decoded plainly; what is left is staying ready to draft: every plain step"
+                  " keeps its hidden states\n        for the drafter and asks the gate (microseconds, a few percent of"
+                  " a step this small), and a rare probe of the drafter")
         else:
             print("        and drafting loses: the speed gate's estimates of the two were within this machine's"
                   " noise, and it drafted")

@@ -13,6 +13,9 @@ instead of on a few old draws, so an unlucky warm-up block cannot pin the choice
 to plain decoding. Near a tie (within ``PREFER_FULL``) it drafts the whole block, whose cost is
 measured rather than read off the fitted line. From plain decoding it drafts only where that pays for
 the way back as well (the slow plain steps after a drafting one, over the steps a plan runs at least).
+While decoding plainly it probes the drafter now and then, at most a share of plain decoding's time;
+probes that find nothing right, or a drafter right and still dearer than plain decoding, again and
+again, take ever less of it (down to an eighth).
 A step's cost is its whole work as the decoder measures it (drafting, verifying, acceptance and
 sampling, keeping the rows), so per-step overheads that do not scale with the model count on small
 pairs. Costs are those of a length drafted step after step, as a plan runs it: the first step of a
@@ -33,31 +36,6 @@ import math
 import numpy as np
 
 
-def batch_prior(costs: np.ndarray, b: int) -> np.ndarray:
-    """A cost prior per sequence for steps of ``b`` sequences, from one sequence's step costs
-    (``costs[n]``: a step drafting n tokens, n + 1 verify rows and one drafter call): a step of b
-    sequences drafting n each verifies R = b (n + 1) rows and calls the drafter on b blocks. Its verify
-    is costed as one sequence's step of R rows where the calibration measured one (R <= n_max + 1), less
-    that step's drafter call, else as its full block's verify, growing with the rows (a CPU verify is
-    compute-bound there); its drafter call b times one sequence's (each block is a block of rows, and
-    beyond one block the drafter's rows are compute-bound too); a plain step runs no drafter. Each
-    sequence is charged a b-th. Drafting then looks costlier as the batch grows, as it is on a CPU;
-    the batch's gate refines each cost it uses from its own steps."""
-    costs = np.asarray(costs, dtype=float)
-    n_max = len(costs) - 1
-    # the drafter's call: what one drafted token adds to a plain step (a second verify row costs next to
-    # nothing where one row is bound by the weights)
-    call = max(costs[1] - costs[0], 0.0) if n_max >= 1 else 0.0
-    rows = b * (np.arange(n_max + 1) + 1)
-    verify = np.where(rows <= n_max + 1, costs[np.minimum(rows, n_max + 1) - 1] - call,
-                      (costs[n_max] - call) * rows / (n_max + 1))
-    whole = verify + b * call * (np.arange(n_max + 1) > 0)
-    # never below one sequence's plain step, the batch's whole step (at b = 1 the one-row entry came out
-    # less a drafter call that step never made: this gives it back)
-    whole[0] = max(whole[0], costs[0])
-    return whole / b
-
-
 class DraftLength:
     WARMUP = (None, None, 0, 0, "half", None)               # None = n_max; costs of n_max and 0 (each a run of
                                                              # two: the second step's is steady), half
@@ -72,6 +50,10 @@ class DraftLength:
                                                              #     that is more than 4 PROBE_MAX steps, see _probe_gap)
     FRUITLESS = 3                                            # probes in a row with nothing right halve that share,
                                                              #     each, past the first, this many times at most
+    UNPAID = 2                                               # ... as do right ones after which plain decoding still
+                                                             #     won, each past this many (a drafter right and yet
+                                                             #     dearer than its tokens: the demo pair on 2 Zen 4
+                                                             #     cores, whose probes took 3-6% of its time)
     PROBE_TAIL = 32                                          # plain steps after a probe that still run slow (the
                                                              # drafter's run pushed the target out of the caches):
                                                              # their excess over a plain step is the probe's cost
@@ -141,6 +123,8 @@ class DraftLength:
                                                     #     plan while this gate has fewer than FEW_DRAWS draws
         self._fruitless = 0                         # acceptance probes in a row while decoding plainly with
                                                     #     nothing right (each one past the first halves their share)
+        self._unpaid = 0                            # ... and right ones in a row after which plain decoding won
+        self._probe_right = False                   # ... (the last probe's, counted at the next re-planning)
         self.probe_len = self._probe_length()
         self.probe_every = self._probe_gap()
         # with a prior: probes until one is right, at most WARMUP_GIVE_UP (a good drafter's first probe can
@@ -255,8 +239,12 @@ class DraftLength:
             return self.PROBE_EVERY
         # a drafter that probe after probe gets nothing right is less and less likely to come right: each
         # fruitless probe past the first halves the share (a never-right drafter's 0.6B-shaped pair cost its
-        # one-slot server 3-4% at the whole budget, against a plain server), down to an eighth
-        budget = self.PROBE_BUDGET / 2 ** min(max(self._fruitless - 1, 0), self.FRUITLESS)
+        # one-slot server 3-4% at the whole budget, against a plain server), down to an eighth. So does each
+        # right probe past UNPAID after which plain decoding still won: what a next one can find is a drafter
+        # much better than the draws so far say, less and less likely too (not from the first: a gate that
+        # underrates a good drafter's deep positions learns better from the probes' draws)
+        halvings = max(self._fruitless - 1, self._unpaid - self.UNPAID, 0)
+        budget = self.PROBE_BUDGET / 2 ** min(halvings, self.FRUITLESS)
         need = math.ceil(max(cp - c0, 0.0) / (budget * c0))
         # at most 4 PROBE_MAX steps or PROBE_LONGEST seconds of plain decoding, whichever is longer: a
         # tiny pair's probe costs about 25 plain steps all told (the demo pair on AMD Zen 4: a 96-token
@@ -382,6 +370,9 @@ class DraftLength:
                     # (4 steps of 0.4-0.7 s at 3-5 sequences, 1.7B on 2 cores, where plain steps took 45-60 ms)
                     # on a draw or two; decode plainly and probe soon (one sequence a probe) until FEW_DRAWS
                     plan, hopeless, futile = 0, False, False
+                # right probes in a row that left plain decoding the winner (any drafting plan ends the run)
+                self._unpaid = 0 if plan else self._unpaid + self._probe_right
+                self._probe_right = False
                 if early and plan == self._plan:
                     return plan
                 # a choice that survives re-measuring is probed less often (a never-right drafter then
@@ -517,8 +508,9 @@ class DraftLength:
                 self._probe_after = 0
         if n > 0 and self._plan == 0 and not same_step:
             # a probe while decoding plainly: what it cost, all told (the gap between probes spends the budget),
-            # and whether it found nothing again
+            # and whether it found nothing again (or something: whether that pays is the next plan's to say)
             self._fruitless = 0 if accepted else self._fruitless + 1
+            self._probe_right = accepted > 0
             first = self._probe_seen != self._probe_seen    # nan
             self._probe_seen = seconds if first else 0.5 * (self._probe_seen + seconds)
             self._tail_seen = 0.0 if first else 0.5 * self._tail_seen
@@ -605,9 +597,8 @@ class DraftLength:
             # fresh one: the demo pair's gate drafted at 0.83x plain after a busy minute raised plain's cost
             # by 30% while the whole block's stood. (Not a switch's step: it costs what it does for being
             # one, which says nothing of the machine.)
-            f, cost = new / c, self.cost
-            for i in range(len(cost)):
-                cost[i] *= f
+            f = new / c
+            self.cost = [x * f for x in self.cost]
         else:
             self._evaluated = None
         self.cost[n] = new

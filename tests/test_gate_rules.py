@@ -223,6 +223,45 @@ def test_fruitless_probes_stretch_the_gap_up_to_the_longest():
     assert np.diff(stretched)[-5:].tolist() == [384] * 5 and np.diff(whole)[-5:].tolist() == [96] * 5
 
 
+def test_right_probes_that_leave_plain_decoding_the_winner_stretch_the_gap_past_unpaid():
+    """Each acceptance probe in a row that gets a token right and still leaves plain decoding the winner at
+    the next re-planning, past UNPAID of them, halves the share probes may take (at most FRUITLESS times,
+    as fruitless probes do), up to the longest gap; a drafting plan ends the run, and a fruitless probe
+    does not count. Through choose(): a drafter right on its first token whose blocks cost 2.5 plain steps
+    (plain decoding wins at its 1.8 tokens a step, all tokens right would win) is probed 14 times in 4,000
+    steps where the whole share probed it 46 times."""
+    prior = np.array([1.0] + [2.5] * 7) * 1e-3
+    expected = [1.0, 1.8, 1.9, 2.0, 2.0, 2.0, 2.0, 2.0]
+
+    def run(unpaid: int) -> tuple[list[int], G]:
+        h = Fixed(7, expected, prior, prior)
+        h.UNPAID = unpaid
+        at = []
+        for step in range(4000):
+            n = h.choose()
+            if n:
+                at.append(step)
+            h.record(n, min(n, 1), prior[n])
+        return at, h
+    (stretched, g), (whole, _) = run(G.UNPAID), run(10**6)
+    assert (len(stretched), len(whole)) == (14, 46)
+    assert np.diff(stretched).tolist() == [5, 4, 8, 16, 64, 240] + [480] * 7   # 1.5 / (0.025 / 2^k) steps
+    assert np.diff(whole)[-5:].tolist() == [96] * 5
+    assert g._plan == 0 and g._unpaid == 13 and g._probe_gap() == 480
+    g.record(g.probe_len, 0, prior[1])                        # a fruitless probe: the run of right ones holds
+    g.steps += G.REPLAN_EVERY - g.steps % G.REPLAN_EVERY - 1
+    g._next_probe = 10**9
+    assert g.choose() == 0 and g._unpaid == 13
+    g._unpaid = G.UNPAID + 1                                  # one past UNPAID: half the share
+    assert g._probe_gap() == 120
+    g._unpaid = G.UNPAID
+    assert g._probe_gap() == 60
+    g.record(g.probe_len, 1, prior[1])
+    g.fixed_expected = [1.0, 1.8, 3.0, 4.0, 5.0, 6.0, 7.0, 8.0]   # now drafting wins: the run ends
+    g.steps += G.REPLAN_EVERY - g.steps % G.REPLAN_EVERY - 1
+    assert g.choose() == 7 and g._unpaid == 0 and not g._probe_right
+
+
 def test_the_plain_steps_after_a_probe_charge_their_excess_to_the_probe():
     """The PROBE_TAIL plain steps after a probe run slow (the switch back: on the demo pair a plain step
     more at first, fading over ten to twenty steps); their summed excess over a plain step is the probe's
@@ -1099,7 +1138,7 @@ def test_batch_prior_scales_one_sequences_costs_by_the_rows():
     """A step of b sequences drafting n each verifies b (n + 1) rows: costed as one sequence's step of
     that many rows less its drafter call (within the calibrated block), beyond it as the full block's
     verify per row, plus b drafter calls, a b-th each; a plain step of b rows without any drafter call."""
-    from dflash_gguf.gate import batch_prior
+    from dflash_gguf.decoding.batch_costs import batch_prior
 
     c = np.array([10.0, 12.0, 13.0, 15.0, 16.0, 18.0, 19.0, 21.0])    # n = 0..7: 1..8 rows
     assert np.allclose(batch_prior(c, 1), c)

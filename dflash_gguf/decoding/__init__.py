@@ -3,8 +3,9 @@
 :mod:`.decoder` sequences one step (of one sequence or a batch of them): :mod:`.proposer` drafts, the
 target verifies, :mod:`.acceptance` decides what is kept, :mod:`.rollback` trims the target's memory, :mod:`.stats` records it;
 :mod:`.prompts` brings a prompt into a slot's caches, :mod:`.scheduling` runs many requests on the slots.
-:mod:`.calibration` measures this machine's step costs once per pair, the speed gate's starting point.
-:mod:`.acceptance` and :mod:`.stats` need no native library; the names below load on first use.
+:mod:`.calibration` measures this machine's step costs once per pair, the speed gate's starting point;
+:mod:`.batch_costs` scales them to a batch of sequences.
+:mod:`.acceptance`, :mod:`.batch_costs` and :mod:`.stats` need no native library; the names below load on first use.
 """
 from __future__ import annotations
 

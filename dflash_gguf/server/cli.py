@@ -19,7 +19,7 @@ def parser(prog: str = "python -m dflash_gguf.server") -> argparse.ArgumentParse
         prog=prog, formatter_class=argparse.RawDescriptionHelpFormatter,
         description="OpenAI-compatible server (/v1/completions, /v1/chat/completions, /v1/models, /health, "
                     "/metrics) with lossless DFlash speculative decoding. One model; requests are served one "
-                    "at a time in arrival order.",
+                    "at a time in arrival order, or with -np N up to N together in one batched engine.",
         epilog="example:\n  python -m dflash_gguf.server --pair qwen3-8b-dflash --port 8000\n"
                "  curl localhost:8000/v1/chat/completions -H 'content-type: application/json' \\\n"
                "       -d '{\"messages\": [{\"role\": \"user\", \"content\": \"hi\"}], "
@@ -31,7 +31,8 @@ def parser(prog: str = "python -m dflash_gguf.server") -> argparse.ArgumentParse
     g.add_argument("-a", "--alias", "--model-alias", dest="model_alias", default=None,
                    help="model id shown by /v1/models (default: the target's name)")
     g.add_argument("--max-queue", type=int, default=None, metavar="N",
-                   help="requests allowed to wait while one runs; more get 503 at once (default: no limit)")
+                   help="requests allowed to wait while the model (with -np: every slot) is busy; more get 503 at "
+                        "once (default: no limit)")
     g.add_argument("--request-timeout", type=float, default=None, metavar="S",
                    help="seconds from a request's arrival to its end; then it is stopped and gets 408 "
                         "(default: no limit)")
@@ -42,8 +43,9 @@ def parser(prog: str = "python -m dflash_gguf.server") -> argparse.ArgumentParse
     g.add_argument("-np", "--parallel", type=int, default=None, metavar="N",
                    help="requests decoded together, up to N sequences per step in one batched engine (llama.cpp's "
                         "flag). Its contexts come beside the model's own: N x the KV cache and the drafter window; "
-                        "tools, logprobs and echo still run one at a time on the model's own context "
-                        "(default: off, every request one at a time)")
+                        "requests the slots do not serve (an echoed prompt's logprobs, a chat format without a "
+                        "known formatter) still run one at a time on the model's own context (default: off, "
+                        "every request one at a time; README: why)")
     g.add_argument("--logits-all", action="store_true",
                    help="keep every position's logits, as llama_cpp's logits_all: completions' logprobs and chats' "
                         "top_logprobs then work (with DFlash), at n_ctx x vocabulary x 4 bytes of memory "
