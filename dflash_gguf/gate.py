@@ -50,10 +50,9 @@ class DraftLength:
                                                              #     that is more than 4 PROBE_MAX steps, see _probe_gap)
     FRUITLESS = 3                                            # probes in a row with nothing right halve that share,
                                                              #     each, past the first, this many times at most
-    UNPAID = 2                                               # ... as do right ones after which plain decoding still
-                                                             #     won, each past this many (a drafter right and yet
-                                                             #     dearer than its tokens: the demo pair on 2 Zen 4
-                                                             #     cores, whose probes took 3-6% of its time)
+    UNPAID = 2                                               # ... as do right ones after which plain decoding won,
+                                                             #     each past this many (the demo pair on 2 Zen 4 cores:
+                                                             #     probes took 3-6% of its time)
     PROBE_TAIL = 32                                          # plain steps after a probe that still run slow (the
                                                              # drafter's run pushed the target out of the caches):
                                                              # their excess over a plain step is the probe's cost
@@ -124,7 +123,7 @@ class DraftLength:
         self._fruitless = 0                         # acceptance probes in a row while decoding plainly with
                                                     #     nothing right (each one past the first halves their share)
         self._unpaid = 0                            # ... and right ones in a row after which plain decoding won
-        self._probe_right = False                   # ... (the last probe's, counted at the next re-planning)
+        self._probe_right = False                   #     (the last probe's, counted at the next re-planning)
         self.probe_len = self._probe_length()
         self.probe_every = self._probe_gap()
         # with a prior: probes until one is right, at most WARMUP_GIVE_UP (a good drafter's first probe can
@@ -450,7 +449,7 @@ class DraftLength:
             # plain steps, and near a tie the plan toggled at re-plannings: the demo pair on an AVX2 Zen 4,
             # its 3-token blocks 1.72 tokens a ms against plain's 1.68, ran at 0.76-0.81x plain. At real sizes
             # those steps are within noise of settled ones, and this changes nothing.
-            runs, back = self.REPLAN_EVERY, self._switch_cost()
+            runs, back = self.REPLAN_EVERY, self._way_back()
             if max(expected[n] * runs / (costs[n] * runs + back) for n in range(1, self.n_max + 1)) < rate[0]:
                 plan = 0
         futile = plan == 0 and not self._could_pay(costs)
@@ -458,11 +457,10 @@ class DraftLength:
         self._evaluated = (plan, hopeless, futile)
         return plan, hopeless, futile
 
-    def _switch_cost(self) -> float:
+    def _way_back(self) -> float:
         """Seconds the way back from drafting to plain decoding costs beyond settled plain steps: the excess
         of the PROBE_TAIL plain steps after probes (EMA); 0 until a probe's tail has been measured."""
-        seen = self._tail_seen
-        return seen if seen == seen else 0.0
+        return self._tail_seen if self._tail_seen == self._tail_seen else 0.0
 
     def learn_acceptance(self, other: "DraftLength") -> None:
         """Start from ``other``'s acceptance history (the same drafter, another step shape: a batch of
@@ -554,13 +552,11 @@ class DraftLength:
             return
         switched = False
         if not steady:
-            # a switch's cost, not this length's; unless the plan's steps are all switches (a batch size's
-            # gate whose every step follows another size's or a prefill: a server's batch that changes
-            # every few steps), where it is what the plan costs, and a prior that underrates it would
-            # otherwise stand for good
-            # (counted across plans: what the count measures is the traffic - this gate's steps all follow
-            # other gates' - which a new plan does not change; counted per plan, a 4-client server's gate
-            # whose plans change as the prior gives way takes about twice as many steps to decode plainly)
+            # a switch's cost, not this length's; unless the plan's steps are all switches (a batch size's gate
+            # whose every step follows another size's or a prefill), where it is what the plan costs, and a
+            # prior that underrates it would otherwise stand for good. Counted across plans: the count measures
+            # the traffic, which a new plan does not change (counted per plan, a 4-client server's gate whose
+            # plans change as the prior gives way took about twice as many steps to decode plainly)
             self._switches = self._switches + 1 if n == self._plan else 0
             if self._switches < self.SWITCHES:
                 return

@@ -721,7 +721,7 @@ def test_from_plain_decoding_a_drafting_plan_must_pay_for_its_way_back(gain, swi
     g = past_warmup(Fixed(7, e, cost, prior=cost))
     g._tail_seen = switch
     g._plan = plan_from
-    assert g._switch_cost() == switch
+    assert g._way_back() == switch
     assert (g._evaluate()[0] > 0) == drafts
     runs = G.REPLAN_EVERY                                   # the bound itself: a way back the gain just pays
     g._tail_seen, g._evaluated = runs * (gain - 1) * float(cost[7]) * 0.99, None
@@ -751,25 +751,25 @@ def test_the_way_back_is_what_probes_tails_cost():
     g = G(7, np.array([1.0] + [2.5] * 7))
     g._prior.clear()                                        # measured costs (a prior's first step replaces it)
     g._plan = 0
-    assert g._switch_cost() == 0.0
+    assert g._way_back() == 0.0
     g.record(g.probe_len, 1, 4.0)
-    assert g._switch_cost() == 0.0
+    assert g._way_back() == 0.0
     g.record(0, 0, 1.5)
     g.record(0, 0, 1.25)
-    assert g._switch_cost() == pytest.approx(0.75)
+    assert g._way_back() == pytest.approx(0.75)
     g.record(0, 0, 0.25)                                    # a fast step takes back ...
-    assert g._switch_cost() == pytest.approx(0.0)
+    assert g._way_back() == pytest.approx(0.0)
     g.record(0, 0, 0.25)                                    # ... never below nothing
-    assert g._switch_cost() == 0.0
+    assert g._way_back() == 0.0
     for _ in range(G.PROBE_TAIL):
         g.record(0, 0, float(g.cost[0]) + 0.25)
-    tail = g._switch_cost()
+    tail = g._way_back()
     assert tail > 0
     g.record(g.probe_len, 1, 4.0)                           # a second probe: half of the EMA ...
-    assert g._switch_cost() == pytest.approx(0.5 * tail)
+    assert g._way_back() == pytest.approx(0.5 * tail)
     c = float(g.cost[0])
     g.record(0, 0, c + 1.0)                                 # ... and half of its own tail
-    assert g._switch_cost() == pytest.approx(0.5 * tail + 0.5)
+    assert g._way_back() == pytest.approx(0.5 * tail + 0.5)
 
 
 def test_replanning_happens_every_replan_steps():
