@@ -43,8 +43,8 @@ def _parse(argv):
     ap.add_argument("--threads", "-t", type=int, default=None, help="CPU threads (default: all cores, at most 8)")
     ap.add_argument("--n-gpu-layers", "-ngl", type=int, default=0, help="layers of both models to offload to "
                     "a GPU (default 0; 99: all; needs a GPU build, see README 'GPU offload')")
-    ap.add_argument("--trials", type=int, default=5,
-                    help="timed runs of each mode, alternating; shown: all tokens over all time (default 5)")
+    ap.add_argument("--trials", type=int, default=10,
+                    help="timed runs of each mode, alternating; shown: all tokens over all time (default 10)")
     ap.add_argument("--no-stream", action="store_true", help="do not print the completion as it is generated")
     ap.add_argument("--no-scale", action="store_true", help="skip the line at a realistic size (a Qwen3-0.6B-shaped "
                     "pair with this pair's acceptance replayed; written once, about 0.5 GB, then cached)")
