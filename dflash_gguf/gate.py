@@ -53,12 +53,10 @@ class DraftLength:
     UNPAID = 2                                               # ... as do right ones after which plain decoding won,
                                                              #     each past this many (the demo pair on 2 Zen 4 cores:
                                                              #     probes took 3-6% of its time)
-    PROBE_TAIL = 32                                          # plain steps after a probe that still run slow (the
-                                                             # drafter's run pushed the target out of the caches):
-                                                             # their excess over a plain step is the probe's cost
-                                                             # (the demo pair on AMD Zen 4: 1.6 / 2.1 / 2.7 / 3.2 ms
-                                                             # over the next 10 / 20 / 40 / 60 steps of 0.4 ms, for
-                                                             # a 2.5-3.5 ms probe step)
+    PROBE_TAIL = 32                                          # plain steps after a probe that run slow (the drafter
+                                                             # pushed the target out of the caches): their excess is
+                                                             # the probe's cost too (the demo pair on Zen 4: 1.6 /
+                                                             # 3.2 ms over 10 / 60 steps of 0.4 ms, probe step 3 ms)
     PROBE_EVERY = 24                                         # re-measure n_max and plain now and then ...
     PROBE_SOON = 4                                           # ... sooner after leaving a drafter that
     DIP = 1.5                                                #     still gets this many tokens per step
@@ -79,10 +77,9 @@ class DraftLength:
                                                              # plain steps settle over about ten after a drafting
                                                              # step or a prefill (the drafter's runs push a small
                                                              # target out of the caches); a drafting block after one
-    SWITCHES = 3                                             # steps of the plan, each the first of a run (its
-                                                             # gate's steps always follow others': batch sizes
-                                                             # that come and go): from the SWITCHES-th on, their
-                                                             # costs count (they are what this plan costs)
+    SWITCHES = 3                                             # steps of the plan in a row, each a run's first (batch
+                                                             # sizes that come and go): from the SWITCHES-th on,
+                                                             # their costs count (they are what this plan costs)
     PLAIN_DOUBT = 0.7                                        # a plain step's prior may be this much too dear (taken
                                                              # on a busy machine; calibration.STALE is this): a drafting
                                                              # plan that beats it by less measures plain soon
@@ -486,9 +483,10 @@ class DraftLength:
         self._run, self._streak = (after._run, after._streak) if isinstance(after, DraftLength) else (None, 0)
         self._probe_after = 0
 
-    def record(self, n: int, accepted: int, seconds: float, same_step: bool = False) -> None:
+    def record(self, n: int, accepted: int, seconds: float, same_step: bool = False, batch: int = 1) -> None:
         """A step that drafted ``n`` tokens, ``accepted`` of them, in ``seconds``. ``same_step``: another
-        sequence of the step recorded last (a batch: its acceptance counts, the step's cost once)."""
+        sequence of the step recorded last (a batch: its acceptance counts, the step's cost once).
+        ``batch``: the sequences ``seconds`` is a share of (a batch's probe drafts for one)."""
         if self._probe_after and not same_step:
             # the plain steps after a probe pay for the switch back (on the demo pair a plain step more at
             # first, the excess fading over ten to twenty steps), which is the probe's cost too: their summed
@@ -514,11 +512,13 @@ class DraftLength:
             self._tail_seen = 0.0 if first else 0.5 * self._tail_seen
             self._probe_after, self._probe_after_w, self._probe_tail = self.PROBE_TAIL, (1.0 if first else 0.5), 0.0
         if n > 0 and self._plan == 0 and 2 * accepted >= n and \
-                not (1 + accepted) * self.cost[0] <= seconds:
+                not (1 + accepted / batch) * self.cost[0] <= seconds:
             # a probe while decoding plainly found the drafter right, and its step beat a plain one (or
             # plain's cost is unknown): look again soon, re-plan now. A probe that was right but still
             # slower than plain decoding (a drafter that pays on a larger target, not on this one) only
-            # adds its draws: probing soon after it, again and again, would cost more than it finds.
+            # adds its draws: probing soon after it, again and again, would cost more than it finds. A batch's
+            # probe (one sequence drafts) beat a plain step where all its sequences' tokens did (8 sequences
+            # at 1.7B on AVX2, taken for the drafting one's: right probes every 2-3 steps, 0.70-0.83x)
             self._plan = None
             self._next_probe = self.steps + 2
         if n > 0 and n == self._plan and accepted == 0 and self.tries[0] < self.FEW_DRAWS:

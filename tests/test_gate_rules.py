@@ -549,6 +549,17 @@ def test_a_right_probe_must_beat_plain_decoding_per_token(seconds, replans):
     assert (g._plan is None) == replans
 
 
+@pytest.mark.parametrize("batch, seconds, replans", [
+    (1, 1.45, True), (4, 1.45, False), (4, 0.74, True), (4, 0.76, False), (8, 0.62, True), (8, 0.64, False)])
+def test_a_batchs_right_probe_must_beat_plain_decoding_for_the_whole_batch(batch, seconds, replans):
+    """A batch's probe drafts for one of its b sequences, each charged a b-th of the step: 2 accepted beat
+    plain decoding (0.5 s a sequence's share) only if the step's b + 2 tokens did, i.e. each share took
+    less than (1 + 2 / b) plain shares; the drafting sequence's 3 tokens alone are no yardstick."""
+    g = right_probe_gate([0.5, 1.25, 1.25, 1.25, 1.25, 3, 3, 3])
+    g.record(g.probe_len, 2, seconds, batch=batch)
+    assert (g._plan is None) == replans
+
+
 # step costs over a plain step's, as the calibration measured them on two AMD Zen 4 cores (1.7B Q4_0 shape):
 # AVX2 without VNNI (a 16-row verify 8.7x a one-row decode) and AVX-512 VNNI (3.0x)
 AVX2_PRIOR = np.interp(np.arange(16), [0, 1, 2, 4, 8, 15], [1.0, 1.58, 2.65, 4.0, 6.2, 10.2])

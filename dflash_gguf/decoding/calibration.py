@@ -99,7 +99,7 @@ class _Schedule:
     def choose(self) -> int:
         return self.plan[self.i] if self.i < len(self.plan) else 0
 
-    def record(self, n: int, accepted: int, seconds: float, same_step: bool = False) -> None:
+    def record(self, n: int, accepted: int, seconds: float, same_step: bool = False, batch: int = 1) -> None:
         if self.i < len(self.plan) and not same_step:
             if self.counted[self.i] and n == self.plan[self.i]:   # n is cut short only at the context's end
                 self.seen.setdefault(n, []).append(seconds)

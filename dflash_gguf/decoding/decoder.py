@@ -362,7 +362,8 @@ class DFlashDecoder(Prompts, Scheduling):
         # an acceptance probe of a batch drafted for one sequence (_lengths): the others drew nothing
         draws = [st for st in gated if st.n > 0] if gate.probing and len(steps) > 1 else gated
         for i, st in enumerate(draws or gated[:1]):
-            gate.record(choice if len(steps) > 1 else st.n, st.accepted, seconds / len(gated), same_step=i > 0)
+            gate.record(choice if len(steps) > 1 else st.n, st.accepted, seconds / len(gated), same_step=i > 0,
+                        batch=len(gated))
 
     # ------------------------------------------------------------------ requests
     def _check(self, prompt: Sequence[int]) -> list[int]:
