@@ -43,6 +43,18 @@ class Fixed(G):
         return self.fixed_cost
 
 
+def probe_steps(g: G, steps: int, accept, cost) -> list[int]:
+    """Drive ``g`` for ``steps`` steps (``accept(n)`` tokens right of n drafted, ``cost[n]`` seconds a
+    step): the steps at which it drafted."""
+    at = []
+    for step in range(steps):
+        n = g.choose()
+        if n:
+            at.append(step)
+        g.record(n, accept(n), cost[n])
+    return at
+
+
 def past_warmup(g: G) -> G:
     g.steps = g._warmup
     g._next_probe = 10**9
@@ -211,13 +223,7 @@ def test_fruitless_probes_stretch_the_gap_up_to_the_longest():
     def probes(fruitless: int) -> list[int]:
         h = G(7, prior)
         h.FRUITLESS = fruitless
-        at = []
-        for step in range(4000):
-            n = h.choose()
-            if n:
-                at.append(step)
-            h.record(n, 0, prior[n])
-        return at
+        return probe_steps(h, 4000, lambda n: 0, prior)
     stretched, whole = probes(G.FRUITLESS), probes(0)
     assert (len(stretched), len(whole)) == (15, 44)
     assert np.diff(stretched)[-5:].tolist() == [384] * 5 and np.diff(whole)[-5:].tolist() == [96] * 5
@@ -236,13 +242,7 @@ def test_right_probes_that_leave_plain_decoding_the_winner_stretch_the_gap_past_
     def run(unpaid: int) -> tuple[list[int], G]:
         h = Fixed(7, expected, prior, prior)
         h.UNPAID = unpaid
-        at = []
-        for step in range(4000):
-            n = h.choose()
-            if n:
-                at.append(step)
-            h.record(n, min(n, 1), prior[n])
-        return at, h
+        return probe_steps(h, 4000, lambda n: min(n, 1), prior), h
     (stretched, g), (whole, _) = run(G.UNPAID), run(10**6)
     assert (len(stretched), len(whole)) == (14, 46)
     assert np.diff(stretched).tolist() == [5, 4, 8, 16, 64, 240] + [480] * 7   # 1.5 / (0.025 / 2^k) steps
