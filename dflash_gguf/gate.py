@@ -402,13 +402,12 @@ class DraftLength:
                     self._next_probe = min(self._next_probe, self.steps + self.PROBE_SOON)
                 if 0 < plan < self.n_max:
                     # a middle plan's probes (two steps of the whole block or of plain decoding, in turn) no
-                    # closer than their cost allows
+                    # closer than their cost allows; chosen on the prior's word for the whole block, it measures
+                    # that soon (a prior taken while the machine was busy must not keep full blocks away for long)
                     self.probe_every = max(self.probe_every, self._middle_probe_gap(plan))
-                if 0 < plan < self.n_max and self.n_max in self._prior:
-                    # a middle length chosen on the prior's word for the whole block: measure that soon
-                    # (a prior taken while the machine was busy must not keep full blocks away for long)
-                    self._probe_full = False
-                    self._next_probe = min(self._next_probe, self.steps + self.PROBE_SOON)
+                    if self.n_max in self._prior:
+                        self._probe_full = False
+                        self._next_probe = min(self._next_probe, self.steps + self.PROBE_SOON)
                 if plan and self._plain_on_prior() and self._plain_could_win(plan):
                     # drafting chosen against plain decoding on the prior's word, by less than a busy prior
                     # can be off: measure plain soon too (the whole block's probe first where that is the
