@@ -460,6 +460,13 @@ def check_gguf(path: str | os.PathLike, *, role: str = "model") -> GGUFHeader:
     return h
 
 
+def drafter_kind(h: GGUFHeader) -> str:
+    """``dspark`` (a Markov head: ``markov_w1``), ``dflash2`` (a candidate selector) or ``dflash``."""
+    if any(t.name == "markov_w1.weight" for t in h.tensors):
+        return "dspark"
+    return "dflash2" if h.get("dflash.selector_top_k", 0) else "dflash"
+
+
 def check_manifest(doc: dict, drafter: str | os.PathLike) -> None:
     """``pair.json`` must describe the drafter it names: kind, block size, taps and mask id agree.
 
@@ -473,7 +480,7 @@ def check_manifest(doc: dict, drafter: str | os.PathLike) -> None:
         raise PairMismatchError(f"pair.json names {Path(drafter).name} as the drafter, but its general.architecture "
                                 f"is {h.arch!r}, not 'dflash' (target and drafter swapped?)")
     _check_model(h, _Reader(None, h.size, Path(drafter)))
-    have = {"kind": "dflash2" if h.get("dflash.selector_top_k", 0) else "dflash",
+    have = {"kind": drafter_kind(h),
             "block_size": h.get("dflash.block_size", 16),
             "target_layers": list(h.get("dflash.target_layers", []) or []),
             "mask_token_id": h.get("tokenizer.ggml.mask_token_id")}

@@ -3,6 +3,7 @@ synthetic checkpoints of its shapes (config.json + safetensors headers over spar
 downloads), and ``--list`` / ``--recipe`` work from the command line."""
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import re
@@ -14,7 +15,8 @@ from pathlib import Path
 import pytest
 
 from dflash_gguf.convert.errors import PairError
-from dflash_gguf.convert.recipes import DRAFTER_ARCHS, SCHEMAS, Recipe, catalogue, catalogue_dir, check_against, load
+from dflash_gguf.convert.recipes import (DRAFTER_ARCHS, DSPARK_SCHEMAS, SCHEMAS, Recipe, catalogue, catalogue_dir,
+                                         check_against, load)
 from dflash_gguf.convert.targets import supported_targets
 from dflash_gguf.convert.validate import validate_pair
 from support import pair  # noqa: F401 (fixture)
@@ -39,6 +41,7 @@ def write_safetensors(path: Path, shapes: dict[str, list[int]]) -> None:
 
 
 STAND_IN_TARGET = "Qwen3ForCausalLM"     # for entries whose target class no public source confirmed
+DSPARK_RANK = 256                        # DeepSpec's released DSpark drafters
 
 
 def drafter_config(recipe: Recipe, hidden: int, vocab: int, n_layer: int, schema: str | None) -> dict:
@@ -48,7 +51,7 @@ def drafter_config(recipe: Recipe, hidden: int, vocab: int, n_layer: int, schema
     ids = recipe.target_layer_ids or [1 + i * (n_layer - 4) // 4 for i in range(5)]
     mask = recipe.mask_token_id if recipe.mask_token_id is not None else vocab - 1
     block = recipe.block_size or 16
-    arch = recipe.drafter.architecture or DRAFTER_ARCHS[recipe.kind]
+    arch = recipe.drafter.architecture or DRAFTER_ARCHS[recipe.kind][0]
     cfg = {"architectures": [arch], "hidden_size": hidden, "vocab_size": vocab, "num_hidden_layers": n_draft,
            "num_target_layers": n_layer}
     window = recipe.drafter.sliding_window
@@ -59,6 +62,23 @@ def drafter_config(recipe: Recipe, hidden: int, vocab: int, n_layer: int, schema
                    rope_parameters={"rope_type": "default", "rope_theta": 10000000.0},
                    layer_types=["sliding_attention"] * (n_draft - 1) + ["full_attention"],
                    sliding_window=window or 4096, use_sliding_window=True)
+    elif schema == "deepspec-flat":       # DeepSpec's build_draft_config: the target's config plus these
+        cfg.update(architectures=[recipe.drafter.architecture or "Qwen3DSparkModel"], block_size=block,
+                   target_layer_ids=ids, mask_token_id=mask, num_anchors=512, enable_confidence_head=True,
+                   confidence_head_with_markov=True, markov_rank=DSPARK_RANK, markov_head_type="vanilla",
+                   tie_word_embeddings=False)
+    elif schema == "speculators":         # speculators' DSparkSpeculatorConfig
+        cfg = {"architectures": ["DSparkSpeculator"], "speculators_model_type": "dspark", "block_size": block,
+               "draft_vocab_size": vocab, "aux_hidden_state_layer_ids": [i + 1 for i in ids], "mask_token_id": mask,
+               "sample_from_anchor": True, "markov_rank": DSPARK_RANK, "markov_head_type": "vanilla",
+               "enable_confidence_head": True, "confidence_head_with_markov": True,
+               "transformer_layer_config": {"model_type": "qwen3", "hidden_size": hidden, "vocab_size": vocab,
+                                            "num_hidden_layers": n_draft}}
+    elif schema == "dspark-nested":       # DSparkDraftModel with the DSpark fields in dflash_config
+        cfg.update(architectures=["DSparkDraftModel"], block_size=block,
+                   dflash_config={"mask_token_id": mask, "target_layer_ids": ids, "projector_type": "dspark",
+                                  "markov_rank": DSPARK_RANK, "markov_head_type": "vanilla",
+                                  "enable_confidence_head": True, "confidence_head_with_markov": True})
     elif schema == "dflash2":
         cfg.update(dflash_config={"block_size": block, "mask_token_id": mask, "target_layer_ids": ids,
                                   "conv_kernel_size": 4, "conv_group_size": 16, "selector_rank": 256,
@@ -92,9 +112,10 @@ def synthetic(recipe: Recipe, root: Path, schema: str | None = None, **drafter_o
     cfg.update(drafter_overrides)
     (ddir / "config.json").write_text(json.dumps(cfg))
     dcfg = cfg.get("dflash_config", {})
-    n_taps = len(dcfg.get("target_layer_ids") or cfg.get("target_layer_ids"))
+    n_taps = len(dcfg.get("target_layer_ids") or cfg.get("target_layer_ids") or cfg.get("aux_hidden_state_layer_ids"))
+    n_draft = cfg.get("num_hidden_layers") or cfg["transformer_layer_config"]["num_hidden_layers"]
     shapes = {"fc.weight": [hidden, n_taps * hidden], "hidden_norm.weight": [hidden], "norm.weight": [hidden]}
-    for i in range(cfg["num_hidden_layers"]):
+    for i in range(n_draft):
         for s in ("input_layernorm", "post_attention_layernorm", "self_attn.q_norm", "self_attn.k_norm"):
             shapes[f"layers.{i}.{s}.weight"] = [hidden]
         for s in ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj", "mlp.gate_proj",
@@ -104,6 +125,10 @@ def synthetic(recipe: Recipe, root: Path, schema: str | None = None, **drafter_o
             for s in ("attention_conv", "mlp_conv"):
                 shapes[f"layers.{i}.{s}.base_kernel"] = [4]
                 shapes[f"layers.{i}.{s}.kernel_projection.weight"] = [hidden // 16 * 4, hidden]
+    if recipe.kind == "dspark":          # no embeddings: the sparse holes would be read to be compared
+        shapes.update({"markov_head.markov_w1.weight": [vocab, DSPARK_RANK],
+                       "markov_head.markov_w2.weight": [vocab, DSPARK_RANK],
+                       "confidence_head.proj.weight": [1, hidden + DSPARK_RANK]})
     if schema == "dflash2":
         rank = dcfg["selector_rank"]
         shapes.update({"candidate_selector.hidden_projection.weight": [rank, hidden],
@@ -161,12 +186,20 @@ def test_every_entry_passes_validation(name, tmp_path):
 def test_each_schema_key_set_passes_validation(schema, tmp_path):
     """The three key sets published drafters use, on a known pair's shapes: block size, taps and mask token
     are read from where each schema puts them."""
-    r = CATALOGUE["qwen3.8-27b-dflash2" if schema == "dflash2" else "qwen3-8b-dflash-b16"]
+    dspark = schema in DSPARK_SCHEMAS
+    r = CATALOGUE["qwen3.8-27b-dflash2" if schema == "dflash2" else "qwen3-8b-dspark-block7" if dspark
+                  else "qwen3-8b-dflash-b16"]
+    if schema in ("speculators", "dspark-nested"):  # the DeepSpec release's values in another form
+        r = dataclasses.replace(r, schema=schema, drafter=dataclasses.replace(r.drafter, architecture=None))
     spec = validate_pair(*synthetic(r, tmp_path, schema=schema))
     check_against(r, spec)
     assert spec.block_size == r.block_size and spec.target_layer_ids == r.target_layer_ids
-    assert spec.kind == ("dflash2" if schema == "dflash2" else "dflash")
-    assert spec.attention.sliding_window == (0 if schema == "legacy" else r.drafter.sliding_window or 4096)
+    assert spec.kind == ("dflash2" if schema == "dflash2" else "dspark" if dspark else "dflash")
+    if dspark:
+        assert spec.dspark.form == {"deepspec-flat": "deepspec", "dspark-nested": "nested"}.get(schema, schema)
+        assert spec.dspark.markov_rank == DSPARK_RANK and spec.dspark.sample_from_anchor
+    else:
+        assert spec.attention.sliding_window == (0 if schema == "legacy" else r.drafter.sliding_window or 4096)
 
 
 def test_a_checkpoint_that_contradicts_its_recipe_is_refused(tmp_path):

@@ -7,7 +7,7 @@
     assert check_pair("out").ok
     pair = load_manifest("out")          # pair.target.path, pair.drafter.path, ...
 
-Modules: ``hf`` (reading checkpoints), ``validate`` (pair rules), ``targets`` (which
+Modules: ``hf`` (reading checkpoints), ``validate`` (pair rules), ``dspark`` (the DSpark forms), ``targets`` (which
 HF targets can feed a drafter: the converter's registry and the library's list), ``upstream`` (llama.cpp's
 converter), ``quantize``, ``manifest`` (pair.json), ``pipeline`` (convert_pair), ``check``, ``cli``.
 """

@@ -28,6 +28,7 @@ class TensorInfo:
     dtype: str
     shape: tuple[int, ...]
     file: Path
+    offset: int = 0                 # of its data in ``file`` (for the few tensors that are compared)
 
     @property
     def n_elements(self) -> int:
@@ -164,7 +165,7 @@ def read_safetensors_header(path: Path) -> dict[str, TensorInfo]:
             raise _corrupt(path, f"tensor {name!r} ({dtype} {list(shape)}) spans {e - b} bytes, expected "
                                  f"{math.ceil(math.prod(shape) * per)}")
         end_max = max(end_max, e)
-        out[name] = TensorInfo(dtype=dtype, shape=shape, file=path)
+        out[name] = TensorInfo(dtype=dtype, shape=shape, file=path, offset=8 + n + b)
     if end_max > data_len:
         raise _corrupt(path, f"it is truncated: the header describes {end_max} bytes of tensor data, the file "
                              f"holds {data_len}")

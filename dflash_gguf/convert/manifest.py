@@ -43,7 +43,9 @@ def build_manifest(spec, target_file: Path, target_type: str, drafter_file: Path
         "drafter": file_entry(drafter_file, drafter_type, arch="dflash", hf_architecture=d.architecture,
                               n_layer=d.get("num_hidden_layers"), source=str(d.path),
                               sliding_window=spec.attention.sliding_window, causal=spec.attention.causal),
-        "notes": list(spec.attention.notes),
+        **({"sample_from_anchor": spec.dspark.sample_from_anchor, "dspark": spec.dspark.manifest()}
+           if spec.dspark is not None else {}),
+        "notes": list(spec.attention.notes) + (list(spec.dspark.notes) if spec.dspark is not None else []),
         "converter": converter_version(),
     }
 

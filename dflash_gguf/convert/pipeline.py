@@ -21,7 +21,7 @@ from pathlib import Path
 from dflash_gguf.convert import draft_vocab as dvocab
 from dflash_gguf.convert import manifest as mf
 from dflash_gguf.convert import upstream
-from dflash_gguf.convert.errors import OutputError
+from dflash_gguf.convert.errors import OutputError, PairError
 from dflash_gguf.convert.quantize import QTYPES, quantize_file
 from dflash_gguf.convert.validate import PairSpec, validate_pair
 
@@ -83,6 +83,7 @@ def convert_pair(target_dir: str | os.PathLike, drafter_dir: str | os.PathLike, 
              spec.hidden_size, spec.vocab_size, spec.kind, spec.block_size, spec.target_layer_ids,
              spec.gguf_target_layers, spec.mask_token_id)
     top_k = (spec.drafter.get("dflash_config") or {}).get("selector_top_k") or spec.drafter.get("selector_top_k")
+    draft_vocab = _dspark_draft_vocab(spec, draft_vocab)
     dvocab.precheck(draft_vocab, vocab_corpus, spec.vocab_size, min_size=int(top_k or 1))
     upstream.check_dependencies()
     upstream.converter_script()
@@ -94,9 +95,13 @@ def convert_pair(target_dir: str | os.PathLike, drafter_dir: str | os.PathLike, 
     try:
         t_name, d_name = _file_names(spec, t_recipe.final_type, d_recipe.final_type)
         t_file = _produce(spec.target.path, staging / t_name, t_recipe, None, threads, "target")
-        with _config_overlay(spec.drafter.path, spec.attention.overlay) as d_src:
+        with _config_overlay(spec.drafter.path, spec.overlay) as d_src:
             d_file = _produce(d_src, staging / d_name, d_recipe, spec.target.path, threads, "drafter")
-        dv = dvocab.apply(d_file, t_file, dvocab.parse_size(draft_vocab), vocab_corpus)
+        if spec.dspark is not None and spec.dspark.draft_vocab_size:
+            dv = {"size": spec.dspark.draft_vocab_size, "of": spec.vocab_size, "method": "checkpoint",
+                  "why": "the drafter's own reduced head (its d2t), kept as trained"}
+        else:
+            dv = dvocab.apply(d_file, t_file, dvocab.parse_size(draft_vocab), vocab_corpus)
         log.info("writing %s (sha256 of both files)", mf.MANIFEST)
         doc = mf.build_manifest(spec, t_file, t_recipe.final_type, d_file, d_recipe.final_type)
         doc["draft_vocab"] = dv
@@ -113,6 +118,21 @@ def convert_pair(target_dir: str | os.PathLike, drafter_dir: str | os.PathLike, 
     result = mf.load_manifest(out)
     log.info("%s", summary(result, time.perf_counter() - t0))
     return result
+
+
+def _dspark_draft_vocab(spec: PairSpec, draft_vocab: str | int | None) -> str | int | None:
+    """A DSpark Markov head's ``markov_w2`` rows are the draft vocabulary it was trained with, so this
+    converter keeps that vocabulary (full, or the checkpoint's own d2t head) and does not reduce it."""
+    info = spec.dspark
+    if info is None or (info.markov_rank == 0 and not info.draft_vocab_size):
+        return draft_vocab
+    size = dvocab.parse_size(draft_vocab)
+    if isinstance(size, int):
+        what = (f"its own reduced head of {info.draft_vocab_size} tokens" if info.draft_vocab_size
+                else "the full vocabulary")
+        raise PairError(f"--draft-vocab {size}: a DSpark drafter keeps the draft vocabulary it was trained with "
+                        f"({what}; its Markov head's markov_w2 rows are that vocabulary): leave --draft-vocab out")
+    return "off"
 
 
 def summary(m: mf.PairManifest, seconds: float) -> str:

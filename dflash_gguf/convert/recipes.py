@@ -25,13 +25,18 @@ from pathlib import Path
 from dflash_gguf.convert.errors import PairError
 from dflash_gguf.convert.quantize import QTYPES
 
-KINDS = ("dflash", "dflash2")
+KINDS = ("dflash", "dflash2", "dspark")
 # drafter config schemas: legacy (top-level block_size, dflash_config {mask_token_id, target_layer_ids});
 # nested-2026-06 (block_size inside dflash_config, rope_parameters, layer_types with sliding_attention,
-# sliding_window); dflash2 (DFlash2DraftModel: conv/selector keys, output_multiplier, final_logit_softcapping)
-SCHEMAS = ("legacy", "nested-2026-06", "dflash2")
+# sliding_window); dflash2 (DFlash2DraftModel: conv/selector keys, output_multiplier, final_logit_softcapping);
+# the DSpark forms (dflash_gguf/convert/dspark.py): deepspec-flat (the target's config copied flat plus
+# block_size, target_layer_ids, mask_token_id, markov_rank, ...), speculators (transformer_layer_config,
+# aux_hidden_state_layer_ids), dspark-nested (DSparkDraftModel, DSpark fields in dflash_config)
+SCHEMAS = ("legacy", "nested-2026-06", "dflash2", "deepspec-flat", "speculators", "dspark-nested")
+DSPARK_SCHEMAS = ("deepspec-flat", "speculators", "dspark-nested")
 FORMATS = ("hf", "gguf")
-DRAFTER_ARCHS = {"dflash": "DFlashDraftModel", "dflash2": "DFlash2DraftModel"}
+DRAFTER_ARCHS = {"dflash": ("DFlashDraftModel",), "dflash2": ("DFlash2DraftModel",),
+                 "dspark": ("Qwen3DSparkModel", "Gemma4DSparkModel", "DSparkDraftModel", "DSparkSpeculator")}
 BLOCK_MIN, BLOCK_MAX = 2, 64            # as validate.py
 
 _TOP = {"name", "description", "kind", "schema", "target", "drafter", "block_size", "target_layer_ids",
@@ -235,9 +240,16 @@ def load(path: str | Path) -> Recipe:
         problems.append(f"schema {r.schema!r} is not null or one of {SCHEMAS}")
     if (r.schema == "dflash2") != (r.kind == "dflash2") and r.schema is not None:
         problems.append(f"schema {r.schema!r} does not fit kind {r.kind!r} (dflash2 drafters use the dflash2 schema)")
+    if r.schema in DSPARK_SCHEMAS and r.kind == "dflash2":
+        problems.append(f"schema {r.schema!r} is a DSpark form, kind {r.kind!r} is not")
+    if r.kind == "dspark" and r.schema is not None and r.schema not in DSPARK_SCHEMAS:
+        problems.append(f"schema {r.schema!r} does not fit kind 'dspark' (one of {DSPARK_SCHEMAS})")
     want_arch = DRAFTER_ARCHS.get(r.kind)
-    if drafter.architecture is not None and want_arch and drafter.architecture != want_arch:
-        problems.append(f"drafter.architecture {drafter.architecture!r} does not fit kind {r.kind!r} ({want_arch})")
+    if r.schema in DSPARK_SCHEMAS:      # a DSpark checkpoint without a Markov head is a dflash drafter
+        want_arch = DRAFTER_ARCHS["dspark"]
+    if drafter.architecture is not None and want_arch and drafter.architecture not in want_arch:
+        problems.append(f"drafter.architecture {drafter.architecture!r} does not fit kind {r.kind!r} "
+                        f"({' or '.join(want_arch)})")
     _check_int(r.block_size, "block_size", problems, BLOCK_MIN, BLOCK_MAX)
     _check_int(r.mask_token_id, "mask_token_id", problems, lo=0)
     ids = r.target_layer_ids

@@ -15,7 +15,7 @@ import logging
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from dflash_gguf.convert import targets
+from dflash_gguf.convert import dspark, targets
 from dflash_gguf.convert.attention import DrafterAttention, read_attention
 from dflash_gguf.convert.errors import PairError
 from dflash_gguf.convert.hf import Checkpoint, has_tokenizer, read_checkpoint
@@ -23,8 +23,7 @@ from dflash_gguf.convert.hf import Checkpoint, has_tokenizer, read_checkpoint
 log = logging.getLogger("dflash_gguf.convert")
 
 DRAFTERS = {"DFlashDraftModel": "dflash", "DFlash2DraftModel": "dflash2"}
-DSPARK = {"Qwen3DSparkModel", "DSparkDraftModel", "DSparkSpeculator", "Lfm2DSparkDraftModel", "LingDSparkModel",
-          "Gemma4DSparkModel", "DeepseekV4DSparkModel"}
+DSPARK = dspark.ARCHS
 MAX_TAPS = 32                   # LLAMA_DFLASH_MAX_TAPS
 BLOCK_MIN, BLOCK_MAX = 2, 64
 DFLASH2_KEYS = ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k")
@@ -41,7 +40,7 @@ class PairSpec:
     target: Checkpoint
     drafter: Checkpoint
     target_arch: str            # llama.cpp architecture of the target
-    kind: str                   # "dflash" | "dflash2"
+    kind: str                   # "dflash" | "dflash2" | "dspark"
     n_layer: int                # target decoder layers
     hidden_size: int
     vocab_size: int
@@ -49,6 +48,17 @@ class PairSpec:
     mask_token_id: int
     target_layer_ids: list[int]  # HF convention (output of layer t)
     attention: DrafterAttention = field(default_factory=DrafterAttention)   # window, causality, config overlay
+    dspark: dspark.DSparkInfo | None = None     # a DSpark-lineage drafter (any of its published forms)
+
+    @property
+    def overlay(self) -> dict:
+        """The config.json keys the upstream converter must read for the drafter (DSpark form, window)."""
+        base = dict(self.dspark.overlay) if self.dspark else {}
+        att = self.attention.overlay
+        merged = {**base, **att}
+        if "dflash_config" in base and "dflash_config" in att:
+            merged["dflash_config"] = {**base["dflash_config"], **att["dflash_config"]}
+        return merged
 
     @property
     def gguf_target_layers(self) -> list[int]:
@@ -65,6 +75,7 @@ def validate_pair(target_dir: str | Path, drafter_dir: str | Path, *, sliding_wi
     drafter = read_checkpoint(drafter_dir, "drafter")
     target_arch = _check_target(target)
     kind = _check_drafter_arch(drafter)
+    form = dspark.normalize(drafter) if kind == "dspark" else None
     n_layer = _int(target, "num_hidden_layers")
     hidden = _int(target, "hidden_size")
     vocab = _int(target, "vocab_size")
@@ -79,17 +90,26 @@ def validate_pair(target_dir: str | Path, drafter_dir: str | Path, *, sliding_wi
     dcfg = drafter.get("dflash_config") or {}
     ids = _check_layer_ids(drafter, dcfg, n_layer)
     mask = _check_mask(drafter, dcfg, vocab)
-    block = _check_block_size(drafter, dcfg)
+    block = _check_block_size(drafter, dcfg, strict=form is not None)
     if kind == "dflash2":
         _check_dflash2(drafter, dcfg, hidden)
+    info = None
+    if form is not None:
+        info = dspark.read(drafter, form, vocab, hidden)
+        _check_speculators_block(drafter, block, info.sample_from_anchor)
+        kind = info.kind
     n_target = drafter.get("num_target_layers")
     if isinstance(n_target, int) and n_target != n_layer:
         log.warning("drafter config says num_target_layers=%d but the target has %d layers: was it trained "
                     "for another target?", n_target, n_layer)
-    _check_drafter_tensors(drafter, kind, hidden, len(ids) * hidden, vocab, dcfg)
+    _check_drafter_tensors(drafter, kind, hidden, len(ids) * hidden, vocab, dcfg,
+                           layers=not (info and info.gemma))
+    if info is not None and drafter.headers_checked:
+        # the last check: it reads the two copies of the embeddings (the only tensor data read here)
+        dspark.check_embeddings(drafter, target, info, vocab, hidden)
     return PairSpec(target=target, drafter=drafter, target_arch=target_arch, kind=kind, n_layer=n_layer,
                     hidden_size=hidden, vocab_size=vocab, block_size=block, mask_token_id=mask,
-                    target_layer_ids=ids, attention=read_attention(drafter, dcfg, sliding_window))
+                    target_layer_ids=ids, attention=read_attention(drafter, dcfg, sliding_window), dspark=info)
 
 
 def _int(ck: Checkpoint, key: str) -> int:
@@ -122,17 +142,17 @@ def _check_target(t: Checkpoint) -> str:
 
 
 def _check_drafter_arch(d: Checkpoint) -> str:
+    """``dflash`` / ``dflash2``, or ``dspark`` for every DSpark form (refined by :func:`dspark.read`)."""
     arch = d.architecture
-    if arch in DSPARK:
-        raise PairError(f"drafter architecture {arch} is a DSpark drafter, which dflash-gguf does not run "
-                        "(only DFlashDraftModel and DFlash2DraftModel). Use llama.cpp's own "
-                        "`--spec-type draft-dflash` for DSpark")
+    if dspark.is_dspark(d):
+        return "dspark"
     if arch not in DRAFTERS and arch and targets.gguf_arch(arch) in targets.tappable():
         raise PairError(f"the drafter folder {d.path} holds a target model ({arch}), not a drafter: pass the "
                         "target first, then a DFlash drafter (architectures: DFlashDraftModel)")
     if arch not in DRAFTERS:
         raise PairError(f"drafter architecture {arch or '(none)'!r} is not supported: expected "
-                        "DFlashDraftModel or DFlash2DraftModel (a z-lab DFlash checkpoint)")
+                        "DFlashDraftModel, DFlash2DraftModel (z-lab DFlash checkpoints) or a DSpark drafter "
+                        "(Qwen3DSparkModel, DSparkDraftModel, DSparkSpeculator, Gemma4DSparkModel)")
     return DRAFTERS[arch]
 
 
@@ -171,15 +191,35 @@ def _check_mask(d: Checkpoint, dcfg: dict, vocab: int) -> int:
     return mask
 
 
-def _check_block_size(d: Checkpoint, dcfg: dict) -> int:
-    block = _dvalue(d, dcfg, "block_size", 16)
+def _check_block_size(d: Checkpoint, dcfg: dict, strict: bool = False) -> int:
+    """``strict`` (DSpark): the graph asserts the trained block size, so it must be stated, and once."""
+    block = _dvalue(d, dcfg, "block_size", None if strict else 16)
     top = d.get("block_size")
+    if strict and block is None:
+        raise PairError(f"DSpark drafter config {d.path / 'config.json'} has no block_size: the Markov chain and "
+                        "the confidence head run over exactly the trained block; add block_size")
     if "block_size" in dcfg and top is not None and top != block:
+        if strict:
+            raise PairError(f"DSpark drafter config block_size: {top} disagrees with dflash_config.block_size: "
+                            f"{block}: the trained block size must be one value; fix the config")
         log.warning("drafter block_size differs: dflash_config says %s, top level %s; using %s", block, top, block)
     if not isinstance(block, int) or not BLOCK_MIN <= block <= BLOCK_MAX:
         raise PairError(f"drafter block_size {block!r} is outside [{BLOCK_MIN}, {BLOCK_MAX}]: fix block_size "
                         "in the drafter config (it is the size the drafter was trained with)")
     return block
+
+
+def _check_speculators_block(d: Checkpoint, block: int, anchor: bool) -> None:
+    """A speculators export also states its draft length: block_size, or block_size - 1 with a bonus slot."""
+    methods = ((d.get("speculators_config") or {}).get("proposal_methods") or []) if isinstance(
+        d.get("speculators_config"), dict) else []
+    want = block if anchor else block - 1
+    for m in methods:
+        n = m.get("speculative_tokens") if isinstance(m, dict) else None
+        if isinstance(n, int) and n != want:
+            raise PairError(f"speculators_config.proposal_methods speculative_tokens: {n} disagrees with block_size: "
+                            f"{block} (sample_from_anchor {str(anchor).lower()} drafts {want} tokens a block): "
+                            "the export is inconsistent; export it again")
 
 
 def _check_dflash2(d: Checkpoint, dcfg: dict, hidden: int) -> None:
@@ -195,13 +235,15 @@ def _check_dflash2(d: Checkpoint, dcfg: dict, hidden: int) -> None:
                         f"(llama.cpp packs top_k*(top_k+1) = {top_k * (top_k + 1)} values per row)")
 
 
-def _check_drafter_tensors(d: Checkpoint, kind: str, hidden: int, fc_in: int, vocab: int, dcfg: dict) -> None:
+def _check_drafter_tensors(d: Checkpoint, kind: str, hidden: int, fc_in: int, vocab: int, dcfg: dict,
+                           layers: bool = True) -> None:
+    """``layers``: check the Qwen3-style layer tensors (a Gemma4 DSpark drafter names its norms otherwise)."""
     if not d.headers_checked:
         return
     names = {n.removeprefix("model."): t for n, t in d.tensors.items()}
     n_layers = _int(d, "num_hidden_layers")
     want = ["fc.weight", "hidden_norm.weight", "norm.weight"]
-    for i in range(n_layers):
+    for i in range(n_layers if layers else 0):
         want += [f"layers.{i}.{s}" for s in _LAYER_TENSORS]
         if kind == "dflash2":
             want += [f"layers.{i}.{s}" for s in _DFLASH2_LAYER_TENSORS]

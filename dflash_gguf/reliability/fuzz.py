@@ -40,7 +40,7 @@ from pathlib import Path
 from typing import Callable
 
 from dflash_gguf import paths
-from dflash_gguf.gguf_check import parse_gguf
+from dflash_gguf.gguf_check import drafter_kind, parse_gguf
 from dflash_gguf.reliability import mutate as M
 
 log = logging.getLogger("dflash_gguf.reliability.fuzz")
@@ -73,7 +73,7 @@ def sha256(data: bytes) -> str:
 
 def make_manifest(target: Path, drafter: Path, dh) -> dict:
     """A pair.json for two files (what ``python -m dflash_gguf.convert`` writes, minimally)."""
-    kind = "dflash2" if any(k.startswith("dflash.selector") for k in dh.kv) else "dflash"
+    kind = drafter_kind(dh)
 
     def entry(p: Path, name: str) -> dict:
         b = p.read_bytes()
@@ -175,6 +175,9 @@ def pair_cases(base: Base, others: list[Base]) -> list[tuple[str, str, Callable]
                 edit(lambda d: d.update(mask_token_id=int(d["mask_token_id"]) + 1))))
     out.append(("pair", "pair.json: kind disagrees with the drafter",
                 edit(lambda d: d.update(kind="dflash2" if d["kind"] == "dflash" else "dflash"))))
+    if mf.get("kind") == "dspark":     # a DSpark drafter described as the DFlash drafter it extends
+        out.append(("pair", "pair.json: kind 'dflash' for a DSpark drafter (markov_w1 present)",
+                    edit(lambda d: d.update(kind="dflash"))))
     out.append(("pair", "pair.json: truncated JSON", raw(json.dumps(mf)[:40])))
     out.append(("pair", "pair.json: a list, not an object", raw("[1, 2, 3]")))
     out.append(("pair", "pair.json: empty", raw("")))
@@ -419,8 +422,8 @@ def tiny_bases(root: Path) -> list[Base]:
     for t in sorted(root.glob("*.gguf")):
         if "-" in t.stem:
             continue
-        drafters = sorted(root.glob(f"{t.stem}-dflash*-b*.gguf"))
-        for kind in ("dflash", "dflash2"):
+        drafters = sorted(root.glob(f"{t.stem}-d*-b*.gguf"))
+        for kind in ("dflash", "dflash2", "dspark"):
             pick = [d for d in drafters if d.stem.startswith(f"{t.stem}-{kind}-b")]
             if pick:
                 out.append(Base(pick[0].stem, t, pick[0]))
