@@ -13,7 +13,7 @@ import cffi
 from dflash_gguf import paths
 from dflash_gguf.errors import BuildMismatchError, raise_for_status
 
-API_VERSION = 3
+API_VERSION = 4
 _FIX = "run `python -m dflash_gguf.build` (or `make build`) to build and install the patched llama-cpp-python"
 
 ffi = cffi.FFI()

@@ -169,6 +169,9 @@ class DrafterInfo:
     target_layers: list[int]
     n_embd: int
     n_vocab: int
+    draft_max: int = 0          # most tokens one block drafts: block_size - 1, or block_size anchor-first
+    sample_from_anchor: bool = False   # DSpark: block row 0 (the pending token) predicts the first draft
+    has_confidence: bool = False       # DSpark: a confidence head scores each drafted token
     sliding_window: int = 0     # the drafter's trained attention window (GGUF dflash.attention.sliding_window), 0: none
 
     @classmethod
@@ -176,7 +179,8 @@ class DrafterInfo:
         return cls(kind=KIND_NAMES.get(info.kind, "?"), block_size=info.block_size, mask_token=info.mask_token,
                    selector_top_k=info.selector_top_k, causal=bool(info.causal),
                    target_layers=[info.target_layers[i] for i in range(info.n_target_layers)],
-                   n_embd=info.n_embd, n_vocab=info.n_vocab)
+                   n_embd=info.n_embd, n_vocab=info.n_vocab, draft_max=info.draft_max,
+                   sample_from_anchor=bool(info.sample_from_anchor), has_confidence=bool(info.has_confidence))
 
     @classmethod
     def read(cls, drafter: Model) -> "DrafterInfo":
@@ -191,11 +195,12 @@ class DrafterInfo:
 def clamp_n_draft(info: DrafterInfo, want: int | None, *, n_batch: int, n_ubatch: int, hybrid: bool = False) -> int:
     """Tokens drafted per step: ``want`` (None: the most) within the block and the batch sizes.
 
+    ``n_batch`` and ``n_ubatch`` bound the verify: the pending token and the drafted ones in one ubatch.
     Hybrid targets roll back by recurrent snapshots, for which llama.cpp needs n_ubatch >= n_rs_seq + 2.
     """
     if want is not None and want < 0:
         raise InvalidArgumentError(f"n_draft must be >= 0 (0: no drafting), got {want}")
-    limit = max(0, min(info.block_size - 1, n_batch - 1, n_ubatch - (2 if hybrid else 1)))
+    limit = max(0, min(info.draft_max, n_batch - 1, n_ubatch - (2 if hybrid else 1)))
     n = limit if want is None else min(want, limit)
     if want is not None and want > limit:
         log.info("n_draft %d clamped to %d (block size %d)", want, limit, info.block_size)

@@ -1,4 +1,4 @@
-"""Tiny synthetic Hugging Face checkpoints (targets and DFlash/DFlash2 drafters) for the tests.
+"""Tiny synthetic Hugging Face checkpoints (targets and DFlash/DFlash2/DSpark drafters) for the tests.
 
 Everything is made here from fixed seeds: a SentencePiece BPE tokenizer trained on a few
 Python standard-library files, random Qwen3 / Llama targets built with transformers, and
@@ -119,8 +119,16 @@ def make_target(out_dir: Path, tok_dir: Path, arch: str = "qwen3", *, hidden: in
 def make_drafter(out_dir: Path, target_dir: Path, *, kind: str = "dflash", layers: int = 1, block_size: int = 8,
                  target_layer_ids: list[int] | None = None, seed: int = 1, inter: int = 128,
                  top_k: int = 4, rank: int = 16, conv_kernel: int = 2, conv_group: int = 16,
-                 zero_blocks: bool = False) -> Path:
-    """A random DFlash (v1) or DFlash2 drafter in the z-lab layout for the given target."""
+                 zero_blocks: bool = False, markov_rank: int = 8, confidence: bool = True,
+                 anchor: bool = True) -> Path:
+    """A random DFlash (v1), DFlash2 or DSpark drafter in the z-lab layout for the given target.
+
+    DSpark (``kind="dspark"``): the DFlash backbone plus DeepSpec's vanilla Markov head
+    (``markov_head.markov_w1`` an embedding ``[vocab, rank]``, ``markov_w2`` a bias-free linear
+    ``rank -> vocab``), with ``confidence`` its confidence head (``confidence_head.proj``, a linear
+    ``hidden + rank -> 1``), in the anchor-first layout (``anchor``, DeepSpec's
+    ``sample_from_anchor``) or the 1+N bonus-anchor one.
+    """
     from safetensors.numpy import save_file
 
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -159,6 +167,13 @@ def make_drafter(out_dir: Path, target_dir: Path, *, kind: str = "dflash", layer
                 t[p + f"{side}.base_kernel"] = (rng.standard_normal((2, conv_kernel, H)) * 0.1).astype(np.float32)
                 t[p + f"{side}.kernel_projection.weight"] = w(2 * conv_kernel * H // conv_group, H, s=0.1)
     dcfg = {"block_size": block_size, "mask_token_id": mask, "target_layer_ids": ids}
+    if kind == "dspark":
+        V = tcfg["vocab_size"]
+        # the bias is a large share of the logits, so the chain visibly steers the block's tokens
+        t["markov_head.markov_w1.weight"] = (rng.standard_normal((V, markov_rank)) * 2.0).astype(np.float32)
+        t["markov_head.markov_w2.weight"] = w(V, markov_rank, s=6.0)
+        if confidence:
+            t["confidence_head.proj.weight"] = w(1, H + markov_rank)
     if kind == "dflash2":
         V = tcfg["vocab_size"]
         t["candidate_selector.hidden_projection.weight"] = w(rank, H)
@@ -167,8 +182,9 @@ def make_drafter(out_dir: Path, target_dir: Path, *, kind: str = "dflash", layer
         dcfg.update({"conv_group_size": conv_group, "conv_kernel_size": conv_kernel, "selector_rank": rank,
                      "selector_top_k": top_k})
     save_file(t, str(out_dir / "model.safetensors"), metadata={"format": "pt"})
+    arch_name = {"dflash": "DFlashDraftModel", "dflash2": "DFlash2DraftModel", "dspark": "DSparkDraftModel"}[kind]
     cfg = {
-        "architectures": ["DFlash2DraftModel" if kind == "dflash2" else "DFlashDraftModel"],
+        "architectures": [arch_name],
         "model_type": "qwen3", "hidden_size": H, "intermediate_size": inter, "num_hidden_layers": layers,
         "num_attention_heads": heads, "num_key_value_heads": kv, "head_dim": hd,
         "vocab_size": tcfg["vocab_size"], "rms_norm_eps": 1e-6, "rope_theta": tcfg.get("rope_theta", 10000.0),
@@ -177,6 +193,9 @@ def make_drafter(out_dir: Path, target_dir: Path, *, kind: str = "dflash", layer
     }
     if kind == "dflash2":
         cfg["is_causal"] = False
+    if kind == "dspark":
+        cfg.update({"markov_rank": markov_rank, "markov_head_type": "vanilla", "sample_from_anchor": anchor,
+                    "enable_confidence_head": confidence, "confidence_head_with_markov": True})
     (out_dir / "config.json").write_text(json.dumps(cfg, indent=2))
     return out_dir
 

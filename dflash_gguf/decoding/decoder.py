@@ -45,6 +45,7 @@ from dflash_gguf.decoding.batch_costs import batch_prior
 from dflash_gguf.decoding import calibration
 from dflash_gguf.sampling import SamplingParams, TokenChooser
 from dflash_gguf.decoding.acceptance import cut_at_stop, greedy_accept, sampled_accept
+from dflash_gguf.decoding.confidence import Calibration, allocate, rows_cost
 from dflash_gguf.decoding.features import FeatureFeed
 from dflash_gguf.decoding.prompts import TAP_ROWS, Prompts
 from dflash_gguf.decoding.proposer import DrafterProposer, LatticeProposer, Proposer
@@ -58,7 +59,8 @@ log = logging.getLogger("dflash_gguf.decoding")
 
 @dataclass
 class SpecOptions:
-    n_draft: int | None = None   # tokens drafted per block; default and maximum: block_size - 1
+    n_draft: int | None = None   # tokens drafted per block; default and maximum: the drafter's (block_size - 1,
+                                 # anchor-first DSpark block_size)
     rollback: str = "auto"       # auto | seq_rm | snapshot | checkpoint
     adaptive: bool = False       # speed gate: draft per step as many tokens as pays (gate.DraftLength)
     calibrate: bool = True       # ... starting from this machine's measured step costs (decoding.calibration)
@@ -108,13 +110,16 @@ class DFlashDecoder(Prompts, Scheduling):
             B.check(B.lib.llama_dflash_set_taps_direct(target.cptr, True), "reading taps from the target's graph")
             # ... and only their last tap_rows rows are kept (patch 0011): rows whose features the
             # drafter needs are decoded in chunks of at most that many, verify blocks included
-            self.tap_rows = min(max(TAP_ROWS, self.n_seq * self.info.block_size), target.n_ubatch)
+            self.tap_rows = min(max(TAP_ROWS, self.n_seq * (self.info.draft_max + 1)), target.n_ubatch)
             B.check(B.lib.llama_dflash_set_tap_rows_max(target.cptr, self.tap_rows), "capping the target's taps")
-            if self.info.kind in ("dflash", "dflash2"):
-                # the drafter's graph gives argmax ids, not a block of logits (patch 0013)
-                B.check(B.lib.llama_dflash_set_draft_ids(drafter.cptr, True), "drafting by ids")
+            # the drafter's graph gives argmax ids, not a block of logits (patch 0013; DSpark: of its
+            # Markov-biased logits, patch 0026)
+            B.check(B.lib.llama_dflash_set_draft_ids(drafter.cptr, True), "drafting by ids")
+            # the drafter's block has a row per drafted token and the anchor's (anchor-first DSpark: the
+            # anchor's row drafts too), the verify one more than the drafted tokens
+            block_rows = drafter.n_ubatch // self.n_seq + (1 if self.info.sample_from_anchor else 0)
             self.n_draft = clamp_n_draft(self.info, self.opts.n_draft, n_batch=self.tap_rows // self.n_seq,
-                                         n_ubatch=drafter.n_ubatch // self.n_seq)
+                                         n_ubatch=block_rows)
         self.lattice: LatticeProposer | None = None
         if self.info is not None and self.info.kind == "dflash2" and self.opts.sample_lattice and self.info.selector_top_k:
             self.lattice = LatticeProposer(self.info.selector_top_k, self.n_draft)
@@ -134,6 +139,9 @@ class DFlashDecoder(Prompts, Scheduling):
         self._vocab = target.model.n_vocab
         bs = max(self.n_draft + 1, 1)
         self._draft = np.zeros((self.n_seq, bs), dtype=np.int32)
+        # a DSpark drafter's confidence in each drafted token, and what the target made of such scores
+        self.calibration = Calibration() if self.info is not None and self.info.has_confidence else None
+        self._conf = np.zeros((self.n_seq, bs), dtype=np.float32)
         # a step's rows: every sequence's block, and a joining request's prompt tail (_fusable)
         self._rows = np.zeros(max(self.n_seq * bs, self.tap_rows), dtype=np.int32)
         self._argmax = np.zeros(len(self._rows), dtype=np.int32)
@@ -249,11 +257,14 @@ class DFlashDecoder(Prompts, Scheduling):
             pos = np.array([len(seqs[i].cache) for i in batch], dtype=np.int32)
             pending = np.array([seqs[i].pending for i in batch], dtype=np.int32)
             out = np.zeros((len(batch), n_block), dtype=np.int32)
+            conf = np.zeros((len(batch), n_block), dtype=np.float32) if self.calibration is not None else None
             got = self.proposer.propose(self.drafter, slots, pos, pending, n_block, out,
-                                        lambda j: seqs[batch[j]].cache)
+                                        lambda j: seqs[batch[j]].cache, conf=conf)
             for j, i in enumerate(batch):
                 ns[i] = min(ns[i], got)
                 self._draft[seqs[i].slot, :ns[i]] = out[j, :ns[i]]
+                if conf is not None:
+                    self._conf[seqs[i].slot, :ns[i]] = conf[j, :ns[i]]
         for i, s in enumerate(seqs):
             if ns[i] > 0 and s.lattice:
                 ns[i], qs[i] = self.lattice.propose(self.drafter, s.slot, len(s.cache), s.pending, ns[i],
@@ -274,6 +285,9 @@ class DFlashDecoder(Prompts, Scheduling):
             if ns[i] and c is not None:
                 # a drafted token the grammar forbids is a sure rejection: verify no row after it
                 ns[i] = c.allowed_prefix(self._draft[s.slot, :ns[i]])
+        drafted = list(ns)
+        if self.calibration is not None and gate is not None and not self._pad:
+            self._verify_by_confidence(seqs, ns, gate)
         # verify: every sequence's [pending, d1..dn] in one target decode (padded to the longest block where
         # the target's memory splits a batch into equal rows per sequence: __init__), after a joining
         # request's prompt tail (its rows no outputs)
@@ -316,12 +330,27 @@ class DFlashDecoder(Prompts, Scheduling):
             else:
                 commit = sampled_accept(draft, lambda j, r=r: self.target.logits_row(r + j), s.chooser, qs[i])
             a = len(commit) - 1
+            if self.calibration is not None and drafted[i] and not s.lattice:
+                self.calibration.observe(self._conf[s.slot, :drafted[i]], n, a)
             s.stats.observe_step(n, a)
             commit = cut_at_stop(commit, s.stop)
             self._sink_rows(s, len(s.cache) + h, r, len(commit))
             steps.append(Step(len(s.cache), n, a, commit, rows[row0[i]:row0[i] + lens[i]].copy(), int(row0[i]),
                               saved[i], h))
         return steps, gate, choice
+
+    def _verify_by_confidence(self, seqs: list[Slot], ns: list[int], gate: DraftLength) -> None:
+        """Cut the gated sequences' drafted blocks to the rows worth verifying by the drafter's calibrated
+        confidence in them (:mod:`.confidence`), weighed with the gate's measured step costs; the
+        sequences the gate does not choose for (a seeded sampled request keeps its fixed blocks: its text
+        must not follow this machine's timings) and DFlash2 lattices keep theirs."""
+        cut = [i for i, s in enumerate(seqs) if ns[i] > 1 and s.gate is not None and not s.lattice]
+        if not cut:
+            return
+        rates = [self.calibration.rates(self._conf[seqs[i].slot, :ns[i]]) for i in cut]
+        n_gated = sum(1 for s in seqs if s.gate is not None)
+        for i, k in zip(cut, allocate(rates, rows_cost(gate.step_cost(), n_gated))):
+            ns[i] = k
 
     def _settle(self, done: list[tuple[Slot, Step, int]]) -> None:
         """Keep the first ``consumed`` tokens of each ``(slot, step, consumed)`` of one step in both caches,

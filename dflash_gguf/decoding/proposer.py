@@ -19,24 +19,29 @@ from dflash_gguf.engine import Context
 
 class Proposer:
     def propose(self, drafter: Context, seqs: np.ndarray, pos: np.ndarray, pending: np.ndarray, n: int,
-                out: np.ndarray, context: Callable[[int], list[int]]) -> int:
+                out: np.ndarray, context: Callable[[int], list[int]], conf: np.ndarray | None = None) -> int:
         """Propose up to ``n`` tokens for each sequence ``i`` of a step, into ``out[i, :]``; return how many
         (the same for every sequence).
 
         Sequence ``i`` is llama.cpp's sequence ``seqs[i]``; ``pending[i]`` is its last chosen token (at
         ``pos[i]``, not yet decoded); ``context(i)`` gives the tokens before it (built only when a
-        proposer asks). One drafter decode serves every sequence.
+        proposer asks). One drafter decode serves every sequence. ``conf`` (a DSpark drafter with a
+        confidence head): each drafted token's confidence, into ``conf[i, :]``.
         """
         raise NotImplementedError
 
 
 class DrafterProposer(Proposer):
-    def propose(self, drafter, seqs, pos, pending, n, out, context):
+    def propose(self, drafter, seqs, pos, pending, n, out, context, conf=None):
         i32 = "int32_t[]"
-        return B.check(B.lib.llama_dflash_draft_seqs(drafter.cptr, len(seqs), B.ffi.from_buffer(i32, seqs),
-                                                     B.ffi.from_buffer(i32, pos), B.ffi.from_buffer("llama_token[]", pending),
-                                                     n, B.ffi.from_buffer("llama_token[]", out)),
-                       "drafting a block" if len(seqs) == 1 else f"drafting a block for each of {len(seqs)} sequences")
+        args = (drafter.cptr, len(seqs), B.ffi.from_buffer(i32, seqs), B.ffi.from_buffer(i32, pos),
+                B.ffi.from_buffer("llama_token[]", pending), n, B.ffi.from_buffer("llama_token[]", out))
+        what = "drafting a block" if len(seqs) == 1 else f"drafting a block for each of {len(seqs)} sequences"
+        if conf is None:
+            return B.check(B.lib.llama_dflash_draft_seqs(*args), what)
+        # rows of n values: out and conf are laid out as the C call writes them
+        assert out.shape[1] == n and conf.shape[1] == n and conf.dtype == np.float32 and conf.flags.c_contiguous
+        return B.check(B.lib.llama_dflash_draft_seqs_conf(*args, B.ffi.from_buffer("float[]", conf)), what)
 
 
 class OverrideProposer(DrafterProposer):
@@ -45,8 +50,8 @@ class OverrideProposer(DrafterProposer):
     def __init__(self, fn: Callable[[list[int], int], Sequence[int]]):
         self.fn = fn
 
-    def propose(self, drafter, seqs, pos, pending, n, out, context):
-        n = super().propose(drafter, seqs, pos, pending, n, out, context)
+    def propose(self, drafter, seqs, pos, pending, n, out, context, conf=None):
+        n = super().propose(drafter, seqs, pos, pending, n, out, context, conf)
         for i in range(len(seqs)):
             out[i, :n] = np.asarray(self.fn(context(i) + [int(pending[i])], n), dtype=np.int32)[:n]
         return n

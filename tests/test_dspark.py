@@ -1,0 +1,280 @@
+"""DSpark drafters run losslessly wherever DFlash drafters run.
+
+A DSpark drafter is DFlash's block drafter plus a low-rank Markov head, which adds to each block row's
+logits a bias ``markov_w2 @ markov_w1[prev]`` that depends on the token drafted before it (the
+anchor for the first row), and optionally a confidence head, ``sigmoid(conf_proj @ [h; markov_w1[prev]])``:
+the drafter's own estimate that the target accepts the row's token. Its layouts: anchor-first (DeepSpec's
+``sample_from_anchor``: block ``[pending, mask x (n - 1)]``, row i drafts token i + 1, so a block
+drafts up to ``block_size`` tokens) and DFlash's 1+N block (row 0 a bonus slot).
+
+The drafter's proposals are checked against an independent numpy reference of the whole chain; every
+entry point is checked token for token against plain decoding of the same target (greedy) or the
+target's exact distribution (sampled).
+"""
+from __future__ import annotations
+
+from collections import Counter
+
+import llama_cpp
+import numpy as np
+import pytest
+
+from dflash_gguf import _bindings as B
+from dflash_gguf.engine import Context, ContextOptions, DrafterInfo, Model
+from dflash_gguf.sampling import SamplingParams
+from dflash_gguf.decoding import DFlashDecoder, GenerationStats, OverrideProposer, SpecOptions
+from support import KW, llama_cpp_greedy, serve
+from test_sampling import ALPHA, K_TOKENS, SP, chi2_pvalue, exact_distribution
+
+PROMPTS = [b"def main(argv):\n    parser = argparse.ArgumentParser(",
+           b"    for key, value in sorted(items):\n        if"]
+# the forms published drafters take: DeepSpec's anchor-first drafters with a confidence head, the
+# speculators' 1+N exports, and a vanilla Markov head without a confidence head
+LAYOUTS = {"anchor": {}, "bonus": {"anchor": False}, "no-conf": {"confidence": False}}
+
+
+def dspark(models, arch="qwen3", block=8, layout="anchor"):
+    return models.pair(arch, "dspark", block, **LAYOUTS[layout])
+
+
+# ---------------------------------------------------------------- the drafter against a reference
+def _sigmoid(x):
+    return 1.0 / (1.0 + np.exp(-x))
+
+
+def _reference_chain(pair, taps: np.ndarray, layers: list[int], anchor: int, n: int, sample_from_anchor: bool):
+    """The numpy reference (tests/reference_dflash.py, F16 KV cache modelled) with DeepSpec's Markov and
+    confidence heads on top: drafted ids, confidences and the base rows' own argmax."""
+    from reference_dflash import DFlashReference, TargetHF, rms_norm
+
+    ref = DFlashReference(pair.drafter_hf, kv_dtype=np.float16)
+    tgt = TargetHF(pair.target_hf)
+    hs = [None] * (max(layers) + 1)
+    for j, li in enumerate(layers):
+        hs[li] = taps[:, j].astype(np.float64)
+    ctx = ref.context(hs)
+    block = [anchor] + [ref.mask] * (n - 1 if sample_from_anchor else n)
+    P = len(ctx)
+    pos = np.arange(P + len(block))
+    h = tgt.embed[np.asarray(block)]
+    for i in range(ref.cfg["num_hidden_layers"]):
+        h = ref._layer(i, h, ctx, pos)
+    hn = rms_norm(h, ref.w["norm.weight"], ref.eps)
+    base = hn @ tgt.lm_head.T
+    w1, w2 = ref.w["markov_head.markov_w1.weight"], ref.w["markov_head.markov_w2.weight"]
+    conf_w = ref.w.get("confidence_head.proj.weight")
+    rows = range(0, n) if sample_from_anchor else range(1, n + 1)
+    ids, conf, prev = [], [], anchor
+    for r in rows:
+        logits = base[r] + w2 @ w1[prev]
+        if conf_w is not None:
+            conf.append(float(_sigmoid(conf_w @ np.concatenate([hn[r], w1[prev]]))[0]))
+        prev = int(np.argmax(logits))
+        ids.append(prev)
+    return ids, conf, base[list(rows)].argmax(-1).tolist()
+
+
+def _llama_draft(pair, tokens: list[int], n: int):
+    """Prefill the target, inject its taps into the drafter, draft one block after ``tokens``."""
+    with Model(pair.target) as tm, Model(pair.drafter) as dm:
+        opts = ContextOptions(n_ctx=128, n_threads=1, flash_attn=False)
+        with Context(tm, opts) as tc, Context(dm, opts, other=tc) as dc:
+            info = B.ffi.new("struct llama_dflash_drafter_info *")
+            B.check(B.lib.llama_dflash_prepare(tc.cptr, dc.cptr, info), "prepare")
+            layers = list(info.target_layers[0:info.n_target_layers])
+            P = len(tokens) - 1
+            tc.decode(np.asarray(tokens[:P], np.int32), 0, out_row0=P)
+            taps = np.zeros((P, len(layers) * tm.n_embd), np.float32)
+            B.check(B.lib.llama_dflash_get_taps(tc.cptr, B.ffi.from_buffer("int32_t[]", np.asarray(layers, np.int32)),
+                                                len(layers), 0, P, B.ffi.from_buffer("float[]", taps), taps.size), "taps")
+            B.check(B.lib.llama_dflash_inject(dc.cptr, tc.cptr, 0, 0, 0, P), "inject")
+            ids = np.zeros(n, np.int32)
+            conf = np.full(n, -1.0, np.float32)
+            i32 = "int32_t[]"
+            args = (dc.cptr, 1, B.ffi.from_buffer(i32, np.zeros(1, np.int32)), B.ffi.from_buffer(i32, np.array([P], np.int32)),
+                    B.ffi.from_buffer(i32, np.array([tokens[P]], np.int32)), n, B.ffi.from_buffer("llama_token[]", ids))
+            if info.has_confidence:
+                got = B.check(B.lib.llama_dflash_draft_seqs_conf(*args, B.ffi.from_buffer("float[]", conf)), "draft")
+            else:
+                with pytest.raises(Exception, match="unsupported"):   # no head: refused before any decode
+                    B.check(B.lib.llama_dflash_draft_seqs_conf(*args, B.ffi.from_buffer("float[]", conf)), "draft")
+                got = B.check(B.lib.llama_dflash_draft_seqs(*args), "draft")
+            assert got == n
+            assert dc.pos_max(0) == P - 1, "the noise block left the drafter's cache"
+            return DrafterInfo.from_c(info), layers, taps.reshape(P, len(layers), -1), ids.tolist(), conf.tolist()
+
+
+@pytest.mark.parametrize("layout", ["anchor", "bonus", "no-conf"])
+def test_drafts_follow_the_markov_chain_of_an_independent_reference(models, layout):
+    pair = dspark(models, layout=layout)
+    tokens = [1] + np.random.default_rng(3).integers(4, 500, 14).tolist()
+    info, layers, taps, ids, conf = _llama_draft(pair, tokens, 6)
+    assert info.kind == "dspark"
+    assert info.sample_from_anchor == (layout != "bonus") and info.has_confidence == (layout != "no-conf")
+    assert info.draft_max == (8 if info.sample_from_anchor else 7)
+    want, want_conf, unbiased = _reference_chain(pair, taps, layers, tokens[-1], 6, info.sample_from_anchor)
+    assert ids == want
+    assert ids != unbiased, "the Markov bias should change some drafted token here (else this test shows nothing)"
+    if info.has_confidence:
+        np.testing.assert_allclose(conf, want_conf, atol=2e-3)
+        assert all(0.0 < c < 1.0 for c in conf)
+
+
+# ---------------------------------------------------------------- lossless, one sequence
+class Rig:
+    def __init__(self, pair, **spec):
+        self.tm, self.dm = Model(pair.target), Model(pair.drafter)
+        opts = ContextOptions(n_ctx=512, n_batch=64, n_ubatch=64)
+        self.tc = Context(self.tm, opts)
+        self.dc = Context(self.dm, opts, other=self.tc)
+        self.dec = DFlashDecoder(self.tc, self.dc, SpecOptions(**spec))
+        self.pc = Context(self.tm, opts)
+        self.plain = DFlashDecoder(self.pc, None)
+
+    def run(self, dec, prompt, n, **kw):
+        st = GenerationStats()
+        return list(dec.generate(prompt, n, stats=st, **kw)), st
+
+    def close(self):
+        for c in (self.dc, self.tc, self.pc):
+            c.close()
+        self.dm.close()
+        self.tm.close()
+
+
+@pytest.mark.parametrize("arch", ["qwen3", "llama"])
+@pytest.mark.parametrize("layout,block", [("anchor", 8), ("bonus", 8), ("no-conf", 8), ("anchor", 4)])
+def test_greedy_equals_plain(models, arch, layout, block):
+    rig = Rig(dspark(models, arch, block, layout))
+    try:
+        assert rig.dec.info.kind == "dspark"
+        assert rig.dec.n_draft == (block if layout != "bonus" else block - 1)   # anchor-first: a whole block
+        for text in PROMPTS:
+            prompt = rig.tm.tokenize(text)
+            ref, _ = rig.run(rig.plain, prompt, 48, stop_tokens=[])
+            out, st = rig.run(rig.dec, prompt, 48, stop_tokens=[])
+            assert out == ref
+            assert st.steps > 0 and st.drafted >= st.accepted and st.n_generated == 48
+            # mid-block ends: max_tokens and a stop token
+            out, _ = rig.run(rig.dec, prompt, 13, stop_tokens=[])
+            assert out == ref[:13]
+            out, _ = rig.run(rig.dec, prompt, 48, stop_tokens=[ref[10]])
+            assert out == ref[:ref.index(ref[10]) + 1]
+        prompt = rig.tm.tokenize(PROMPTS[0])
+        ref = llama_cpp_greedy(dspark(models, arch, block, layout).target, prompt, 40)
+        out, _ = rig.run(rig.dec, prompt, len(ref))
+        assert out == ref
+    finally:
+        rig.close()
+
+
+def test_an_oracle_fills_whole_anchor_first_blocks(models):
+    """Anchor-first blocks really commit block_size + 1 tokens a step when every drafted token is right."""
+    pair = dspark(models)
+    rig = Rig(pair)
+    try:
+        prompt = rig.tm.tokenize(PROMPTS[0])
+        ref, _ = rig.run(rig.plain, prompt, 46, stop_tokens=[])
+        rig.dec.proposer = OverrideProposer(lambda ctx, n: ref[len(ctx) - len(prompt):][:n])
+        out, st = rig.run(rig.dec, prompt, 46, stop_tokens=[])
+        assert out == ref
+        assert st.steps == 5 and st.accepted == 40    # the prefill's token, then 5 steps of 8 drafted + 1
+    finally:
+        rig.close()
+
+
+@pytest.mark.parametrize("arch", ["qwen35"])
+def test_hybrid_target_equals_plain(models, arch):
+    rig = Rig(dspark(models, arch))
+    try:
+        for text in PROMPTS:
+            prompt = rig.tm.tokenize(text)
+            ref, _ = rig.run(rig.plain, prompt, 40, stop_tokens=[])
+            out, st = rig.run(rig.dec, prompt, 40, stop_tokens=[])
+            assert out == ref and st.drafted > 0
+    finally:
+        rig.close()
+
+
+@pytest.mark.parametrize("layout", ["anchor", "bonus"])
+def test_sampling_keeps_the_target_distribution(models, layout):
+    """At temperature > 0 the drafted block (the Markov head's chain) is a deterministic proposal: kept with
+    probability p(token), else the residual is sampled. The samples follow the target's exact distribution."""
+    pair = dspark(models, layout=layout)
+    tm, dm = Model(pair.target), Model(pair.drafter)
+    opts = ContextOptions(n_ctx=256, n_batch=64, n_ubatch=64)
+    pc, tc = Context(tm, opts), Context(tm, opts)
+    dc = Context(dm, opts, other=tc)
+    try:
+        prompt = tm.tokenize(PROMPTS[0])
+        exact = exact_distribution(pc, prompt, SP)
+        greedy = list(DFlashDecoder(pc, None).generate(prompt, K_TOKENS, stop_tokens=[]))
+        # half the runs with the drafter's own blocks, half with an oracle's (accepted and rejected rows both)
+        dec = DFlashDecoder(tc, dc, SpecOptions())
+        oracle = DFlashDecoder(tc, dc, SpecOptions(),
+                               OverrideProposer(lambda ctx, n: greedy[len(ctx) - len(prompt):][:n]))
+        counts, st = Counter(), GenerationStats()
+        for seed in range(1500):
+            sp = SamplingParams(**{**SP.__dict__, "seed": seed})
+            d = dec if seed % 2 else oracle
+            counts[tuple(d.generate(prompt, K_TOKENS, sampling=sp, stats=st, stop_tokens=[]))] += 1
+        assert st.drafted > 0 and 0 < st.accepted < st.drafted
+        p = chi2_pvalue(counts, exact)
+        assert p > ALPHA, f"DSpark samples do not follow the target distribution (p={p:.2e})"
+    finally:
+        for c in (dc, tc, pc):
+            c.close()
+        dm.close()
+        tm.close()
+
+
+# ---------------------------------------------------------------- the front doors
+def test_llama_batch_cli_and_server_serve_a_dspark_drafter(models, tmp_path):
+    """``Llama``, ``Llama.from_pair``, ``BatchLlama``, the CLI and the server's slots: the same text as
+    llama_cpp.Llama's, DSpark named in the ``dflash`` object."""
+    import json
+    import subprocess
+    import sys
+
+    import httpx
+
+    from dflash_gguf import Llama
+    from dflash_gguf.batch import BatchLlama
+    from dflash_gguf.server import create_app
+
+    pair = dspark(models)
+    plain = llama_cpp.Llama(str(pair.target), **KW)
+    prompts = ["def main(", "import os\n", "class Foo:\n    def"]
+    want = [plain.create_completion(p, max_tokens=24, temperature=0)["choices"][0]["text"] for p in prompts]
+    plain.close()
+
+    llm = Llama(str(pair.target), draft_model_path=str(pair.drafter), draft_adaptive=False, **KW)
+    try:
+        for p, w in zip(prompts, want):
+            out = llm.create_completion(p, max_tokens=24, temperature=0)
+            assert out["choices"][0]["text"] == w
+            assert out["dflash"]["enabled"] and out["dflash"]["steps"] > 0
+        assert llm.dflash_info["kind"] == "dspark" and llm.dflash_info["n_draft"] == 8
+        app = create_app(llm, "tiny", parallel=2)
+        with serve(app) as url:
+            for p, w in zip(prompts, want):
+                r = httpx.post(f"{url}/v1/completions", json={"prompt": p, "max_tokens": 24, "temperature": 0},
+                               timeout=120)
+                assert r.status_code == 200, r.text
+                assert r.json()["choices"][0]["text"] == w
+        app.state.server.slots.close()
+    finally:
+        llm.close()
+
+    with BatchLlama(pair.target, pair.drafter, n_parallel=3, n_ctx=512, n_threads=1, draft_adaptive=False) as b:
+        outs = b.generate(prompts, max_tokens=24, temperature=0)
+        assert [o.text for o in outs] == want
+        assert all(o.stats.drafted > 0 for o in outs)
+
+    r = subprocess.run([sys.executable, "-m", "dflash_gguf", "generate", "--model", str(pair.target), "--draft",
+                        str(pair.drafter), "--n-ctx", "512", "--threads", "1", "-n", "24", "--json", prompts[0]],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout == want[0] + "\n"
+    stats = json.loads(r.stderr.strip().splitlines()[-1])
+    assert stats["dflash"]["steps"] > 0
