@@ -28,36 +28,54 @@ class PairConstructors:
                         local_dir: str | os.PathLike | None = None,
                         local_dir_use_symlinks: bool | Literal["auto"] = "auto",
                         cache_dir: str | os.PathLike | None = None, *, draft_repo_id: str | None = None,
-                        draft_filename: str | None = None, revision: str | None = None,
+                        draft_filename: str | Literal[False] | None = None, revision: str | None = None,
                         draft_revision: str | None = None, local_files_only: bool = False, **kwargs) -> L:
         """``llama_cpp.Llama.from_pretrained`` (same arguments, in the same order), plus a drafter.
 
-        ``filename``: a file name or a glob matching exactly one file of ``repo_id`` (``"*Q8_0.gguf"``);
+        ``filename``: a file name or a glob matching exactly one file of ``repo_id`` (``"*Q8_0.gguf"``;
+        drafters published beside the target, ``dflash-*`` and ``dspark-*``, are not taken for it);
         ``additional_files``: more names or globs, one file each, fetched into the same folder (the
         other shards of a split GGUF: ``filename`` then names the first, ``*-00001-of-0000N.gguf``,
         which llama.cpp opens with the rest beside it; shards not listed are fetched too).
         ``local_dir``: put the files there instead of the Hub cache (``cache_dir``); the drafter goes
-        there too when it comes from the same repository. Keyword-only: ``draft_repo_id`` (default
-        ``repo_id``) and ``draft_filename`` (the drafter GGUF, a name or glob; a split drafter is
-        fetched whole), ``revision`` / ``draft_revision``, ``local_files_only``. Offline
-        (``HF_HUB_OFFLINE=1`` or ``local_files_only=True``) only the cache (or ``local_dir``) is read.
-        Needs ``huggingface_hub`` (``pip install 'dflash-gguf[hub]'``); see :mod:`dflash_gguf.hub`.
+        there too when it comes from the same repository.
+
+        The drafter (keyword-only arguments): by default the one published in the target's own
+        repository, as upstream's ``-hf`` finds it (``dspark-NAME-Q8_0.gguf``, ``dflash-NAME-BF16.gguf``,
+        ...; DSpark before DFlash, Q8_0 before BF16/F16: :data:`dflash_gguf.hub.SIDECAR_KINDS`, ``SIDECAR_QUANTS``), and
+        plain decoding when there is none. ``draft_filename``: that file instead (a name or glob; a
+        split drafter is fetched whole), or ``False`` for no drafter. ``draft_repo_id``: the drafter's
+        own repository (a DSpark or DFlash GGUF published alone); without ``draft_filename`` its
+        drafter is picked the same way. ``revision`` / ``draft_revision``, ``local_files_only``:
+        offline (``HF_HUB_OFFLINE=1`` or ``local_files_only=True``) only the cache (or ``local_dir``)
+        is read, and searched. Needs ``huggingface_hub`` (``pip install 'dflash-gguf[hub]'``); see
+        :mod:`dflash_gguf.hub`.
         """
-        from dflash_gguf.hub import hub_model
+        from dflash_gguf.hub import HubFileNotFound, fetch_model, find_drafter, hub_model
 
         if filename is None:
             raise ValueError("filename is required: the GGUF's name or a glob matching it (e.g. '*Q8_0.gguf')")
-        if draft_repo_id is not None and draft_filename is None:
-            raise ValueError("draft_repo_id needs draft_filename (the drafter GGUF's name or a glob)")
+        if draft_filename is False and draft_repo_id is not None:
+            raise ValueError("draft_repo_id with draft_filename=False: either a drafter's repository or no drafter")
+        if draft_filename is not None and draft_filename is not False and not isinstance(draft_filename, str):
+            raise TypeError(f"draft_filename: a file name or glob, None (find the drafter) or False (none), "
+                            f"not {type(draft_filename).__name__}")
         where = dict(cache_dir=cache_dir, local_files_only=local_files_only)
         local = dict(local_dir=local_dir, local_dir_use_symlinks=local_dir_use_symlinks)
-        target = hub_model(repo_id, filename, additional_files, revision=revision, **where, **local)
+        root, rel = fetch_model(repo_id, filename, additional_files, revision=revision, **where, **local)
+        draft_repo = draft_repo_id or repo_id
+        same = draft_repo == repo_id
         drafter = None
-        if draft_filename is not None:
-            draft_repo = draft_repo_id or repo_id
-            drafter = hub_model(draft_repo, draft_filename, revision=draft_revision, **where,
-                                **(local if draft_repo == repo_id else {}))
-        return cls(str(target), draft_model_path=str(drafter) if drafter else None, **kwargs)
+        if isinstance(draft_filename, str):
+            drafter = hub_model(draft_repo, draft_filename, revision=draft_revision, **where, **(local if same else {}))
+        elif draft_filename is None and same:
+            rev = draft_revision or revision    # the target's snapshot folder lists only its own revision
+            drafter = find_drafter(repo_id, rel, root=root if rev == revision else None, revision=rev, **where, **local)
+        elif draft_filename is None:
+            drafter = find_drafter(draft_repo, revision=draft_revision, **where)
+            if drafter is None:
+                raise HubFileNotFound(f"no GGUF in {draft_repo} to draft with (name one: draft_filename=...)")
+        return cls(str(root / rel), draft_model_path=str(drafter) if drafter else None, **kwargs)
 
     @classmethod
     def from_pair_pretrained(cls: type[L], repo_id: str, *, revision: str | None = None,

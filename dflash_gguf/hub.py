@@ -7,6 +7,7 @@ every other Hub user on the machine, resume after an interruption, and work offl
 :class:`HubFileNotFound` that says where it looked and how to get it.
 
     from dflash_gguf import Llama
+    llm = Llama.from_pretrained("ggml-org/Qwen3-8B-GGUF", "*Q8_0.gguf")   # + the dspark-/dflash- GGUF beside it
     llm = Llama.from_pretrained("org/Qwen3-8B-GGUF", "*q8_0.gguf",
                                 draft_repo_id="org/Qwen3-8B-DFlash-GGUF", draft_filename="*.gguf")
     llm = Llama.from_pair_pretrained("org/qwen3-8b-dflash-pair")      # a pair with its pair.json
@@ -14,10 +15,12 @@ every other Hub user on the machine, resume after an interruption, and work offl
 from __future__ import annotations
 
 import fnmatch
+import glob
 import json
 import logging
 import os
 import re
+from dataclasses import dataclass
 from pathlib import Path
 
 log = logging.getLogger("dflash_gguf.hub")
@@ -82,12 +85,19 @@ def _files(root: Path) -> list[str]:
                   if not rel.startswith(".cache/"))
 
 
-def _match(repo_id: str, root: Path, filename: str, offline_mode: bool) -> str:
-    found = [rel for rel in _files(root) if fnmatch.fnmatch(rel, filename)]
+def _match(repo_id: str, root: Path | None, filename: str, offline_mode: bool, model: bool = False,
+           files: list[str] | None = None) -> str:
+    """The one file of ``files`` (default: those under ``root``) that ``filename`` matches."""
+    files = _files(root) if files is None else files
+    found = [rel for rel in files if fnmatch.fnmatch(rel, filename)]
+    if model and len(found) > 1:
+        # a glob such as "*Q8_0.gguf" also matches the sidecars published beside the target
+        # (dflash-NAME-Q8_0.gguf): as upstream's rule does, those are not candidates for the model itself
+        found = [rel for rel in found if not is_sidecar_name(rel)] or found
     if not found:
         mode = " (offline: only the cache was searched)" if offline_mode else ""
         raise HubFileNotFound(f"no file matching {filename!r} in {repo_id}{mode}; "
-                              f"have: {', '.join(_files(root)) or 'nothing'} (in {root})")
+                              f"have: {', '.join(files) or 'nothing'}{f' (in {root})' if root else ''}")
     if len(found) > 1:
         raise ValueError(f"{len(found)} files of {repo_id} match {filename!r}: {', '.join(found)}; name one")
     return found[0]
@@ -123,9 +133,20 @@ def hub_model(repo_id: str, filename: str, additional_files: list[str] | None = 
     matches, then each of ``additional_files`` (a name or a glob matching one file each: the other
     shards of a split GGUF, say) into the same folder. For the first shard of a split GGUF the shards
     not named are fetched too. Returns the path of the file to open (the first shard)."""
+    root, rel = fetch_model(repo_id, filename, additional_files, **kw)
+    return root / rel
+
+
+def fetch_model(repo_id: str, filename: str, additional_files: list[str] | None = None, **kw) -> tuple[Path, str]:
+    """:func:`hub_model`, as the snapshot folder and the file's path in the repository."""
     quiet = offline() or bool(kw.get("local_files_only"))
+    listed = None if quiet else _listing(repo_id, kw.get("revision"))
+    if listed is not None:
+        # the name first, from the repository's list, so that a glob that also matches the sidecars
+        # beside the target downloads the target alone
+        filename = glob.escape(_match(repo_id, None, filename, quiet, model=True, files=listed))
     root = snapshot(repo_id, [filename], **kw)
-    rel = _match(repo_id, root, filename, quiet)
+    rel = _match(repo_id, root, filename, quiet, model=True)
     for extra in additional_files or []:
         root = snapshot(repo_id, [extra], **kw)   # the same snapshot folder: one revision
         _match(repo_id, root, extra, quiet)
@@ -137,7 +158,130 @@ def hub_model(repo_id: str, filename: str, additional_files: list[str] | None = 
             where = "the cache (offline)" if quiet else repo_id
             raise HubFileNotFound(f"{repo_id}: shard {', '.join(missing)} of the split GGUF {rel} is not in {where}")
     log.info("%s: %s%s", repo_id, root / rel, f" ({len(shards)} shards)" if shards else "")
-    return root / rel
+    return root, rel
+
+
+# --------------------------------------------------------------------------- drafters published beside the target
+# ggml-org publishes drafters inside the target's own GGUF repository (Qwen3-8B-Q8_0.gguf beside
+# dflash-Qwen3-8B-Q8_0.gguf and dspark-Qwen3-8B-BF16.gguf). Which files count is upstream's rule, as
+# its `-hf` finds them (common/download.cpp: find_best_sibling, gguf_filename_is_model): a `.gguf`
+# whose file name holds the kind's prefix, in the target's folder or a folder above it, the nearest
+# folder first. Which one to use when several are there is these two tables, in order.
+SIDECAR_KINDS: tuple[tuple[str, str], ...] = (
+    # DSpark first (upstream ranks it above DFlash too): the same backbone plus a Markov head that drafts
+    # better at the same cost, and a confidence head that lets the engine verify fewer rows
+    ("dspark", "dspark-"),
+    ("dflash", "dflash-"),
+)
+# then the quantization: Q8_0 first, half the memory of the 16-bit files and faster on CPUs, where
+# a drafter's weights are read once per drafted block; then the 16-bit ones; any other after these.
+# Upstream instead takes the quantization nearest the target's; for a drafter the smaller file pays.
+SIDECAR_QUANTS: tuple[str, ...] = ("Q8_0", "BF16", "F16")
+# every name upstream keeps out of the model choice (projectors, imatrices and every drafter kind)
+_NOT_A_MODEL = ("mmproj", "imatrix", "mtp-", "eagle3-", "dflash-", "dspark-")
+# upstream's quantization tag: the name's last [-.]-separated word, the shard suffix left out
+_QUANT_TAG = re.compile(r"[-.]([A-Za-z0-9_]+)$")
+
+
+@dataclass(frozen=True)
+class Sidecar:
+    """The drafter :func:`choose_drafter` picked: its path in the repository, and why."""
+    file: str
+    kind: str          # a SIDECAR_KINDS name, or "" for a GGUF named otherwise (a drafter-only repository)
+    quant: str         # "Q8_0", "BF16", ... ("" when the name has no tag)
+    reason: str
+
+
+def is_sidecar_name(path: str) -> bool:
+    """A GGUF name upstream never takes for the model itself (a drafter, projector or imatrix)."""
+    name = path.rsplit("/", 1)[-1]
+    return name.endswith(".gguf") and any(word in name for word in _NOT_A_MODEL)
+
+
+def quant_tag(path: str) -> str:
+    """``Q8_0`` for ``dflash-Qwen3-8B-Q8_0.gguf`` (and its shards), ``""`` for a name without one."""
+    stem = path.rsplit("/", 1)[-1].removesuffix(".gguf")
+    m = _SHARD.match(stem + ".gguf")
+    stem = m["prefix"] if m else stem
+    m = _QUANT_TAG.search(stem)
+    return m[1].upper() if m else ""
+
+
+def _kind(path: str) -> str:
+    name = path.rsplit("/", 1)[-1]
+    return next((kind for kind, prefix in SIDECAR_KINDS if prefix in name), "")
+
+
+def _rank(table: tuple[str, ...], value: str) -> int:
+    return table.index(value) if value in table else len(table)
+
+
+def choose_drafter(files: list[str], target: str | None = None) -> Sidecar | None:
+    """The drafter to use among a repository's ``files``, or None.
+
+    ``target``: the target's path in the same repository; then only sidecars count (upstream's rule
+    above), the nearest folder first. Without it the repository is the drafter's own: sidecar names
+    still come first, then any other GGUF (a DSpark or DFlash GGUF published alone). Among the rest
+    the kind, then the quantization, go by :data:`SIDECAR_KINDS` and :data:`SIDECAR_QUANTS`.
+    """
+    kinds = tuple(kind for kind, _ in SIDECAR_KINDS)
+    ggufs = [f for f in files if f.endswith(".gguf") and (_SHARD.match(f.rsplit("/", 1)[-1]) is None or split_shards(f))]
+    if target is not None:
+        folder = target.split("/")[:-1]
+        candidates = [(len(f.split("/")) - 1, f) for f in ggufs if _kind(f) and f != target
+                      and f.split("/")[:-1] == folder[: len(f.split("/")) - 1]]
+    else:
+        candidates = [(0, f) for f in ggufs]
+    if not candidates:
+        return None
+    _, best = min(candidates, key=lambda c: (_rank(kinds, _kind(c[1])), -c[0], _rank(SIDECAR_QUANTS, quant_tag(c[1])), c[1]))
+    kind, quant = _kind(best), quant_tag(best)
+    others = sorted(f for _, f in candidates if f != best)
+    why = [f"the {kind} sidecar{' beside the target' if target is not None else ''}" if kind else
+           "a GGUF of the drafter's repository"]
+    if others:
+        why.append(f"preferred to {', '.join(others)} (kinds: {' > '.join(kinds)}; quantizations: "
+                   f"{' > '.join(SIDECAR_QUANTS)} > others{'; the nearest folder first' if target is not None else ''})")
+    return Sidecar(best, kind, quant, "; ".join(why))
+
+
+def _listing(repo_id: str, revision: str | None) -> list[str] | None:
+    """The Hub's list of ``repo_id``'s files, or None where it cannot be had (the cache answers then)."""
+    try:
+        return sorted(_hub().HfApi().list_repo_files(repo_id, revision=revision))
+    except ImportError:
+        raise
+    except Exception as e:   # network errors, a gated or private repository: as snapshot_download, fall back to the cache
+        log.info("%s: listing the repository failed (%s: %s); using the files already here", repo_id, type(e).__name__, e)
+        return None
+
+
+def repo_files(repo_id: str, root: Path | None = None, *, revision: str | None = None,
+               local_files_only: bool = False, **kw) -> list[str]:
+    """``repo_id``'s files at ``revision``: the Hub's list online, else what its snapshot folder
+    (``root``, or the cache's, or ``local_dir``) holds. A listing that fails online falls back to that
+    folder too, as the files themselves do when the Hub cannot be reached."""
+    listed = None if offline() or local_files_only else _listing(repo_id, revision)
+    if listed is not None:
+        return listed
+    if root is None:   # from the cache alone: nothing is downloaded to list a folder
+        root = snapshot(repo_id, ["*.gguf"], revision=revision, local_files_only=True, **kw)
+    return _files(root)
+
+
+def find_drafter(repo_id: str, target: str | None = None, *, root: Path | None = None, revision: str | None = None,
+                 local_files_only: bool = False, **kw) -> Path | None:
+    """The drafter of ``repo_id`` that :func:`choose_drafter` picks, fetched as :func:`hub_model` fetches
+    a model; None if there is none. ``target``: the target's path when it is the same repository,
+    ``root`` its snapshot folder; ``kw``: :func:`snapshot`'s ``cache_dir``, ``local_dir``, ..."""
+    files = repo_files(repo_id, root, revision=revision, local_files_only=local_files_only, **kw)
+    pick = choose_drafter(files, target)
+    if pick is None:
+        log.info("%s: no drafter GGUF%s", repo_id, f" ({', '.join(f'{prefix}*.gguf' for _, prefix in SIDECAR_KINDS)}) "
+                 f"beside {target}: plain decoding" if target is not None else "")
+        return None
+    log.info("%s: drafter %s: %s", repo_id, pick.file, pick.reason)
+    return hub_model(repo_id, glob.escape(pick.file), revision=revision, local_files_only=local_files_only, **kw)
 
 
 def pair_snapshot(repo_id: str, *, revision: str | None = None, cache_dir=None, local_files_only: bool = False) -> Path:

@@ -114,8 +114,12 @@ def test_offline_missing_files_are_clear_errors(offline):
         Llama.from_pretrained("org/tiny-target-GGUF", "*q4_0.gguf", **KW)
     with pytest.raises(HubFileNotFound, match="drafter.gguf named by pair.json not in the cache"):
         Llama.from_pair_pretrained("org/half-pair", **KW)
-    with pytest.raises(ValueError, match="draft_filename"):
-        Llama.from_pretrained("org/tiny-target-GGUF", "*.gguf", draft_repo_id="org/tiny-drafter-GGUF", **KW)
+    with pytest.raises(ValueError, match="draft_filename=False"):
+        Llama.from_pretrained("org/tiny-target-GGUF", "*.gguf", draft_repo_id="org/tiny-drafter-GGUF",
+                              draft_filename=False, **KW)
+    put_repo(offline, "org/tiny-no-gguf", {"README.md": offline / "README.md"})
+    with pytest.raises(HubFileNotFound, match="no GGUF in org/tiny-no-gguf"):
+        Llama.from_pretrained("org/tiny-target-GGUF", "*.gguf", draft_repo_id="org/tiny-no-gguf", **KW)
 
 
 def test_convert_cli_offline_hub_ids_fail_clearly(cache, tmp_path):
@@ -212,3 +216,129 @@ def test_from_pretrained_local_dir_offline(offline, pair, plain, tmp_path):
         assert out["choices"][0]["text"] == plain("def main(", max_tokens=12, temperature=0)["choices"][0]["text"]
     finally:
         llm.close()
+
+
+# --------------------------------------------------------------------------- drafters published beside the target
+def test_choose_drafter_follows_the_tables():
+    """DSpark before DFlash, Q8_0 before BF16/F16; only files named as upstream names sidecars, in the
+    target's folder or one above it (the nearest first); the first shard of a split drafter."""
+    from dflash_gguf.hub import choose_drafter
+
+    ggml = ["README.md", "Tiny-Q8_0.gguf", "Tiny-F16.gguf", "dflash-Tiny-BF16.gguf", "dflash-Tiny-Q8_0.gguf",
+            "dspark-Tiny-BF16.gguf", "dspark-Tiny-Q8_0.gguf", "mmproj-Tiny-F16.gguf"]
+    pick = choose_drafter(ggml, "Tiny-Q8_0.gguf")
+    assert (pick.file, pick.kind, pick.quant) == ("dspark-Tiny-Q8_0.gguf", "dspark", "Q8_0")
+    assert "dflash-Tiny-BF16.gguf" in pick.reason and "dspark > dflash" in pick.reason
+    assert choose_drafter([f for f in ggml if "dspark" not in f], "Tiny-F16.gguf").file == "dflash-Tiny-Q8_0.gguf"
+    assert choose_drafter(["Tiny-F16.gguf", "dflash-Tiny-F16.gguf", "dflash-Tiny-BF16.gguf", "dflash-Tiny-Q4_0.gguf"],
+                          "Tiny-F16.gguf").file == "dflash-Tiny-BF16.gguf"
+    assert choose_drafter(["Tiny-Q8_0.gguf", "README.md", "mmproj-Tiny-F16.gguf"], "Tiny-Q8_0.gguf") is None
+    nested = ["Q8_0/Tiny-Q8_0.gguf", "dflash-Tiny-Q8_0.gguf", "Q8_0/dflash-Tiny-BF16.gguf",
+              "BF16/dspark-Tiny-Q8_0.gguf", "Q8_0/sub/dspark-Tiny-Q8_0.gguf"]
+    assert choose_drafter(nested, "Q8_0/Tiny-Q8_0.gguf").file == "Q8_0/dflash-Tiny-BF16.gguf"   # nearest folder
+    assert choose_drafter(nested[:2], "Q8_0/Tiny-Q8_0.gguf").file == "dflash-Tiny-Q8_0.gguf"   # a folder above
+    split = ["Tiny-Q8_0.gguf", "dspark-Tiny-BF16-00002-of-00002.gguf", "dspark-Tiny-BF16-00001-of-00002.gguf"]
+    pick = choose_drafter(split, "Tiny-Q8_0.gguf")
+    assert (pick.file, pick.quant) == ("dspark-Tiny-BF16-00001-of-00002.gguf", "BF16")
+    # a drafter's own repository (a DSpark GGUF published alone): any GGUF, by the same tables
+    alone = ["README.md", "Qwen3-1.7B-DSpark-BF16.gguf", "Qwen3-1.7B-DSpark-Q8_0.gguf"]
+    assert choose_drafter(alone).file == "Qwen3-1.7B-DSpark-Q8_0.gguf"
+    assert choose_drafter(["README.md"]) is None
+
+
+@pytest.fixture(scope="module")
+def published(pair, models, cache):
+    """Repositories laid out as ggml-org's: the target and its drafters side by side."""
+    dspark = models.pair("qwen3", "dspark", 8)
+    assert dspark.target == pair.target            # one target for both kinds
+    put_repo(cache, "org/Tiny-GGUF", {"Tiny-F32.gguf": pair.target, "dflash-Tiny-BF16.gguf": pair.drafter,
+                                      "dflash-Tiny-Q8_0.gguf": pair.drafter, "dspark-Tiny-Q8_0.gguf": dspark.drafter})
+    put_repo(cache, "org/Tiny-dflash-GGUF", {"Tiny-F32.gguf": pair.target, "dflash-Tiny-BF16.gguf": pair.drafter,
+                                             "dflash-Tiny-Q8_0.gguf": pair.drafter})
+    return cache
+
+
+def _drafter_name(llm) -> str | None:
+    return Path(llm.draft_model_path).name if llm.draft_model_path else None
+
+
+def test_from_pretrained_finds_the_drafter_beside_the_target(published, offline, plain, caplog):
+    """No draft_filename: the sidecar of the target's repository (the glob "*.gguf" matches the
+    sidecars too, yet names the target). The choice among DSpark and DFlash files is the hub's alone;
+    the DFlash one is loaded and decodes losslessly (DSpark decoding: test_dspark.py)."""
+    from dflash_gguf.hub import fetch_model, find_drafter
+
+    with caplog.at_level("INFO", logger="dflash_gguf.hub"):
+        root, rel = fetch_model("org/Tiny-GGUF", "*.gguf")
+        drafter = find_drafter("org/Tiny-GGUF", rel, root=root)
+    assert rel == "Tiny-F32.gguf" and drafter == root / "dspark-Tiny-Q8_0.gguf"
+    assert "drafter dspark-Tiny-Q8_0.gguf: the dspark sidecar beside the target; preferred to " \
+           "dflash-Tiny-BF16.gguf, dflash-Tiny-Q8_0.gguf" in caplog.text
+
+    want = plain("def main(", max_tokens=16, temperature=0)["choices"][0]["text"]
+    caplog.clear()
+    with caplog.at_level("INFO", logger="dflash_gguf.hub"):
+        llm = Llama.from_pretrained("org/Tiny-dflash-GGUF", "*.gguf", **KW)
+    try:
+        assert Path(llm.model_path).name == "Tiny-F32.gguf" and _drafter_name(llm) == "dflash-Tiny-Q8_0.gguf"
+        assert REV in llm.draft_model_path
+        assert "drafter dflash-Tiny-Q8_0.gguf" in caplog.text and "preferred to dflash-Tiny-BF16.gguf" in caplog.text
+        out = llm("def main(", max_tokens=16, temperature=0)
+        assert out["choices"][0]["text"] == want and out["dflash"]["enabled"] is True
+    finally:
+        llm.close()
+
+
+def test_from_pretrained_drafter_choice_can_be_overridden(published, offline, caplog):
+    """An explicit draft_filename wins; draft_filename=False turns the search off; a repository
+    without a sidecar decodes plainly, as before."""
+    cases = [(dict(draft_filename="dflash-Tiny-BF16.gguf"), "dflash-Tiny-BF16.gguf"),
+             (dict(draft_filename=False), None)]
+    for kw, chosen in cases:
+        llm = Llama.from_pretrained("org/Tiny-GGUF", "Tiny-*.gguf", **kw, **KW)
+        try:
+            assert Path(llm.model_path).name == "Tiny-F32.gguf" and _drafter_name(llm) == chosen
+        finally:
+            llm.close()
+    with caplog.at_level("INFO", logger="dflash_gguf.hub"):
+        llm = Llama.from_pretrained("org/tiny-target-GGUF", "*.gguf", **KW)
+    try:
+        assert llm.draft_model_path is None and "plain decoding" in caplog.text
+    finally:
+        llm.close()
+    llm = Llama.from_pretrained("org/tiny-target-GGUF", "*.gguf", draft_repo_id="org/tiny-drafter-GGUF", **KW)
+    try:
+        assert _drafter_name(llm) == "drafter-f32.gguf"     # a drafter's own repository: its GGUF
+    finally:
+        llm.close()
+    with pytest.raises(TypeError, match="draft_filename"):
+        Llama.from_pretrained("org/Tiny-GGUF", "Tiny-*.gguf", draft_filename=True, **KW)
+
+
+def test_online_the_listing_names_the_files_to_download(published, monkeypatch):
+    """Online the repository's list comes first: a glob that also matches the sidecars downloads the
+    target alone, then the one drafter chosen; a listing that fails falls back to the cache's files."""
+    from dflash_gguf.hub import fetch_model, find_drafter
+
+    snap = published / "models--org--Tiny-GGUF" / "snapshots" / REV
+    asked = []
+
+    def download(repo_id, *, allow_patterns, **kw):
+        asked.append(allow_patterns)
+        return str(snap)
+
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+    monkeypatch.setattr(hub, "snapshot_download", download)
+    monkeypatch.setattr(hub.HfApi, "list_repo_files", lambda self, repo_id, revision=None, **kw: [
+        "README.md", *sorted(p.name for p in snap.iterdir())])
+    root, rel = fetch_model("org/Tiny-GGUF", "*.gguf")
+    assert rel == "Tiny-F32.gguf" and asked == [["Tiny-F32.gguf"]]
+    assert find_drafter("org/Tiny-GGUF", rel, root=root).name == "dspark-Tiny-Q8_0.gguf"
+    assert asked[1:] == [["dspark-Tiny-Q8_0.gguf"]]
+
+    def unreachable(self, repo_id, **kw):
+        raise ConnectionError("no network")
+
+    monkeypatch.setattr(hub.HfApi, "list_repo_files", unreachable)
+    root, rel = fetch_model("org/Tiny-GGUF", "Tiny-*.gguf")
+    assert rel == "Tiny-F32.gguf" and find_drafter("org/Tiny-GGUF", rel, root=root).name == "dspark-Tiny-Q8_0.gguf"
