@@ -55,7 +55,7 @@ ggml-variants: venv
 # test dependencies: torch CPU (from this machine's disk where available), transformers, server + client; scipy (llama-cpp-python's own tests import it)
 $(VENV)/.test-deps: pyproject.toml | $(STAMP)
 	$(VPY) -m pip install -q torch==2.13.0
-	$(VPY) -m pip install -q "transformers==4.57.6" sentencepiece protobuf safetensors pytest httpx "openai>=1.0" "fastapi>=0.110" "uvicorn>=0.27" "uvloop>=0.19" "httptools>=0.6" matplotlib "huggingface_hub>=0.23" "mutmut==3.8.1" "scipy>=1.10"
+	$(VPY) -m pip install -q "transformers==4.57.6" sentencepiece protobuf safetensors pytest httpx "openai>=1.0" "fastapi>=0.110" "uvicorn>=0.27" "uvloop>=0.19" "httptools>=0.6" matplotlib "huggingface_hub>=0.23" "mutmut==3.8.1" "scipy>=1.10" "anthropic>=0.40"
 	touch $@
 
 lint: venv

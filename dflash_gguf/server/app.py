@@ -5,6 +5,17 @@ Endpoints
         sends server-sent events ``data: {chunk}`` ... ``data: [DONE]``. Every response (and the last
         chunk of a stream) carries a top-level ``dflash`` object (acceptance_length, drafted, accepted,
         steps, tokens_per_second, ...), ``null`` when the request was served by plain decoding.
+    POST /v1/responses  OpenAI's Responses API (``input``, ``instructions``, ``max_output_tokens``, function
+        ``tools``, ``text.format``, ``stream``: its ``response.*`` events); ``previous_response_id`` continues a
+        stored response (the last 256, in memory; ``GET``/``DELETE /v1/responses/{id}``).
+    POST /v1/messages   Anthropic's Messages API (``system``, ``max_tokens``, ``stop_sequences``, ``tools`` ->
+        ``tool_use`` blocks, ``stream``: message_start ... message_stop; Anthropic's error shape), and
+        ``/v1/messages/count_tokens``. Both are served by the chat route (``translate``): the same answers.
+    POST /v1/embeddings OpenAI's shape (``input``: text(s) or token ids; ``encoding_format`` float or base64):
+        mean-pooled states from a context of their own on the same weights, made at the first request.
+    POST /tokenize, /detokenize                  llama-server's shapes (``content``, ``add_special``,
+        ``parse_special``, ``with_pieces``; ``tokens``).
+    POST /extras/tokenize, /extras/tokenize/count, /extras/detokenize   llama_cpp.server's shapes.
     GET /v1/models      the one model this server holds.
     GET /health         ``{"status": "ok", "model", "dflash", "busy", "waiting"}``.
     GET /metrics        Prometheus text format (``?format=json`` for JSON): requests by endpoint and
@@ -42,7 +53,8 @@ token-id prompt too (its text detokenized; llama_cpp 0.3.36 fails on it).
 
 Errors are JSON ``{"error": {"message", "type", "param", "code"}}``: 400 for bad input (validation,
 context overflow, an unknown field), 404/405 for unknown routes, 408/503 as above, 500 only for
-server faults.
+server faults; under /v1/messages, Anthropic's ``{"type": "error", "error": {"type", "message"}}`` with the
+same statuses. ``--api-key`` is taken from ``Authorization: Bearer`` or ``x-api-key`` (Anthropic's clients).
 """
 from __future__ import annotations
 
@@ -161,6 +173,7 @@ class _Server:
         self.waiting = 0
         self.slots = None          # --parallel N: the batched engine (dflash_gguf.server.slots.Slots)
         self.eog: list[int] | None = None   # the model's end-of-generation ids, once a request needs them
+        self.embedder = None       # /v1/embeddings: a context of its own, made at the first request (extras)
 
     async def run(self, fn: Callable, *args):
         return await asyncio.wrap_future(self.worker.submit(fn, *args))
@@ -376,6 +389,13 @@ def _grammar(llm, text: str | None):
     return grammar
 
 
+def shaped(request: Request, resp: JSONResponse) -> JSONResponse:
+    """An error response in the shape of the API the request's path belongs to (Anthropic's for /v1/messages)."""
+    from dflash_gguf.server.translate import anthropic_error
+
+    return anthropic_error(resp) if request.url.path.startswith("/v1/messages") else resp
+
+
 OPEN_PATHS = frozenset({"/health"})     # answered without an API key (load balancers, probes)
 
 
@@ -416,6 +436,8 @@ def create_app(llm, model_id: str | None = None, *, max_queue: int | None = None
         yield
         if srv.slots is not None:
             srv.slots.close()   # the engine thread ends, its contexts are freed
+        if srv.embedder is not None:
+            srv.embedder.close()
 
     app = FastAPI(title="dflash-gguf", version=__version__, lifespan=lifespan,
                   description="OpenAI-compatible server with lossless DFlash speculative decoding")
@@ -424,13 +446,15 @@ def create_app(llm, model_id: str | None = None, *, max_queue: int | None = None
     if api_key:
         @app.middleware("http")
         async def _key(request: Request, call_next):
-            if request.url.path in OPEN_PATHS or authorized(request.headers.get("authorization"), api_key):
+            if request.url.path in OPEN_PATHS or authorized(request.headers.get("authorization"), api_key) \
+                    or authorized("Bearer " + request.headers.get("x-api-key", ""), api_key):
                 return await call_next(request)
             srv.metrics.request(request.url.path, 401)
-            return JSONResponse(error_body("Incorrect or missing API key: send the header "
-                                           "'Authorization: Bearer <key>' (the key the server was started with)",
-                                           "invalid_request_error", None, "invalid_api_key"),
-                                status_code=401, headers={"WWW-Authenticate": "Bearer"})
+            return shaped(request, JSONResponse(
+                error_body("Incorrect or missing API key: send the header 'Authorization: Bearer <key>' or "
+                           "'x-api-key: <key>' (the key the server was started with)",
+                           "invalid_request_error", None, "invalid_api_key"),
+                status_code=401, headers={"WWW-Authenticate": "Bearer"}))
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(request: Request, exc: RequestValidationError):
@@ -441,7 +465,7 @@ def create_app(llm, model_id: str | None = None, *, max_queue: int | None = None
     @app.exception_handler(StarletteHTTPException)
     async def _http(request: Request, exc: StarletteHTTPException):
         kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
-        return JSONResponse(error_body(str(exc.detail), kind), status_code=exc.status_code)
+        return shaped(request, JSONResponse(error_body(str(exc.detail), kind), status_code=exc.status_code))
 
     @app.exception_handler(ValueError)
     async def _bad_value(request: Request, exc: ValueError):
@@ -518,8 +542,8 @@ def create_app(llm, model_id: str | None = None, *, max_queue: int | None = None
             call = lambda: _echoed(llm.create_completion(prompt, **kw), echo)  # noqa: E731
         return await srv.generate(request, "/v1/completions", call, body.stream, body.include_usage())
 
-    @app.post("/v1/chat/completions")
-    async def chat(body: ChatRequest, request: Request):
+    async def serve_chat(body: ChatRequest, request: Request, endpoint: str):
+        """The chat route's answer to ``body`` (also the other APIs': dflash_gguf.server.translate)."""
         kw = body.sampling_kwargs()
         if body.ignore_eos:
             no_eog(kw)
@@ -543,12 +567,18 @@ def create_app(llm, model_id: str | None = None, *, max_queue: int | None = None
                 ids, fmt_stops = formatted
                 job = S.make_job(srv.slots, asyncio.get_running_loop(), ids, kw,
                                  _stops(kw.get("stop")) + fmt_stops, chat=True)
-                return await S.serve(srv, request, "/v1/chat/completions", job, body.stream,
-                                                body.include_usage(), True)
-        return await srv.generate(request, "/v1/chat/completions",
-                                  lambda: llm.create_chat_completion(messages, **kw), body.stream,
-                                  body.include_usage())
+                return await S.serve(srv, request, endpoint, job, body.stream, body.include_usage(), True)
+        return await srv.generate(request, endpoint, lambda: llm.create_chat_completion(messages, **kw),
+                                  body.stream, body.include_usage())
 
+    @app.post("/v1/chat/completions")
+    async def chat(body: ChatRequest, request: Request):
+        return await serve_chat(body, request, "/v1/chat/completions")
+
+    from dflash_gguf.server import extras, translate
+
+    translate.add_routes(app, srv, serve_chat)
+    extras.add_routes(app, srv)
     return app
 
 
