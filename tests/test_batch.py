@@ -104,7 +104,7 @@ def _batch_equals_alone(rig, reqs, refs, oracle: bool) -> list[list[int]]:
     return got
 
 
-@pytest.mark.parametrize("kind", ["dflash", "dflash2"])
+@pytest.mark.parametrize("kind", ["dflash", "dflash2", "dspark"])
 @pytest.mark.parametrize("oracle", [False, True], ids=["drafter", "oracle"])
 @pytest.mark.parametrize("flash", [False, True], ids=["attn", "flash-attn"])
 def test_each_sequence_equals_itself_alone(models, kind, oracle, flash):

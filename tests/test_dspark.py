@@ -22,7 +22,8 @@ import pytest
 from dflash_gguf import _bindings as B
 from dflash_gguf.engine import Context, ContextOptions, DrafterInfo, Model
 from dflash_gguf.sampling import SamplingParams
-from dflash_gguf.decoding import DFlashDecoder, GenerationStats, OverrideProposer, SpecOptions
+from dflash_gguf.decoding import DFlashDecoder, GenerationStats, OverrideProposer, Request, SpecOptions
+from dflash_gguf.decoding.proposer import DrafterProposer as DFlashProposer
 from support import KW, llama_cpp_greedy, serve
 from test_sampling import ALPHA, K_TOKENS, SP, chi2_pvalue, exact_distribution
 
@@ -278,3 +279,91 @@ def test_llama_batch_cli_and_server_serve_a_dspark_drafter(models, tmp_path):
     assert r.stdout == want[0] + "\n"
     stats = json.loads(r.stderr.strip().splitlines()[-1])
     assert stats["dflash"]["steps"] > 0
+
+
+# ---------------------------------------------------------------- every published form, converted, runs
+@pytest.mark.parametrize("form,kind,anchor", [
+    ("deepspec", "dspark", True), ("deepspec-dflash", "dflash", True), ("speculators bonus slot", "dspark", False),
+    ("speculators reduced vocab", "dspark", False), ("nested", "dspark", True)])
+def test_each_published_form_converted_runs_losslessly(models, tmp_path, form, kind, anchor):
+    """What ``python -m dflash_gguf.convert`` makes of each published form (tests/test_convert_dspark.py)
+    drafts in its own layout - DeepSpec's DFlash drafters (no Markov head) anchor-first too - and gives
+    plain decoding's tokens."""
+    import tiny
+    from test_convert_dspark import FORMS, RANK, deepspec
+
+    from dflash_gguf.convert import convert_pair
+
+    t, _ = models.target("qwen3")
+    src = tiny.make_drafter(tmp_path / "zlab", t, kind="dspark", block_size=8, markov_rank=RANK)
+    d = (deepspec(src, t, tmp_path / "dd", markov=False) if form == "deepspec-dflash"
+         else FORMS[form][0](src, t, tmp_path))
+    m = convert_pair(t, d, tmp_path / "pair", outtype="f32", threads=1)
+    rig = Rig(type("P", (), {"target": m.target.path, "drafter": m.drafter.path})())
+    try:
+        info = rig.dec.info
+        assert (info.kind, info.sample_from_anchor) == (kind, anchor)
+        assert rig.dec.n_draft == info.draft_max == (8 if anchor else 7)
+        for text in PROMPTS:
+            prompt = rig.tm.tokenize(text)
+            ref, _ = rig.run(rig.plain, prompt, 30, stop_tokens=[])
+            out, st = rig.run(rig.dec, prompt, 30, stop_tokens=[])
+            assert out == ref and st.drafted > 0
+    finally:
+        rig.close()
+
+
+# ---------------------------------------------------------------- verify lengths from the confidence
+class _Confident(OverrideProposer):
+    """The drafter runs (its cost paid), then an oracle's block, one token in three blocks made wrong, with a
+    confidence that knows it: high up to the wrong token, low from there on."""
+
+    confidence = True
+
+    def __init__(self, refs):
+        self.refs, self.calls = refs, 0
+
+    def propose(self, drafter, seqs, pos, pending, n, out, context, conf=None):
+        n = DFlashProposer.propose(self, drafter, seqs, pos, pending, n, out, context, conf)
+        for i in range(len(seqs)):
+            self.calls += 1
+            ctx = context(i) + [int(pending[i])]
+            ref = next((r for r in self.refs if r[:len(ctx)] == ctx), ctx)
+            block = (list(ref[len(ctx):len(ctx) + n]) + [0] * n)[:n]
+            wrong = self.calls % n if self.calls % 3 == 0 else n
+            if wrong < n:
+                block[wrong] = (block[wrong] + 1) % 50
+            out[i, :n] = block
+            if conf is not None:
+                conf[i, :n] = [0.95 if j < wrong else 0.03 for j in range(n)]
+        return n
+
+
+def test_blocks_cut_by_confidence_stay_lossless_alone_and_batched(models):
+    """With the speed gate on, each step verifies only the rows the calibrated confidence says pay: here
+    the rows from a planted wrong token on are left out (``unverified``), and every sequence, alone or in a
+    batch, still gives plain decoding's tokens."""
+    from test_batch import TEXTS, BatchRig
+
+    pair = dspark(models)
+    ref_rig = BatchRig(pair, 1)
+    prompts = [ref_rig.tm.tokenize(t) for t in TEXTS[:4]]
+    refs = [ref_rig.alone(Request(p, 40, stop_tokens=[])) for p in prompts]
+    ref_rig.close()
+    fulls = [p + r for p, r in zip(prompts, refs)]
+    for n_seq in (1, 3):
+        rig = BatchRig(pair, n_seq, adaptive=True)
+        rig.dec.proposer = _Confident(fulls)
+        try:
+            assert rig.dec.calibration is not None
+            reqs = [Request(p, 40, stop_tokens=[]) for p in prompts]
+            for r in reqs:
+                r.stats = GenerationStats()
+            for _ in range(3):        # the gate and the calibration learn over calls, as a Llama's do
+                assert rig.dec.generate_batch(reqs) == refs
+            st = GenerationStats()
+            for r in reqs:
+                st.merge(r.stats)
+            assert st.unverified > 0 and st.accepted > 0
+        finally:
+            rig.close()

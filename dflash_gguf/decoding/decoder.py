@@ -140,7 +140,8 @@ class DFlashDecoder(Prompts, Scheduling):
         bs = max(self.n_draft + 1, 1)
         self._draft = np.zeros((self.n_seq, bs), dtype=np.int32)
         # a DSpark drafter's confidence in each drafted token, and what the target made of such scores
-        self.calibration = Calibration() if self.info is not None and self.info.has_confidence else None
+        confident = self.info is not None and (self.info.has_confidence or self.proposer.confidence)
+        self.calibration = Calibration() if confident else None
         self._conf = np.zeros((self.n_seq, bs), dtype=np.float32)
         # a step's rows: every sequence's block, and a joining request's prompt tail (_fusable)
         self._rows = np.zeros(max(self.n_seq * bs, self.tap_rows), dtype=np.int32)
@@ -286,7 +287,8 @@ class DFlashDecoder(Prompts, Scheduling):
                 # a drafted token the grammar forbids is a sure rejection: verify no row after it
                 ns[i] = c.allowed_prefix(self._draft[s.slot, :ns[i]])
         drafted = list(ns)
-        if self.calibration is not None and gate is not None and not self._pad:
+        # (not while calibration's fixed schedule stands in for the gate: it measures whole lengths)
+        if self.calibration is not None and isinstance(gate, DraftLength) and not self._pad:
             self._verify_by_confidence(seqs, ns, gate)
         # verify: every sequence's [pending, d1..dn] in one target decode (padded to the longest block where
         # the target's memory splits a batch into equal rows per sequence: __init__), after a joining
@@ -332,6 +334,7 @@ class DFlashDecoder(Prompts, Scheduling):
             a = len(commit) - 1
             if self.calibration is not None and drafted[i] and not s.lattice:
                 self.calibration.observe(self._conf[s.slot, :drafted[i]], n, a)
+                s.stats.unverified += drafted[i] - n
             s.stats.observe_step(n, a)
             commit = cut_at_stop(commit, s.stop)
             self._sink_rows(s, len(s.cache) + h, r, len(commit))

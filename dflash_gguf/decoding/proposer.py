@@ -18,6 +18,10 @@ from dflash_gguf.engine import Context
 
 
 class Proposer:
+    # whether propose() fills ``conf`` whatever the drafter (a replayed trace); else a drafter with a
+    # confidence head does
+    confidence = False
+
     def propose(self, drafter: Context, seqs: np.ndarray, pos: np.ndarray, pending: np.ndarray, n: int,
                 out: np.ndarray, context: Callable[[int], list[int]], conf: np.ndarray | None = None) -> int:
         """Propose up to ``n`` tokens for each sequence ``i`` of a step, into ``out[i, :]``; return how many

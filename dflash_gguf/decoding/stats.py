@@ -24,8 +24,9 @@ class GenerationStats:
     steps: int = 0             # drafting steps (a verified block of >= 1 drafted token)
     passes: int = 0            # target passes that commit tokens: every step, drafting or plain (a prompt's last
                                # pass too where it gives the first token: decoder._fusable)
-    drafted: int = 0
+    drafted: int = 0           # drafted tokens verified
     accepted: int = 0
+    unverified: int = 0        # drafted tokens a drafter's confidence left unverified (decoding.confidence)
     drafted_per_pos: list[int] = field(default_factory=list)
     accepted_per_pos: list[int] = field(default_factory=list)
     accepted_per_step: list[int] = field(default_factory=list)   # histogram source
@@ -79,6 +80,7 @@ class GenerationStats:
         return cls(n_prompt=int(d.get("n_prompt", 0)), n_reused=int(d.get("n_reused", 0)),
                    n_generated=int(d.get("n_generated", 0)), steps=int(d.get("steps", 0)), passes=int(d.get("passes", 0)),
                    drafted=int(d.get("drafted", 0)), accepted=int(d.get("accepted", 0)),
+                   unverified=int(d.get("unverified", 0)),
                    **{f"t_{p}": float(t.get(p, 0.0)) for p in PHASES + ("total",)})
 
     # ------------------------------------------------------------------ derived
@@ -115,6 +117,7 @@ class GenerationStats:
         return {
             "acceptance_length": round(self.tau, 4), "drafted": self.drafted, "accepted": self.accepted,
             "steps": self.steps, "passes": self.passes, "tokens_per_second": round(self.tokens_per_second, 2),
+            "unverified": self.unverified,
             "per_position_acceptance": [round(x, 4) for x in self.acceptance_rate_per_pos],
             "n_prompt": self.n_prompt, "n_reused": self.n_reused, "n_generated": self.n_generated,
             "time": {k: round(v, 6) for k, v in {**self.phase_times(), "total": self.t_total}.items()},

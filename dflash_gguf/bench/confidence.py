@@ -1,0 +1,181 @@
+"""What a drafter's confidence buys: verify lengths chosen per step from the confidence head, against
+fixed lengths, the history gate alone and the oracle, at a real model shape.
+
+A pair of real shape (``bench.scale``'s random-weight GGUFs: the drafter runs every step and its cost is
+paid) replays recorded DSpark steps: each step's per-position confidences and how many drafted tokens
+the target accepted with the whole block verified. The proposal is the target's own continuation, made
+wrong at the recorded position, so a policy that verifies ``k`` rows keeps ``min(accepted, k)`` of them,
+as it would have. Policies, one decoder each on the same contexts, interleaved per trial:
+
+* ``plain``: no drafting;
+* ``fixed k``: k tokens drafted and verified every step, k = 1..n;
+* ``history``: the speed gate on acceptance history alone (today's policy for drafters without a head);
+* ``confidence``: the same gate, each step's block cut to the rows worth verifying by the calibrated
+  confidence (:mod:`dflash_gguf.decoding.confidence`);
+* ``oracle``: verifies exactly the accepted tokens plus one row: the ceiling for any verify length.
+
+    python -m dflash_gguf.bench.confidence --shape 1.7b --type q4_0 --traces demo-dspark -t 2
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+from dflash_gguf.decoding.proposer import DrafterProposer
+
+log = logging.getLogger("dflash_gguf.bench.confidence")
+SHIPPED = Path(__file__).resolve().parents[1] / "data" / "demo-dspark" / "traces.json"
+
+
+def load_traces(spec: str) -> tuple[str, list[tuple[list[float], int]]]:
+    """``demo-dspark`` (the shipped DSpark demo drafter's recorded steps), a JSON file of steps
+    (``[{"accepted": a, "confidence": [c1, ...]}, ...]`` or ``{"steps": [...]}``), or ``synthetic``
+    (easy and hard stretches of text, the head calibrated: labelled as such)."""
+    if spec == "synthetic":
+        rng = np.random.default_rng(0)
+        steps = []
+        for _ in range(4000):
+            p = np.clip(rng.beta(2, 2) + rng.normal(0, 0.05, 8), 0.02, 0.98) * np.linspace(1, 0.8, 8)
+            a = 0
+            while a < 8 and rng.random() < p[a]:
+                a += 1
+            steps.append((p.tolist(), a))
+        return "synthetic", steps
+    path = SHIPPED if spec == "demo-dspark" else Path(spec)
+    doc = json.loads(path.read_text())
+    rows = doc["steps"] if isinstance(doc, dict) else doc
+    steps = [([float(c) for c in r["confidence"]], int(r["accepted"])) for r in rows]
+    if not steps or any(not c or a < 0 or a > len(c) for c, a in steps):
+        raise ValueError(f"{path}: every step needs a confidence per drafted token and 0 <= accepted <= their count")
+    return path.stem if spec != "demo-dspark" else "demo-dspark", steps
+
+
+class TraceReplay(DrafterProposer):
+    """Runs the drafter (its cost is paid), then proposes ``reference``'s continuation made wrong at the
+    recorded step's accepted count, with the recorded confidences (``confidence=False``: none, for the
+    history-only policy; ``oracle``: proposes only the tokens that will be accepted)."""
+
+    def __init__(self, reference: list[int], steps, n_vocab: int, start: int = 0, confidence: bool = True,
+                 oracle: bool = False):
+        self.ref, self.steps, self.n_vocab = reference, steps, n_vocab
+        self.i = start
+        self.confidence = confidence
+        self.oracle = oracle
+
+    def propose(self, drafter, seqs, pos, pending, n, out, context, conf=None):
+        n = super().propose(drafter, seqs, pos, pending, n, out, context)
+        for j in range(len(seqs)):
+            c, a = self.steps[self.i % len(self.steps)]
+            self.i += 1
+            L = len(context(j)) + 1
+            block = list(self.ref[L:L + n])
+            block += [(block[-1] + 1) % self.n_vocab if block else 0] * (n - len(block))
+            a = min(a, n)
+            if a < n:
+                block[a] = (block[a] + 1) % self.n_vocab
+            out[j, :n] = block
+            if conf is not None:
+                conf[j, :n] = (c + [c[-1]] * n)[:n]
+            if self.oracle:
+                return a
+        return n
+
+
+def measure(target: Path, drafter: Path, steps, *, tokens: int, trials: int, threads: int | None,
+            n_draft: int) -> dict:
+    from dflash_gguf.bench.scale.run import PROMPT, _gen
+    from dflash_gguf.decoding import DFlashDecoder, SpecOptions
+    from dflash_gguf.engine import Context, ContextOptions, Model
+
+    tm = Model(target)
+    ids = tm.tokenize(PROMPT.encode(), add_bos=False)
+    opts = ContextOptions(n_ctx=len(ids) + tokens + 64, n_batch=512, n_ubatch=512, n_threads=threads)
+    tctx, pctx = Context(tm, opts), Context(tm, opts)
+    dm = Model(drafter)
+    dctx = Context(dm, opts, other=tctx)
+    plain = DFlashDecoder(pctx, None)
+    ref, _ = _gen(plain, ids, tokens)
+    reference = ids + ref
+    fixed = {f"fixed {k}": DFlashDecoder(tctx, dctx, SpecOptions(n_draft=k)) for k in range(1, n_draft + 1)}
+    history = DFlashDecoder(tctx, dctx, SpecOptions(n_draft=n_draft, adaptive=True),
+                            TraceReplay(reference, steps, tm.n_vocab, confidence=False))
+    confident = DFlashDecoder(tctx, dctx, SpecOptions(n_draft=n_draft, adaptive=True),
+                              TraceReplay(reference, steps, tm.n_vocab))
+    oracle = DFlashDecoder(tctx, dctx, SpecOptions(n_draft=n_draft), TraceReplay(reference, steps, tm.n_vocab,
+                                                                                 confidence=False, oracle=True))
+    decs = {"plain": plain, **fixed, "history": history, "confidence": confident, "oracle": oracle}
+    tps: dict[str, list[float]] = {k: [] for k in decs}
+    tau: dict[str, list[float]] = {k: [] for k in decs}
+    exact = True
+    for trial in range(trials + 1):            # trial 0 warms the gates (a Llama's first call): not counted
+        start = trial * 997
+        for name, dec in decs.items():
+            if isinstance(dec.proposer, TraceReplay):
+                dec.proposer.i = start
+            elif name != "plain":
+                dec.proposer = TraceReplay(reference, steps, tm.n_vocab, start=start, confidence=False)
+            got, st = _gen(dec, ids, tokens)
+            exact = exact and got == ref
+            if trial:
+                tps[name].append(st.tokens_per_second)
+                tau[name].append(st.acceptance_length if st.steps else 1.0)
+    for c in (dctx, tctx, pctx):
+        c.close()
+    dm.close()
+    tm.close()
+    med = {k: statistics.median(v) for k, v in tps.items()}
+    best = max((k for k in med if k.startswith("fixed")), key=med.get)
+    return {"tokens_per_second": {k: round(v, 2) for k, v in med.items()},
+            "spread": {k: [round(min(v), 2), round(max(v), 2)] for k, v in tps.items()},
+            "tau": {k: round(statistics.median(v), 2) for k, v in tau.items()},
+            "best_fixed": best, "all_equal_plain": exact,
+            "confidence_over_history": round(med["confidence"] / med["history"], 3),
+            "confidence_over_best_fixed": round(med["confidence"] / med[best], 3),
+            "of_oracle": {k: round(v / med["oracle"], 3) for k, v in med.items()},
+            "over_plain": {k: round(v / med["plain"], 3) for k, v in med.items()}}
+
+
+def main(argv: list[str] | None = None) -> int:
+    from dflash_gguf.bench.scale.synth import make_pair
+    from dflash_gguf.cpu import cpu_model
+
+    ap = argparse.ArgumentParser(prog="python -m dflash_gguf.bench.confidence", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--shape", default="1.7b", help="bench.scale shape (0.6b, 1.7b, ...)")
+    ap.add_argument("--type", default="q4_0", help="weight type of the scale pair")
+    ap.add_argument("--traces", default="demo-dspark", help="demo-dspark, synthetic, or a JSON file of steps")
+    ap.add_argument("--tokens", type=int, default=64)
+    ap.add_argument("--trials", type=int, default=5)
+    ap.add_argument("-t", "--threads", type=int, default=None)
+    ap.add_argument("--n-draft", type=int, default=8, help="tokens a block drafts (the DSpark demo drafter: 8)")
+    ap.add_argument("--json", type=Path, help="also write the result here")
+    a = ap.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", datefmt="%H:%M:%S")
+    name, steps = load_traces(a.traces)
+    pair = make_pair(a.shape, a.type)
+    t0 = time.perf_counter()
+    r = measure(pair / "target.gguf", pair / "drafter.gguf", steps, tokens=a.tokens, trials=a.trials,
+                threads=a.threads, n_draft=a.n_draft)
+    r.update(shape=a.shape, type=a.type, traces=name, n_steps=len(steps), cpu=cpu_model(), threads=a.threads,
+             seconds=round(time.perf_counter() - t0, 1),
+             label="synthetic random weights at a real shape, replayed DSpark steps")
+    print(f"{a.shape} {a.type}, {name} traces ({len(steps)} steps), {r['cpu']}, {a.threads} threads "
+          f"(synthetic weights, replayed steps)")
+    print(f"{'policy':<12} {'tok/s':>7} {'x plain':>8} {'of oracle':>10} {'tau':>5}")
+    for k, v in r["tokens_per_second"].items():
+        print(f"{k:<12} {v:>7.2f} {r['over_plain'][k]:>8.3f} {r['of_oracle'][k]:>10.3f} {r['tau'][k]:>5.2f}")
+    print(f"confidence / history {r['confidence_over_history']}x, / best fixed ({r['best_fixed']}) "
+          f"{r['confidence_over_best_fixed']}x; every output equal to plain decoding: {r['all_equal_plain']}")
+    if a.json:
+        a.json.write_text(json.dumps(r, indent=2))
+    return 0 if r["all_equal_plain"] else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
