@@ -102,3 +102,16 @@ def test_console_script_installed():
         pytest.skip("dflash-gguf console script not installed in this environment")
     r = subprocess.run([str(exe), "--help"], capture_output=True, text=True, timeout=60)
     assert r.returncode == 0 and "generate" in r.stdout
+
+
+def test_a_missing_server_extra_is_named():
+    """Without the server's packages, the server says which extra brings them (not a bare traceback)."""
+    code = ("import sys; sys.modules['fastapi'] = None\n"
+            "from dflash_gguf.cli import main\n"
+            "sys.exit(main(['serve', '--model', 'x.gguf']))")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2
+    assert "pip install 'dflash-gguf[server]'" in r.stderr and "Traceback" not in r.stderr
+    code = "import sys; sys.modules['fastapi'] = None\nimport dflash_gguf.server"
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert r.returncode != 0 and "pip install 'dflash-gguf[server]'" in r.stderr

@@ -89,7 +89,11 @@ def build(args: argparse.Namespace):
 
 def serve(app, args: argparse.Namespace) -> None:
     """Serve ``app`` with uvicorn on ``args``' host and port (until interrupted)."""
-    import uvicorn
+    try:
+        import uvicorn
+    except ModuleNotFoundError as e:
+        raise SystemExit("the server needs uvicorn, which the 'server' extra brings: "
+                         "pip install 'dflash-gguf[server]'") from e
 
     loop, http = io_stack()
     if (loop, http) != ("uvloop", "httptools"):
