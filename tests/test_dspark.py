@@ -355,7 +355,7 @@ def test_blocks_cut_by_confidence_stay_lossless_alone_and_batched(models):
         rig = BatchRig(pair, n_seq, adaptive=True)
         rig.dec.proposer = _Confident(fulls)
         try:
-            assert rig.dec.calibration is not None
+            assert rig.dec.confidence is not None
             reqs = [Request(p, 40, stop_tokens=[]) for p in prompts]
             for r in reqs:
                 r.stats = GenerationStats()
@@ -367,3 +367,30 @@ def test_blocks_cut_by_confidence_stay_lossless_alone_and_batched(models):
             assert st.unverified > 0 and st.accepted > 0
         finally:
             rig.close()
+
+
+def test_gated_sampling_with_confidence_cuts_keeps_the_target_distribution(models):
+    """Unseeded sampled requests are gated, so their blocks are cut by the confidence too (with a
+    calibration of their own): still the target's exact distribution."""
+    pair = dspark(models)
+    tm, dm = Model(pair.target), Model(pair.drafter)
+    opts = ContextOptions(n_ctx=256, n_batch=64, n_ubatch=64)
+    pc, tc = Context(tm, opts), Context(tm, opts)
+    dc = Context(dm, opts, other=tc)
+    try:
+        prompt = tm.tokenize(PROMPTS[0])
+        exact = exact_distribution(pc, prompt, SP)
+        greedy = list(DFlashDecoder(pc, None).generate(prompt, 40, stop_tokens=[]))
+        dec = DFlashDecoder(tc, dc, SpecOptions(adaptive=True))
+        dec.proposer = _Confident([prompt + greedy])
+        counts, st = Counter(), GenerationStats()
+        for _ in range(1500):
+            counts[tuple(dec.generate(prompt, K_TOKENS, sampling=SP, stats=st, stop_tokens=[]))] += 1
+        assert st.drafted > 0 and dec.confidence[False].tries.sum() > 0
+        p = chi2_pvalue(counts, exact)
+        assert p > ALPHA, f"gated DSpark samples do not follow the target distribution (p={p:.2e})"
+    finally:
+        for c in (dc, tc, pc):
+            c.close()
+        dm.close()
+        tm.close()

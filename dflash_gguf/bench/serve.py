@@ -85,7 +85,11 @@ def command(server: str, target: Path, drafter: Path, n_par: int, threads: int, 
         raise SystemExit(f"{exe} is missing: python -m dflash_gguf.build --with-tools builds it")
     cmd = [str(exe), "-m", str(target), "-np", str(n_par), "-t", str(threads), "-tb", str(threads),
            "-c", str(ctx * n_par), "--port", str(port), "--host", "127.0.0.1", "--no-webui"]
-    return cmd + (["-md", str(drafter), "--spec-type", "draft-dflash"] if server == "upstream-dflash" else [])
+    if server != "upstream-dflash":
+        return cmd
+    from dflash_gguf.bench.upstream import spec_type
+
+    return cmd + ["-md", str(drafter), "--spec-type", spec_type(Path(drafter))]
 
 
 def start(cmd: list[str], port: int, timeout: float = 180) -> subprocess.Popen:

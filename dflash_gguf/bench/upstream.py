@@ -92,6 +92,14 @@ def _run_watch_rss(cmd: list[str], tmp: Path, timeout: float) -> tuple[int, byte
     return p.returncode, fo.read_bytes(), fe.read_text(encoding="utf-8", errors="replace"), hwm
 
 
+def spec_type(draft: Path) -> str:
+    """Upstream's ``--spec-type`` for a drafter GGUF: ``draft-dspark`` for one with a Markov head (its
+    driver reads a DSpark block differently), else ``draft-dflash`` (DFlash2 is told apart inside)."""
+    from dflash_gguf.gguf_check import drafter_kind, parse_gguf
+
+    return "draft-dspark" if drafter_kind(parse_gguf(draft)) == "dspark" else "draft-dflash"
+
+
 def run_upstream_one(exe: Path, target: Path, draft: Path, prompt: str, n: int, n_draft: int,
                      threads: int, timeout: float = 600, extra: tuple[str, ...] = ()) -> tuple[dict, str]:
     """Run llama-speculative-simple once; returns (parsed numbers, generated text).
@@ -102,7 +110,7 @@ def run_upstream_one(exe: Path, target: Path, draft: Path, prompt: str, n: int, 
     whose stderr lacks the final ``decoded`` line is repeated."""
     import tempfile
 
-    cmd = [str(exe), "-m", str(target), "-md", str(draft), "--spec-type", "draft-dflash",
+    cmd = [str(exe), "-m", str(target), "-md", str(draft), "--spec-type", spec_type(draft),
            "--spec-draft-n-max", str(n_draft), "-p", prompt, "--no-escape", "-n", str(n), "--temp", "0",
            "--top-k", "1", "--seed", "42", "-lv", "4", "-t", str(threads), "-c", "2048", *extra]
     with tempfile.TemporaryDirectory(prefix="dflash-bench-") as tmp:

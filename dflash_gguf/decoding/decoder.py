@@ -141,7 +141,8 @@ class DFlashDecoder(Prompts, Scheduling):
         self._draft = np.zeros((self.n_seq, bs), dtype=np.int32)
         # a DSpark drafter's confidence in each drafted token, and what the target made of such scores
         confident = self.info is not None and (self.info.has_confidence or self.proposer.confidence)
-        self.calibration = Calibration() if confident else None
+        # (one calibration for greedy requests, one for sampled ones: a sampled token is kept less often)
+        self.confidence = {True: Calibration(), False: Calibration()} if confident else None
         self._conf = np.zeros((self.n_seq, bs), dtype=np.float32)
         # a step's rows: every sequence's block, and a joining request's prompt tail (_fusable)
         self._rows = np.zeros(max(self.n_seq * bs, self.tap_rows), dtype=np.int32)
@@ -258,7 +259,7 @@ class DFlashDecoder(Prompts, Scheduling):
             pos = np.array([len(seqs[i].cache) for i in batch], dtype=np.int32)
             pending = np.array([seqs[i].pending for i in batch], dtype=np.int32)
             out = np.zeros((len(batch), n_block), dtype=np.int32)
-            conf = np.zeros((len(batch), n_block), dtype=np.float32) if self.calibration is not None else None
+            conf = np.zeros((len(batch), n_block), dtype=np.float32) if self.confidence is not None else None
             got = self.proposer.propose(self.drafter, slots, pos, pending, n_block, out,
                                         lambda j: seqs[batch[j]].cache, conf=conf)
             for j, i in enumerate(batch):
@@ -288,7 +289,7 @@ class DFlashDecoder(Prompts, Scheduling):
                 ns[i] = c.allowed_prefix(self._draft[s.slot, :ns[i]])
         drafted = list(ns)
         # (not while calibration's fixed schedule stands in for the gate: it measures whole lengths)
-        if self.calibration is not None and isinstance(gate, DraftLength) and not self._pad:
+        if self.confidence is not None and isinstance(gate, DraftLength) and not self._pad:
             self._verify_by_confidence(seqs, ns, gate)
         # verify: every sequence's [pending, d1..dn] in one target decode (padded to the longest block where
         # the target's memory splits a batch into equal rows per sequence: __init__), after a joining
@@ -332,8 +333,8 @@ class DFlashDecoder(Prompts, Scheduling):
             else:
                 commit = sampled_accept(draft, lambda j, r=r: self.target.logits_row(r + j), s.chooser, qs[i])
             a = len(commit) - 1
-            if self.calibration is not None and drafted[i] and not s.lattice:
-                self.calibration.observe(self._conf[s.slot, :drafted[i]], n, a)
+            if self.confidence is not None and drafted[i] and not s.lattice:
+                self.confidence[s.chooser.sp.greedy].observe(self._conf[s.slot, :drafted[i]], n, a)
                 s.stats.unverified += drafted[i] - n
             s.stats.observe_step(n, a)
             commit = cut_at_stop(commit, s.stop)
@@ -350,7 +351,7 @@ class DFlashDecoder(Prompts, Scheduling):
         cut = [i for i, s in enumerate(seqs) if ns[i] > 1 and s.gate is not None and not s.lattice]
         if not cut:
             return
-        rates = [self.calibration.rates(self._conf[seqs[i].slot, :ns[i]]) for i in cut]
+        rates = [self.confidence[seqs[i].chooser.sp.greedy].rates(self._conf[seqs[i].slot, :ns[i]]) for i in cut]
         n_gated = sum(1 for s in seqs if s.gate is not None)
         for i, k in zip(cut, allocate(rates, rows_cost(gate.step_cost(), n_gated))):
             ns[i] = k
