@@ -6,7 +6,8 @@ test or listed in ``tests/mutation-survivors.txt`` with the reason it cannot cha
 equivalent mutant). This script runs mutmut for a profile, then fails on any survivor not listed
 there, printing its diff; listed survivors that now die are reported so the list stays short.
 
-Profiles (one home for the lists): ``ci`` - the gate, the fallback rule, acceptance and stopping,
+Profiles (one home for the lists): ``ci`` - the gate, the fallback rule, acceptance, stopping and the
+confidence's verify lengths,
 against their unit tests (about 3 minutes on 2 cores; ``make test``, so CI, runs it); ``full`` - also
 the statistics, the sampler and rollback (``make mutate``, by hand; figures in the README's
 development section). Both run unit tests only (no model is loaded), so each mutant takes well
@@ -33,9 +34,9 @@ SURVIVORS = Path(__file__).with_name("mutation-survivors.txt")
 MUTMUT_VERSION = "3.8.1"
 
 CI_MODULES = ["dflash_gguf/gate.py", "dflash_gguf/decoding/batch_costs.py", "dflash_gguf/fallback.py",
-              "dflash_gguf/decoding/acceptance.py", "dflash_gguf/stopping.py"]
+              "dflash_gguf/decoding/acceptance.py", "dflash_gguf/stopping.py", "dflash_gguf/decoding/confidence.py"]
 CI_TESTS = ["tests/test_gate_rules.py", "tests/test_gate.py", "tests/test_fallback.py", "tests/test_acceptance.py",
-            "tests/test_stopping.py"]
+            "tests/test_stopping.py", "tests/test_confidence.py"]
 PROFILES = {
     "ci": (CI_MODULES, CI_TESTS),
     "full": (CI_MODULES + ["dflash_gguf/decoding/stats.py", "dflash_gguf/sampling.py", "dflash_gguf/decoding/rollback.py"],

@@ -43,6 +43,20 @@ def test_sure_tokens_are_all_verified_and_hopeless_ones_are_not():
     assert allocate([np.full(5, 0.1)], lambda rows: 10.0) == [5]
 
 
+def test_a_tie_verifies_no_more_rows():
+    """More work for the same rate is not taken."""
+    assert allocate([np.ones(3)], lambda rows: 2.0 + 2.0 * rows) == [1]
+
+
+def test_confidences_outside_0_1_fall_in_the_end_bins():
+    c = Calibration()
+    np.testing.assert_allclose(c.rates(np.array([-0.5, 1.5])), [0.0, 1.0])
+    c.observe(np.array([1.0, 0.999, 0.01]), verified=3, accepted=2)
+    assert c.tries[-1] == 2 and c.hits[-1] == 2 and c.tries[0] == 1 and c.hits[0] == 0
+    c.observe(np.array([1.3, -0.2]), verified=2, accepted=1)
+    assert c.tries[-1] == pytest.approx(3, rel=0.01) and c.tries[0] == pytest.approx(2, rel=0.01)
+
+
 def test_expected_tokens():
     np.testing.assert_allclose(expected_tokens([0.5, 0.5]), [1.0, 1.5, 1.75])
 

@@ -100,6 +100,6 @@ def rows_cost(step_cost: np.ndarray, n_seqs: int) -> Callable[[int], float]:
     c = np.asarray(step_cost, dtype=np.float64)
     lengths = np.arange(len(c)) * n_seqs
 
-    def cost(rows: int) -> float:
-        return float(np.interp(rows, lengths[1:], c[1:])) if len(c) > 1 else float(c[0])
+    def cost(rows: int) -> float:    # only steps that draft ask: lengths 1.. exist
+        return float(np.interp(rows, lengths[1:], c[1:]))
     return cost
