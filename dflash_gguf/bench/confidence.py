@@ -35,8 +35,9 @@ SHIPPED = Path(__file__).resolve().parents[1] / "data" / "demo-dspark" / "traces
 
 
 def load_traces(spec: str) -> tuple[str, list[tuple[list[float], int]]]:
-    """``demo-dspark`` (the shipped DSpark demo drafter's recorded steps), a JSON file of steps
-    (``[{"accepted": a, "confidence": [c1, ...]}, ...]`` or ``{"steps": [...]}``), or ``synthetic``
+    """``demo-dspark`` (the shipped DSpark demo drafter's recorded steps: its ``traces.json``, each prompt's
+    steps as ``[drafted, accepted, confidences]``), a JSON file of steps (``[{"accepted": a, "confidence":
+    [c1, ...]}, ...]`` or ``{"steps": [...]}``), or ``synthetic``
     (easy and hard stretches of text, the head calibrated: labelled as such)."""
     if spec == "synthetic":
         rng = np.random.default_rng(0)
@@ -50,8 +51,11 @@ def load_traces(spec: str) -> tuple[str, list[tuple[list[float], int]]]:
         return "synthetic", steps
     path = SHIPPED if spec == "demo-dspark" else Path(spec)
     doc = json.loads(path.read_text())
-    rows = doc["steps"] if isinstance(doc, dict) else doc
-    steps = [([float(c) for c in r["confidence"]], int(r["accepted"])) for r in rows]
+    if isinstance(doc, dict) and "prompts" in doc:     # a drafter's recorded traces: [drafted, accepted, confidences]
+        steps = [([float(c) for c in conf], int(a)) for p in doc["prompts"] for _n, a, conf in p["steps"]]
+    else:
+        rows = doc["steps"] if isinstance(doc, dict) else doc
+        steps = [([float(c) for c in r["confidence"]], int(r["accepted"])) for r in rows]
     if not steps or any(not c or a < 0 or a > len(c) for c, a in steps):
         raise ValueError(f"{path}: every step needs a confidence per drafted token and 0 <= accepted <= their count")
     return path.stem if spec != "demo-dspark" else "demo-dspark", steps
