@@ -33,6 +33,15 @@ instead of training one (the tokenizer must come out the same: same --vocab, --s
 
     .venv/bin/python examples/train_demo_pair.py --kind dflash2 --target-gguf dflash_gguf/data/demo/target.gguf \
         --work out/demo2-train --dest dflash_gguf/data/demo-dflash2
+
+DSpark (``--kind dspark``) puts DeepSpec's Markov and confidence heads on the DFlash drafter in the
+anchor-first layout (every block row drafts: block 8 drafts 8 tokens; ``demo_pair/dspark.py``), on the
+same data as DFlash2. Then ``demo_pair/traces.py`` measures it against the shipped DFlash and DFlash2
+drafters on the benchmark prompts and records its per-step traces:
+
+    .venv/bin/python examples/train_demo_pair.py --kind dspark --target-gguf dflash_gguf/data/demo/target.gguf \
+        --work out/dspark-train --dest dflash_gguf/data/demo-dspark
+    .venv/bin/python examples/demo_pair/traces.py dflash_gguf/data/demo-dspark
 """
 from __future__ import annotations
 
@@ -90,7 +99,8 @@ def parse(argv=None):
     ap.add_argument("--gen-len", type=int, default=160)
     ap.add_argument("--train-seqs", type=int, default=512)
     ap.add_argument("--val-seqs", type=int, default=32)
-    ap.add_argument("--kind", choices=("dflash", "dflash2"), default="dflash", help="drafter kind (default dflash)")
+    ap.add_argument("--kind", choices=("dflash", "dflash2", "dspark"), default="dflash",
+                    help="drafter kind (default dflash)")
     ap.add_argument("--target-gguf", type=Path, default=None,
                     help="use this F16/F32 qwen3 GGUF as the target instead of training one (its drafter only)")
     ap.add_argument("--conv-kernel", type=int, default=2, help="DFlash2 conv taps (default 2)")
@@ -99,12 +109,22 @@ def parse(argv=None):
     ap.add_argument("--selector-top-k", type=int, default=15,
                     help="DFlash2 candidates per row (default 15; llama.cpp needs top_k * (top_k + 1) <= hidden)")
     ap.add_argument("--selector-weight", type=float, default=1.0, help="weight of the selector's loss (default 1)")
+    ap.add_argument("--markov-rank", type=int, default=64, help="DSpark Markov head rank (default 64)")
+    ap.add_argument("--confidence", action=argparse.BooleanOptionalAction, default=True,
+                    help="DSpark confidence head (default on)")
+    ap.add_argument("--confidence-weight", type=float, default=1.0, help="DSpark confidence BCE weight (default 1)")
+    ap.add_argument("--confidence-target", choices=("greedy", "tv"), default="greedy",
+                    help="what the DSpark confidence learns: greedy acceptance of the row's argmax (default) or "
+                         "DeepSpec's 1 - TV(draft, target), the acceptance probability of speculative sampling")
+    ap.add_argument("--l1-weight", type=float, default=0.0,
+                    help="DSpark: weight of DeepSpec's L1(draft probs, target probs) term (needs --soft-labels; "
+                         "default 0: the block loss is the CE alone)")
     ap.add_argument("--soft-labels", type=int, default=None,
                     help="train on the target's J most likely tokens and their probabilities instead of its greedy "
-                         "token (default: 0 = greedy for dflash, 32 for dflash2)")
+                         "token (default: 0 = greedy for dflash, 32 for dflash2 and dspark)")
     ap.add_argument("--sample-temps", type=lambda s: tuple(float(x) for x in s.split(",")), default=None,
                     help="temperatures of the training continuations, cycled per batch of 32 (default: 0 for dflash, "
-                         "0,0.7,1 for dflash2); the held-out ones are always greedy")
+                         "0,0.7,1 for dflash2 and dspark); the held-out ones are always greedy")
     ap.add_argument("--outtype", default="f16", help="GGUF weight type (f16, bf16, f32, q8_0)")
     ap.add_argument("--upstream-convert", action="store_true", help="use upstream's converter even if ours exists")
     ap.add_argument("--verify-tokens", type=int, default=96)
@@ -119,8 +139,13 @@ def parse(argv=None):
     if max(a.taps) >= a.layers - 1:
         ap.error(f"--taps {a.taps}: never tap the last layer ({a.layers - 1}); llama.cpp has no input there")
     v2 = a.kind == "dflash2"
-    a.soft_labels = (32 if v2 else 0) if a.soft_labels is None else a.soft_labels
-    a.sample_temps = ((0.0, 0.7, 1.0) if v2 else (0.0,)) if a.sample_temps is None else a.sample_temps
+    mixed = a.kind in ("dflash2", "dspark")      # DFlash2's data: sampled continuations, soft labels
+    a.soft_labels = (32 if mixed else 0) if a.soft_labels is None else a.soft_labels
+    a.sample_temps = ((0.0, 0.7, 1.0) if mixed else (0.0,)) if a.sample_temps is None else a.sample_temps
+    if a.kind == "dspark" and a.markov_rank < 1:
+        ap.error("--markov-rank must be at least 1 (the confidence head reads markov_w1 of the previous token)")
+    if a.kind == "dspark" and (a.l1_weight > 0 or a.confidence_target == "tv") and not a.soft_labels:
+        ap.error("--l1-weight and --confidence-target tv need the target's distribution: --soft-labels J > 0")
     if v2 and a.selector_top_k * (a.selector_top_k + 1) > a.hidden:
         ap.error(f"--selector-top-k {a.selector_top_k}: llama.cpp packs top_k * (top_k + 1) scores per row into "
                  f"the hidden size {a.hidden}; use at most {int(((4 * a.hidden + 1) ** 0.5 - 1) / 2)}")

@@ -11,6 +11,7 @@ import numpy as np
 from .common import CLOCK, clock, log, lr_at, save_ckpt
 from .corpus import encode_split, line_starts, sp_model
 from .dflash2 import selector_loss
+from .dspark import dspark_loss
 from .target import load_target
 
 
@@ -87,7 +88,8 @@ def make_samples(work: Path, a, split: str, n_seqs: int, seed: int, temps: tuple
 
 # ----------------------------------------------------------------------------- 5 drafter
 def build_drafter_module(a, vocab: int):
-    """The drafter in the z-lab layout; ``a.kind == "dflash2"`` adds the conv and the selector."""
+    """The drafter in the z-lab layout; ``a.kind == "dflash2"`` adds the conv and the selector,
+    ``"dspark"`` the Markov and confidence heads."""
     import torch
     import torch.nn as nn
     import torch.nn.functional as F
@@ -158,6 +160,10 @@ def build_drafter_module(a, vocab: int):
             self.norm = RMSNorm(H)
             if v2:
                 self.candidate_selector = selector_module(H, vocab, a.selector_rank)()
+            if a.kind == "dspark":
+                from .dspark import heads_module
+
+                self.markov_head, self.confidence_head = heads_module(H, vocab, a.markov_rank, a.confidence)
 
         def forward(self, feats, ctx_pos, noise_emb, noise_pos, mask):
             """feats [S, L, nT*H]; noise_emb [S, Q, H]; mask [S, 1, Q, L + Q] (True = attend)."""
@@ -209,6 +215,7 @@ class DrafterData:
         self.soft = (torch.from_numpy(z["soft_ids"].astype(np.int64)), torch.from_numpy(z["soft_p"])) \
             if a.soft_labels and "soft_ids" in z else None
         self.B = a.block
+        self.first = anchor_first(a)      # row 0 predicts too (DSpark), else row 0 is the anchor's slot
         self.mask_id = mask_id
         self.n, self.L = self.toks.shape
 
@@ -216,7 +223,8 @@ class DrafterData:
         """Anchors a in [P-1, L-B]: every slot label is a greedy token of the target.
 
         Also returns the tokens before each slot (``prev``: the anchor, then the sequence's tokens) and,
-        with soft labels, the target's top tokens and probabilities for each slot (else None)."""
+        with soft labels, the target's top tokens and probabilities for each slot (else None). Labels
+        are for the predicting rows: 1..B-1, or 0..B-1 anchor-first (row k: the token at a+k+1)."""
         import torch
 
         S, L, B = len(seqs), self.L, self.B
@@ -231,16 +239,18 @@ class DrafterData:
         ids[:, :, 0] = torch.gather(toks, 1, A)
         offs = torch.arange(B)
         pos = A[..., None] + offs                                       # [S, nb, B]
-        # slot k (1..B-1) predicts the target's greedy token at a+k = argmax at position a+k-1
-        at = (A[..., None] + offs[1:] - 1).reshape(S, -1)
-        lab = torch.gather(amax, 1, at).reshape(S, nb, B - 1)
-        prev = torch.gather(toks, 1, at).reshape(S, nb, B - 1)
+        # slot k (1..B-1) predicts the target's greedy token at a+k = argmax at position a+k-1;
+        # anchor-first, row k (0..B-1) the one at a+k+1 = argmax at a+k
+        R = B if self.first else B - 1
+        at = (A[..., None] + (offs if self.first else offs[1:] - 1)).reshape(S, -1)
+        lab = torch.gather(amax, 1, at).reshape(S, nb, R)
+        prev = torch.gather(toks, 1, at).reshape(S, nb, R)
         soft = None
         if self.soft is not None:
             sid, sp = self.soft[0][sidx], self.soft[1][sidx]
             J = sid.shape[-1]
-            soft = (torch.gather(sid, 1, at[..., None].expand(-1, -1, J)).reshape(S, nb, B - 1, J),
-                    torch.gather(sp, 1, at[..., None].expand(-1, -1, J)).reshape(S, nb, B - 1, J).float())
+            soft = (torch.gather(sid, 1, at[..., None].expand(-1, -1, J)).reshape(S, nb, R, J),
+                    torch.gather(sp, 1, at[..., None].expand(-1, -1, J)).reshape(S, nb, R, J).float())
         noise = embed(ids.reshape(S, nb * B))
         ctx_pos = torch.arange(L).expand(S, L)
         cmask = torch.arange(L)[None, None, :] < A[..., None]           # [S, nb, L] ctx strictly before anchor
@@ -249,6 +259,11 @@ class DrafterData:
         nmask = (blk[:, None] == blk[None, :]).expand(S, nb * B, nb * B)  # non-causal within the block only
         mask = torch.cat([cmask, nmask], -1)[:, None]
         return feats, ctx_pos, noise, pos.reshape(S, -1), mask, lab, prev, soft
+
+
+def anchor_first(a) -> bool:
+    """DSpark's layout here (DeepSpec's ``sample_from_anchor``): every block row drafts."""
+    return a.kind == "dspark"
 
 
 def accept_len(pred, lab):
@@ -271,10 +286,12 @@ def train_drafter(work: Path, a, mask_id: int) -> dict:
     tr = DrafterData(work / "samples-train.npz", a, mask_id)
     va = DrafterData(work / "samples-val.npz", a, mask_id)
     B = a.block
-    wk = torch.exp(-torch.arange(B - 1).float() / a.gamma)
+    first = anchor_first(a)
+    R = B if first else B - 1                       # predicting rows per block
+    wk = torch.exp(-torch.arange(R).float() / a.gamma)
     log(f"drafter: {a.d_layers} layers, block {B}, taps {a.taps}, hidden {a.hidden}, ffn {a.d_inter}: "
         f"{n_params / 1e6:.2f} M parameters (+ the target's frozen embeddings / LM head); "
-        f"{tr.n} train / {va.n} held-out greedy sequences; loss weights exp(-(k-1)/{a.gamma:g})")
+        f"{tr.n} train / {va.n} held-out greedy sequences; loss weights exp(-{'k' if first else '(k-1)'}/{a.gamma:g})")
     opt = torch.optim.AdamW(model.parameters(), lr=a.lr_drafter, betas=(0.9, 0.95), weight_decay=0.01)
     ck = work / "drafter.ckpt"
     state = {"step": 0, "elapsed": 0.0, "history": []}
@@ -289,14 +306,25 @@ def train_drafter(work: Path, a, mask_id: int) -> dict:
         feats, ctx_pos, noise, pos, mask, lab, prev, soft = data.batch(rng, seqs, n_anchor, emb)
         h = model(feats, ctx_pos, noise, pos, mask)
         S = h.shape[0]
-        h = h.view(S, n_anchor, B, -1)[:, :, 1:]
+        h = h.view(S, n_anchor, B, -1)[:, :, 0 if first else 1:]
         logits = h @ W.T
-        if soft is None:
-            ce = F.cross_entropy(logits.reshape(-1, vocab), lab.reshape(-1), reduction="none").view_as(lab).float()
-        else:
+
+        def ce_of(logits):
+            if soft is None:
+                return F.cross_entropy(logits.reshape(-1, vocab), lab.reshape(-1),
+                                       reduction="none").view_as(lab).float()
             ids, probs = soft
-            ce = -(torch.log_softmax(logits.float(), -1).gather(-1, ids) * probs).sum(-1) / probs.sum(-1)
-        loss = (ce * wk).sum(-1).mean() / wk.sum()
+            return -(torch.log_softmax(logits.float(), -1).gather(-1, ids) * probs).sum(-1) / probs.sum(-1)
+
+        if a.kind == "dspark":
+            loss, pred, conf, parts = dspark_loss(model, logits, h, prev, lab, wk, ce=ce_of,
+                                                  conf_weight=a.confidence_weight, l1_weight=a.l1_weight, soft=soft,
+                                                  conf_target=a.confidence_target)
+            if conf is not None:
+                parts["conf_mean"] = conf.mean((0, 1))
+                parts["conf_hit"] = (pred == lab).float().mean((0, 1))
+            return loss, pred, lab, parts
+        loss = (ce_of(logits) * wk).sum(-1).mean() / wk.sum()
         if a.kind != "dflash2":
             return loss, logits.argmax(-1), lab, {}
         sel = model.candidate_selector
@@ -307,18 +335,24 @@ def train_drafter(work: Path, a, mask_id: int) -> dict:
         model.eval()
         with torch.no_grad():
             rng = np.random.default_rng(99)
-            lens, per = [], torch.zeros(B - 1)
+            lens, per = [], torch.zeros(R)
             losses = []
+            conf = {"mean": torch.zeros(R), "hit": torch.zeros(R)}
             for s0 in range(0, va.n, 8):
                 seqs = np.arange(s0, min(va.n, s0 + 8))
-                loss, pred, lab, _ = run(va, seqs, rng, a.anchors)
+                loss, pred, lab, parts = run(va, seqs, rng, a.anchors)
                 losses.append(loss.item())
                 lens.append(accept_len(pred, lab).flatten())
                 per += (pred == lab).cumprod(-1).float().mean((0, 1))
+                if "conf_mean" in parts:
+                    conf["mean"] += parts["conf_mean"]
+                    conf["hit"] += parts["conf_hit"]
         model.train()
         acc = torch.cat(lens)
+        held["confidence"] = {k: (v / len(lens)).tolist() for k, v in conf.items()} if a.kind == "dspark" else None
         return float(np.mean(losses)), 1.0 + acc.mean().item(), (per / len(lens)).tolist()
 
+    held = {}          # what evaluate() measured besides the loss and acceptance (DSpark: confidence)
     budget = a.minutes_drafter * 60
     rng = np.random.default_rng(a.seed + 7 + state["step"])
     t_seg, el0 = clock(), state["elapsed"]
@@ -342,13 +376,14 @@ def train_drafter(work: Path, a, mask_id: int) -> dict:
         al = 1.0 + accept_len(pred, lab).mean().item()
         ema = loss.item() if ema is None else 0.95 * ema + 0.05 * loss.item()
         emal = al if emal is None else 0.95 * emal + 0.05 * al
-        if parts:
-            esel = parts["sel"] if esel is None else 0.95 * esel + 0.05 * parts["sel"]
+        aux = parts.get("sel", parts.get("conf"))
+        if aux is not None:
+            esel = aux if esel is None else 0.95 * esel + 0.05 * aux
         now = time.time()
         if now - t_last_log >= a.log_every or state["step"] == 1:
             t_last_log = now
             sel_txt = f"  selector loss {esel:.3f} (top-{a.selector_top_k} holds the label: {parts['covered']:.2f})" \
-                if parts else ""
+                if "sel" in parts else f"  confidence BCE {esel:.3f}" if "conf" in parts else ""
             log(f"drafter step {state['step']:5d}  loss {ema:.3f}{sel_txt}  train tau~{emal:.2f}  lr {lr:.2e}  "
                 f"{(el0 + clock() - t_seg) / 60:.1f}/{a.minutes_drafter:g} min ({CLOCK['kind']} clock)")
         if now - t_last_eval >= 180:
@@ -370,9 +405,21 @@ def train_drafter(work: Path, a, mask_id: int) -> dict:
     export_drafter(work, a, model, mask_id)
     return {"kind": a.kind, "params": n_params, "steps": state["step"], "minutes": round(state["elapsed"] / 60, 2),
             "train_loss": round(float(ema or 0), 4), "val_loss": round(vl, 4), "val_tau_torch": round(vt, 3),
-            "selector_loss": round(float(esel), 4) if esel is not None else None,
+            "selector_loss": round(float(esel), 4) if esel is not None and a.kind == "dflash2" else None,
             "val_per_position": [round(p, 4) for p in per], "batch_seqs": a.d_batch, "anchors_per_seq": a.anchors,
-            "gamma": a.gamma, "lr": a.lr_drafter, "history": state["history"]}
+            "gamma": a.gamma, "lr": a.lr_drafter, "history": state["history"], **_dspark_summary(a, esel, held)}
+
+
+def _dspark_summary(a, esel, held) -> dict:
+    if a.kind != "dspark":
+        return {}
+    c = held.get("confidence")
+    return {"markov_rank": a.markov_rank, "confidence_head": a.confidence, "confidence_weight": a.confidence_weight,
+            "confidence_target": a.confidence_target, "l1_weight": a.l1_weight,
+            "confidence_loss": round(float(esel), 4) if esel is not None and a.confidence else None,
+            # held-out, teacher-forced: mean confidence per row vs how often that row's token was the target's
+            "val_confidence_mean": [round(x, 4) for x in c["mean"]] if c else None,
+            "val_row_accuracy": [round(x, 4) for x in c["hit"]] if c else None}
 
 
 def export_drafter(work: Path, a, model, mask_id: int) -> None:
@@ -393,6 +440,10 @@ def export_drafter(work: Path, a, model, mask_id: int) -> None:
         "dflash_config": {"mask_token_id": mask_id, "target_layer_ids": list(a.taps)},
         "torch_dtype": "float32",
     }
+    if a.kind == "dspark":
+        cfg["architectures"] = ["DSparkDraftModel"]
+        cfg.update({"markov_rank": a.markov_rank, "markov_head_type": "vanilla", "sample_from_anchor": True,
+                    "enable_confidence_head": a.confidence, "confidence_head_with_markov": True})
     if a.kind == "dflash2":
         cfg["architectures"] = ["DFlash2DraftModel"]
         cfg["is_causal"] = False    # non-causal within the block (a sliding layer would default to causal)

@@ -14,7 +14,8 @@ import numpy as np
 from .common import CHECK_PROMPTS, REPO, log
 from .corpus import sp_model
 from .dflash2 import greedy_walk
-from .drafter import build_drafter_module
+from .drafter import anchor_first, build_drafter_module
+from .dspark import greedy_chain
 from .target import load_target
 
 
@@ -102,7 +103,8 @@ def verify(work: Path, a) -> dict:
             ids = tm.tokenize(p.encode())
             if ids[1:] != sp.encode(p):
                 tok_mismatch += 1
-            c = compare_with_plain(pair, ids, a.verify_tokens, spec=SpecOptions(n_draft=a.block - 1))
+            c = compare_with_plain(pair, ids, a.verify_tokens,
+                                   spec=SpecOptions(n_draft=a.block if anchor_first(a) else a.block - 1))
             tot.merge(c.stats)
             r = {"prompt": p, "equal": c.equal, "tau": round(c.stats.tau, 3), "n": len(c.spec)}
             if not c.equal:
@@ -143,6 +145,8 @@ def align_check(work: Path, a, mask_id: int) -> dict:
     z = np.load(work / "samples-val.npz")
     feats, toks, amax, P = torch.from_numpy(z["feats"]).float(), z["toks"], z["amax"], int(z["prompt_len"])
     B, L = a.block, toks.shape[1]
+    first = anchor_first(a)
+    n = B if first else B - 1                       # tokens a block drafts
     steps = acc = 0
     with torch.no_grad():
         for i in range(len(toks)):
@@ -151,13 +155,15 @@ def align_check(work: Path, a, mask_id: int) -> dict:
                 ids = torch.tensor([[int(toks[i, pos])] + [mask_id] * (B - 1)])
                 h = dr(feats[i:i + 1, :pos], torch.arange(pos)[None], target.model.embed_tokens(ids),
                        (pos + torch.arange(B))[None], torch.ones(1, 1, B, pos + B, dtype=torch.bool))
-                logits = h[0, 1:] @ W.T
-                if a.kind == "dflash2":     # the runtime's T = 0 walk through the selector's lattice
+                logits = h[0, B - n:] @ W.T
+                if a.kind == "dspark":      # the runtime's greedy chain through the Markov head
+                    prop = np.array(greedy_chain(dr, logits, h[0, B - n:], int(toks[i, pos]))[0])
+                elif a.kind == "dflash2":   # the runtime's T = 0 walk through the selector's lattice
                     prop = np.array(greedy_walk(dr.candidate_selector, logits, h[0, 1:], int(toks[i, pos]),
                                                 a.selector_top_k))
                 else:
                     prop = logits.argmax(-1).numpy()
-                ok = (prop == amax[i, pos:pos + B - 1]).astype(int)
+                ok = (prop == amax[i, pos:pos + n]).astype(int)
                 k = int(np.cumprod(ok).sum())
                 steps, acc = steps + 1, acc + k
                 pos += k + 1
@@ -187,6 +193,8 @@ def align_check(work: Path, a, mask_id: int) -> dict:
            "greedy_equal_torch": f"{same}/{len(toks)}", "sequences": len(toks), "tokens_each": L - P}
     if a.kind == "dflash2":
         out["lattice"] = lattice_check(work, a, mask_id)
+    if a.kind == "dspark":
+        out["blocks"] = dspark_check(work, a, mask_id)
     return out
 
 
@@ -200,7 +208,8 @@ def install(work: Path, dest: Path, info: dict, with_target: bool = True) -> Non
             shutil.copy(src, dest / f)
     slim = {k: v for k, v in info.items()}
     (dest / "training.json").write_text(json.dumps(slim, indent=2) + "\n")
-    card = model_card(info, dest) if with_target else drafter_card(info, dest)
+    card = model_card(info, dest) if with_target else (
+        dspark_card if info["args"]["kind"] == "dspark" else drafter_card)(info, dest)
     (dest / "MODEL_CARD.md").write_text(card)
     log(f"installed {', '.join(files)}, training.json and MODEL_CARD.md into {dest}")
 
@@ -437,3 +446,220 @@ def lattice_check(work: Path, a, mask_id: int, n_prompts: int = 4) -> dict:
         f"{worst:.4f} (largest score {scale:.2f}; F16 weights in llama.cpp, F32 in torch)")
     return {"rows": rows, "same_candidate_sets": same_sets, "max_score_diff": round(worst, 5),
             "max_abs_score": round(scale, 3)}
+
+
+def dspark_check(work: Path, a, mask_id: int, n_prompts: int = 8) -> dict:
+    """DSpark only: one block drafted by the torch drafter and by llama.cpp for the same contexts.
+
+    For the last token of a few held-out greedy prefixes both sides draft a block (the Markov chain
+    from that token) with its confidences. A Markov or confidence tensor laid out differently from
+    what llama.cpp reads (markov_w1 transposed, the bias of the confidence projection dropped, the
+    confidence input taken before the final norm) shows up here even where acceptance looks plausible."""
+    import torch
+
+    sys.path.insert(0, str(REPO))
+    from dflash_gguf import _bindings as B
+    from dflash_gguf.engine import Context, ContextOptions, Model
+    from dflash_gguf.logs import set_log_handler
+    from dflash_gguf.decoding import DFlashDecoder
+
+    target, dr = torch_pair(work, a)
+    W = target.model.embed_tokens.weight
+    z = np.load(work / "samples-val.npz")
+    toks, P, Bk = z["toks"], int(z["prompt_len"]), a.block
+    set_log_handler()
+    tm, dm = Model(work / "gguf" / "target.gguf"), Model(work / "gguf" / "drafter.gguf")
+    opts = ContextOptions(n_ctx=1024, n_batch=256, n_ubatch=256, n_threads=a.threads)
+    rows = same_rows = same_blocks = 0
+    worst = 0.0
+    i32 = "int32_t[]"
+    for i in range(min(n_prompts, len(toks))):
+        prompt = toks[i, :P + 8 * i].tolist()
+        pos, last = len(prompt) - 1, prompt[-1]
+        tctx = Context(tm, opts)
+        dctx = Context(dm, opts, other=tctx)
+        spec = DFlashDecoder(tctx, dctx)
+        spec.feed(prompt[:-1])
+        spec.features.flush()
+        ids = np.zeros(Bk, np.int32)
+        conf = np.zeros(Bk, np.float32)
+        args = (dctx.cptr, 1, B.ffi.from_buffer(i32, np.zeros(1, np.int32)),
+                B.ffi.from_buffer(i32, np.array([pos], np.int32)), B.ffi.from_buffer(i32, np.array([last], np.int32)),
+                Bk, B.ffi.from_buffer("llama_token[]", ids))
+        if a.confidence:
+            got = B.check(B.lib.llama_dflash_draft_seqs_conf(*args, B.ffi.from_buffer("float[]", conf)), "draft")
+        else:
+            got = B.check(B.lib.llama_dflash_draft_seqs(*args), "draft")
+        del spec
+        dctx.close()
+        tctx.close()
+        with torch.no_grad():
+            x = torch.tensor([prompt])
+            hs = target(input_ids=x, output_hidden_states=True).hidden_states
+            feats = torch.cat([hs[t + 1] for t in a.taps], -1)[:, :pos]
+            blk = torch.tensor([[last] + [mask_id] * (Bk - 1)])
+            h = dr(feats, torch.arange(pos)[None], target.model.embed_tokens(blk), (pos + torch.arange(Bk))[None],
+                   torch.ones(1, 1, Bk, pos + Bk, dtype=torch.bool))[0]
+            want, want_conf = greedy_chain(dr, h @ W.T, h, last)
+        # rows after the first difference follow another chain: compare up to it
+        k = next((j for j in range(got) if int(ids[j]) != want[j]), got)
+        rows += got
+        same_rows += k
+        same_blocks += k == got
+        if a.confidence:
+            worst = max([worst] + [abs(float(conf[j]) - want_conf[j]) for j in range(min(k + 1, got))])
+    log(f"dspark: llama.cpp's blocks equal torch's on {same_blocks}/{min(n_prompts, len(toks))} contexts "
+        f"({same_rows}/{rows} rows before any difference); confidences differ by at most {worst:.4f} "
+        "(F16 weights in llama.cpp, F32 in torch)")
+    return {"contexts": min(n_prompts, len(toks)), "same_blocks": same_blocks, "rows": rows, "same_rows": same_rows,
+            "max_confidence_diff": round(worst, 5) if a.confidence else None}
+
+
+def dspark_card(info: dict, dest: Path) -> str:
+    """The card of the DSpark demo drafter; with ``traces.json`` beside it (``demo_pair/traces.py``) also
+    its comparison with the other demo drafters and the calibration of its confidence."""
+    a, t, d, v, al, s = info["args"], info["target"], info["drafter"], info["verify"], info["align"], info["samples"]
+    db = (dest / "drafter.gguf").stat().st_size
+    per = " ".join(f"{x:.2f}" for x in d["val_per_position"])
+    rows = "\n".join(f"| `{r['prompt'].splitlines()[0][:48]}` | {_same(r)} | {r['tau']:.2f} |" for r in v["prompts"])
+    blk = al["blocks"]
+    conf_line = ""
+    if d.get("val_confidence_mean"):
+        conf_line = ("\nHeld-out, teacher-forced, per row: mean confidence "
+                     + " ".join(f"{x:.2f}" for x in d["val_confidence_mean"]) + " vs the share of rows whose token was "
+                     "the target's " + " ".join(f"{x:.2f}" for x in d["val_row_accuracy"]) + ".")
+    labels = (f"the target's {a['soft_labels']} most likely tokens with their probabilities (soft labels)"
+              if a["soft_labels"] else "the target's greedy token")
+    against = ("whether the row's greedy token is the target's" if a["confidence_target"] == "greedy"
+               else "1 - TV(draft, target)")
+    conf_txt = (f"its confidence head is trained with BCE (weight {a['confidence_weight']:g}, the same row weights) "
+                f"against {against}" if a["confidence"] else "no confidence head")
+    card = f"""# dflash-gguf demo: a DSpark drafter for the demo target
+
+`drafter.gguf` ({db / 1e6:.1f} MB, {info['convert']['outtype'].upper()}): a DSpark drafter for the demo
+target `dflash_gguf/data/demo/target.gguf` (sha256 `{t['sha256'][:16]}...`): the DFlash drafter's backbone
+({a['d_layers']} layers, taps on target layers {a['taps']}, HF `target_layer_ids`) plus DeepSpec's vanilla
+Markov head (rank {a['markov_rank']}: `markov_w2 @ markov_w1[prev]` added to each block row's logits, chained
+greedily from the anchor){' and confidence head (`sigmoid(proj @ [h; markov_w1[prev]] + b)`)' if a['confidence'] else ''};
+block size {a['block']} in the anchor-first layout (DeepSpec's `sample_from_anchor`: block `[anchor, <|mask|> x
+{a['block'] - 1}]`, row k drafts the token after the anchor's k-th successor), so it drafts {a['block']} tokens a
+step where the DFlash demo drafters draft {a['block'] - 1}. {d['params'] / 1e6:.2f} M parameters + the target's
+embeddings / LM head.
+
+## How it was made
+
+```
+OMP_WAIT_POLICY=PASSIVE python examples/train_demo_pair.py --kind dspark \\
+    --target-gguf dflash_gguf/data/demo/target.gguf --work out/dspark-train --dest {a['dest']} \\
+    --minutes-drafter {a['minutes_drafter']:g}
+python examples/demo_pair/traces.py {a['dest']}
+```
+
+`OMP_WAIT_POLICY=PASSIVE`: the budget counts this process's CPU time, and on a shared, overloaded
+machine OpenMP threads spinning at each barrier for a descheduled partner burn it without training.
+
+Same target (not retrained; rebuilt from the GGUF) and the same kind of data as the DFlash2 demo
+drafter: {s['train']['n']} sequences of a corpus prompt ({s['train']['prompt_len']} tokens) plus
+{s['train']['gen_len']} tokens of the target's own continuation at temperatures {s['train']['temperatures']},
+with the tapped hidden states; labels are {labels}. DFlash's recipe for the backbone (random anchors,
+context injected as K/V, frozen embeddings and LM head), with the CE taken on the Markov-biased
+logits and weighted by exp(-k/{a['gamma']:g}) over rows k = 0..{a['block'] - 1}, teacher-forced (the previous token
+of row k is the sequence's own: the anchor for row 0); {conf_txt}
+(`examples/demo_pair/dspark.py`, which says what of DeepSpec's recipe it follows).
+{d['steps']} steps of {d['batch_seqs']} sequences, {d['minutes']:.1f} min on {a['threads']} threads (CPU clock);
+held-out (greedy sequences) teacher-forced acceptance length {d['val_tau_torch']:.2f} (per-position prefix
+acceptance {per}).{conf_line}
+
+## Measured
+
+llama.cpp (this package's patched build), greedy, {v['max_tokens']} tokens per prompt, compared token by
+token with plain decoding:
+
+| prompt | DSpark == plain | acceptance length |
+|---|---|---|
+{rows}
+
+Mean acceptance length over these prompts: **{v['tau']:.2f}**. Alignment cross-check on {al['sequences']}
+held-out greedy sequences: torch replay {al['tau_torch_replay']:.2f}, llama.cpp {al['tau_llama_cpp']:.2f}. One block
+drafted by both for {blk['contexts']} contexts: the same tokens in {blk['same_blocks']} blocks ({blk['same_rows']}/{blk['rows']}
+rows before any difference){'' if blk['max_confidence_diff'] is None else f", confidences within {blk['max_confidence_diff']:.4f}"}.
+"""
+    tf = dest / "traces.json"
+    versus = ""
+    if tf.is_file():
+        tr = json.loads(tf.read_text())
+        card += _traces_section(tr)
+        c = tr["compare"]
+        for k, name in (("dflash2", "DFlash2"), ("dflash", "DFlash")):
+            if k in c and "prompt_tau" in c[k]:
+                mine, theirs = c["dspark"]["prompt_tau"], c[k]["prompt_tau"]
+                wins = sum(x > y for x, y in zip(mine, theirs))
+                versus += (f"\n- {'Above' if c['dspark']['tau'] > c[k]['tau'] else 'Below'} the {name} demo drafter over the "
+                           f"benchmark prompts ({c['dspark']['tau']:.2f} vs {c[k]['tau']:.2f}), with a longer acceptance on "
+                           f"{wins} of its {len(mine)} prompts.")
+    return card + f"""
+## Limitations
+
+- Trained for minutes on the demo target's own continuations: it drafts the demo target's Python
+  and little else.{versus}
+- The confidence head was trained for greedy verification (is the row's argmax the target's?); at
+  temperature > 0 its scores are not the acceptance probabilities of speculative sampling.
+"""
+
+
+def _traces_section(tr: dict) -> str:
+    names = {"dflash": "DFlash (`data/demo`)", "dflash2": "DFlash2 (`data/demo-dflash2`)",
+             "dspark": "DSpark (this one)"}
+    cmp_rows = "\n".join(
+        f"| {names.get(k, k)} | {r['n_draft']} | {r['tau']:.2f} | {'yes' if r['all_equal'] else 'NO'} | "
+        + " ".join(f"{x:.2f}" for x in r["per_position_acceptance"]) + " |" for k, r in tr["compare"].items())
+    n_prompts = len(tr["prompts"])
+    out = f"""
+### Against the other demo drafters
+
+The benchmark prompts (`bench/prompts`: {', '.join(tr['prompt_sets'])}; {n_prompts} prompts), greedy,
+{tr['max_tokens']} tokens each, every drafted block verified whole (no speed gate):
+
+| drafter | drafted per step | acceptance length | == plain | P(accepted >= i), i = 1.. |
+|---|---|---|---|---|
+{cmp_rows}
+"""
+    cal = tr.get("calibration")
+    if cal:
+        pos = "\n".join(f"| {r['position']} | {r['reached']} | {r['mean_confidence']:.3f} | {r['acceptance_rate']:.3f} |"
+                        for r in cal["by_position"])
+        bins = "\n".join(f"| {b['confidence'][0]:.1f}-{b['confidence'][1]:.1f} | {b['rows']} | {b['mean_confidence']:.3f} | "
+                         f"{b['acceptance_rate']:.3f} |" for b in cal["by_confidence"])
+        out += f"""
+### Calibration of the confidence head
+
+Same runs. A row is *reached* when every drafted token before it was accepted (what its confidence
+is conditioned on); its acceptance rate is the share of reached rows the target accepted.
+
+| row | reached | mean confidence | acceptance rate |
+|---|---|---|---|
+{pos}
+
+| confidence | rows | mean confidence | acceptance rate |
+|---|---|---|---|
+{bins}
+
+Brier score {cal['brier']:.4f} over all reached rows (a constant forecast of the overall rate: {cal['brier_constant']:.4f}).
+The decoder does not take the raw scores at their word: it learns what the target accepted at each
+score (`dflash_gguf/decoding/confidence.py`).
+"""
+    out += """
+### `traces.json`
+
+Written by `examples/demo_pair/traces.py`. Top level: `target`, `drafter`, `prompt_sets`, `max_tokens`,
+`greedy`, `n_draft` (tokens drafted per step), `tau` (acceptance length), `per_position_acceptance`
+(P(accepted >= i) for i = 1..n_draft over all steps: the file is an acceptance profile for
+`python -m dflash_gguf.bench.scale --profiles`), `calibration` (the tables above), `compare` (each demo
+drafter's `kind`, `n_draft`, `tau`, `steps`, `all_equal`, `per_position_acceptance` and `prompt_tau`, the
+acceptance length per prompt in the order of `prompts`) and `prompts`: per
+prompt `set`, `name`, `equal` (output == plain decoding), `tau`, `n` (tokens generated) and `steps`,
+one `[drafted, accepted, [confidence of row 1, ..., row drafted]]` per drafting step in order: the
+first `accepted` drafted tokens were kept, row `accepted + 1` (if drafted) was rejected, later rows
+were never judged.
+"""
+    return out
