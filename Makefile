@@ -8,7 +8,7 @@ CROSS   ?= aarch64-linux-gnu
 # KleidiAI v1.24.0 source archive for offline arm64 builds; without one upstream downloads it
 KLEIDIAI_SRC ?= $(firstword $(wildcard vendor/kleidiai-v1.24.0-src.tar.gz ../shared/vendor/kleidiai-v1.24.0-src.tar.gz))
 
-.PHONY: demo test lint build tools ggml-variants cross cross-kleidiai venv clean-cache help mutate mutate-ci
+.PHONY: demo test lint build tools ggml-variants cross cross-kleidiai venv clean-cache help mutate mutate-ci gpu-dry-run
 
 help:
 	@echo "make demo    - set up everything, then run the offline DFlash demo on the shipped pair"
@@ -21,6 +21,8 @@ help:
 	@echo "make mutate  - mutation testing of the core's pure logic, full profile (long; make mutate-ci: the CI subset)"
 	@echo "make cross   - cross-build the patched library, reference loop and an installable wheel for $(CROSS)"
 	@echo "make cross-kleidiai - the same with KleidiAI's Arm kernels (KLEIDIAI_SRC=archive or folder, offline)"
+	@echo "make gpu-dry-run - pack the offline CUDA check (bench/gpu_pack.py -> gpu-pack/) and run its run.sh here with"
+	@echo "                   a CPU build of the same trimmed tree and short sizes (DRY_RUN=1; logs in gpu-pack-work/dry-run)"
 
 $(VPY):
 	$(PY) -m venv $(VENV)
@@ -90,6 +92,11 @@ mutate-ci: build $(VENV)/.test-deps
 mutate: build $(VENV)/.test-deps
 	$(VPY) tests/mutation.py full
 
+# the offline CUDA check: the pack an NVIDIA machine without network runs (gpu-pack/run.sh OUTDIR), and
+# its dry run here (CPU build, 2 jobs, niced)
+gpu-dry-run: venv $(VENV)/.test-deps
+	$(VPY) bench/gpu_pack.py gpu-pack
+	DRY_RUN=1 JOBS=$${JOBS:-2} nice -n 10 bash gpu-pack/run.sh gpu-pack-work/dry-run
 
 clean-cache:
 	rm -rf $${DFLASH_GGUF_CACHE:-$$HOME/.cache/dflash-gguf}

@@ -8,6 +8,7 @@
 #      every layer on the GPU.
 # Prerequisites: the CUDA toolkit (nvcc), a C++ compiler, CMake >= 3.18, Python 3.10+ with venv; network
 # for PyPI (or SDIST=llama_cpp_python-0.3.36.tar.gz and the venv's packages already installed).
+# An offline machine (no PyPI, minutes): bench/gpu_pack.py packs the same check, gpu-pack/run.sh runs it.
 # Everything goes to $OUT (default bench/results/gpu-check-<date>): logs, bench JSON/markdown, summary.txt.
 # Usage: bench/gpu_check.sh            (STEPS="build tests demo bench" to run some of them; default all)
 set -euo pipefail
