@@ -129,7 +129,7 @@ def measure(target: Path, drafter: Path, steps, *, tokens: int, trials: int, thr
             exact = exact and got == ref
             if trial:
                 tps[name].append(st.tokens_per_second)
-                tau[name].append(st.acceptance_length if st.steps else 1.0)
+                tau[name].append(st.tau if st.steps else 1.0)
     for c in (dctx, tctx, pctx):
         c.close()
     dm.close()
