@@ -26,6 +26,7 @@ from dflash_gguf.decoding import DFlashDecoder, GenerationStats, OverridePropose
 from dflash_gguf.decoding.proposer import DrafterProposer as DFlashProposer
 from support import KW, llama_cpp_greedy, serve
 from test_sampling import ALPHA, K_TOKENS, SP, chi2_pvalue, exact_distribution
+from test_spec import Rig
 
 PROMPTS = [b"def main(argv):\n    parser = argparse.ArgumentParser(",
            b"    for key, value in sorted(items):\n        if"]
@@ -122,25 +123,13 @@ def test_drafts_follow_the_markov_chain_of_an_independent_reference(models, layo
 
 
 # ---------------------------------------------------------------- lossless, one sequence
-class Rig:
-    def __init__(self, pair, **spec):
-        self.tm, self.dm = Model(pair.target), Model(pair.drafter)
-        opts = ContextOptions(n_ctx=512, n_batch=64, n_ubatch=64)
-        self.tc = Context(self.tm, opts)
-        self.dc = Context(self.dm, opts, other=self.tc)
-        self.dec = DFlashDecoder(self.tc, self.dc, SpecOptions(**spec))
-        self.pc = Context(self.tm, opts)
-        self.plain = DFlashDecoder(self.pc, None)
-
-    def run(self, dec, prompt, n, **kw):
-        st = GenerationStats()
-        return list(dec.generate(prompt, n, stats=st, **kw)), st
-
-    def close(self):
-        for c in (self.dc, self.tc, self.pc):
-            c.close()
-        self.dm.close()
-        self.tm.close()
+def _equals_plain(rig, n: int) -> None:
+    """Every prompt gives plain decoding's tokens, with blocks drafted."""
+    for text in PROMPTS:
+        prompt = rig.tm.tokenize(text)
+        ref, _ = rig.run(rig.plain, prompt, n, stop_tokens=[])
+        out, st = rig.run(rig.dec, prompt, n, stop_tokens=[])
+        assert out == ref and st.drafted > 0
 
 
 @pytest.mark.parametrize("arch", ["qwen3", "llama"])
@@ -188,11 +177,7 @@ def test_an_oracle_fills_whole_anchor_first_blocks(models):
 def test_hybrid_target_equals_plain(models, arch):
     rig = Rig(dspark(models, arch))
     try:
-        for text in PROMPTS:
-            prompt = rig.tm.tokenize(text)
-            ref, _ = rig.run(rig.plain, prompt, 40, stop_tokens=[])
-            out, st = rig.run(rig.dec, prompt, 40, stop_tokens=[])
-            assert out == ref and st.drafted > 0
+        _equals_plain(rig, 40)
     finally:
         rig.close()
 
@@ -304,11 +289,7 @@ def test_each_published_form_converted_runs_losslessly(models, tmp_path, form, k
         info = rig.dec.info
         assert (info.kind, info.sample_from_anchor) == (kind, anchor)
         assert rig.dec.n_draft == info.draft_max == (8 if anchor else 7)
-        for text in PROMPTS:
-            prompt = rig.tm.tokenize(text)
-            ref, _ = rig.run(rig.plain, prompt, 30, stop_tokens=[])
-            out, st = rig.run(rig.dec, prompt, 30, stop_tokens=[])
-            assert out == ref and st.drafted > 0
+        _equals_plain(rig, 30)
     finally:
         rig.close()
 
