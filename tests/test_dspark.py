@@ -13,6 +13,7 @@ target's exact distribution (sampled).
 """
 from __future__ import annotations
 
+import contextlib
 from collections import Counter
 
 import llama_cpp
@@ -182,18 +183,29 @@ def test_hybrid_target_equals_plain(models, arch):
         rig.close()
 
 
-@pytest.mark.parametrize("layout", ["anchor", "bonus"])
-def test_sampling_keeps_the_target_distribution(models, layout):
-    """At temperature > 0 the drafted block (the Markov head's chain) is a deterministic proposal: kept with
-    probability p(token), else the residual is sampled. The samples follow the target's exact distribution."""
-    pair = dspark(models, layout=layout)
+@contextlib.contextmanager
+def _sampling(pair):
+    """A DSpark pair's target and drafter contexts, a plain context, a prompt and the exact distribution of
+    the target's first K_TOKENS tokens after it (test_sampling's)."""
     tm, dm = Model(pair.target), Model(pair.drafter)
     opts = ContextOptions(n_ctx=256, n_batch=64, n_ubatch=64)
     pc, tc = Context(tm, opts), Context(tm, opts)
     dc = Context(dm, opts, other=tc)
     try:
         prompt = tm.tokenize(PROMPTS[0])
-        exact = exact_distribution(pc, prompt, SP)
+        yield pc, tc, dc, prompt, exact_distribution(pc, prompt, SP)
+    finally:
+        for c in (dc, tc, pc):
+            c.close()
+        dm.close()
+        tm.close()
+
+
+@pytest.mark.parametrize("layout", ["anchor", "bonus"])
+def test_sampling_keeps_the_target_distribution(models, layout):
+    """At temperature > 0 the drafted block (the Markov head's chain) is a deterministic proposal: kept with
+    probability p(token), else the residual is sampled. The samples follow the target's exact distribution."""
+    with _sampling(dspark(models, layout=layout)) as (pc, tc, dc, prompt, exact):
         greedy = list(DFlashDecoder(pc, None).generate(prompt, K_TOKENS, stop_tokens=[]))
         # half the runs with the drafter's own blocks, half with an oracle's (accepted and rejected rows both)
         dec = DFlashDecoder(tc, dc, SpecOptions())
@@ -207,11 +219,6 @@ def test_sampling_keeps_the_target_distribution(models, layout):
         assert st.drafted > 0 and 0 < st.accepted < st.drafted
         p = chi2_pvalue(counts, exact)
         assert p > ALPHA, f"DSpark samples do not follow the target distribution (p={p:.2e})"
-    finally:
-        for c in (dc, tc, pc):
-            c.close()
-        dm.close()
-        tm.close()
 
 
 # ---------------------------------------------------------------- the front doors
@@ -353,14 +360,7 @@ def test_blocks_cut_by_confidence_stay_lossless_alone_and_batched(models):
 def test_gated_sampling_with_confidence_cuts_keeps_the_target_distribution(models):
     """Unseeded sampled requests are gated, so their blocks are cut by the confidence too (with a
     calibration of their own): still the target's exact distribution."""
-    pair = dspark(models)
-    tm, dm = Model(pair.target), Model(pair.drafter)
-    opts = ContextOptions(n_ctx=256, n_batch=64, n_ubatch=64)
-    pc, tc = Context(tm, opts), Context(tm, opts)
-    dc = Context(dm, opts, other=tc)
-    try:
-        prompt = tm.tokenize(PROMPTS[0])
-        exact = exact_distribution(pc, prompt, SP)
+    with _sampling(dspark(models)) as (pc, tc, dc, prompt, exact):
         greedy = list(DFlashDecoder(pc, None).generate(prompt, 40, stop_tokens=[]))
         dec = DFlashDecoder(tc, dc, SpecOptions(adaptive=True))
         dec.proposer = _Confident([prompt + greedy])
@@ -370,8 +370,3 @@ def test_gated_sampling_with_confidence_cuts_keeps_the_target_distribution(model
         assert st.drafted > 0 and dec.confidence[False].tries.sum() > 0
         p = chi2_pvalue(counts, exact)
         assert p > ALPHA, f"gated DSpark samples do not follow the target distribution (p={p:.2e})"
-    finally:
-        for c in (dc, tc, pc):
-            c.close()
-        dm.close()
-        tm.close()
