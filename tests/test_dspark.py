@@ -327,11 +327,19 @@ class _Confident(OverrideProposer):
         return n
 
 
-def test_blocks_cut_by_confidence_stay_lossless_alone_and_batched(models):
+def test_blocks_cut_by_confidence_stay_lossless_alone_and_batched(models, monkeypatch):
     """With the speed gate on, each step verifies only the rows the calibrated confidence says pay: here
     the rows from a planted wrong token on are left out (``unverified``), and every sequence, alone or in a
-    batch, still gives plain decoding's tokens."""
+    batch, still gives plain decoding's tokens. The gate's own choice follows this machine's timings (on a
+    pair this small it may rightly decode plainly): here it drafts whole blocks, and a verify row costs a
+    tenth of a plain step."""
     from test_batch import TEXTS, BatchRig
+
+    from dflash_gguf.gate import DraftLength
+
+    monkeypatch.setattr(DraftLength, "choose", lambda self: self.n_max)
+    monkeypatch.setattr(DraftLength, "step_cost",
+                        lambda self: np.array([1.0] + [1.2 + 0.1 * k for k in range(1, self.n_max + 1)]))
 
     pair = dspark(models)
     ref_rig = BatchRig(pair, 1)
