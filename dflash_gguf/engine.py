@@ -170,7 +170,8 @@ class DrafterInfo:
     n_embd: int
     n_vocab: int
     draft_max: int = 0          # most tokens one block drafts: block_size - 1, or block_size anchor-first
-    sample_from_anchor: bool = False   # DSpark: block row 0 (the pending token) predicts the first draft
+    sample_from_anchor: bool = False   # block row 0 (the pending token) predicts the first draft (DSpark,
+                                       # DeepSpec's DFlash drafters)
     has_confidence: bool = False       # DSpark: a confidence head scores each drafted token
     sliding_window: int = 0     # the drafter's trained attention window (GGUF dflash.attention.sliding_window), 0: none
 

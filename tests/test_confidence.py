@@ -8,7 +8,7 @@ import itertools
 import numpy as np
 import pytest
 
-from dflash_gguf.decoding.confidence import Calibration, allocate, expected_tokens, rows_cost
+from dflash_gguf.decoding.confidence import Calibration, allocate, rows_cost
 
 
 def _rate(rates, counts, cost):
@@ -55,10 +55,6 @@ def test_confidences_outside_0_1_fall_in_the_end_bins():
     assert c.tries[-1] == 2 and c.hits[-1] == 2 and c.tries[0] == 1 and c.hits[0] == 0
     c.observe(np.array([1.3, -0.2]), verified=2, accepted=1)
     assert c.tries[-1] == pytest.approx(3, rel=0.01) and c.tries[0] == pytest.approx(2, rel=0.01)
-
-
-def test_expected_tokens():
-    np.testing.assert_allclose(expected_tokens([0.5, 0.5]), [1.0, 1.5, 1.75])
 
 
 def test_rows_cost_interpolates_the_gates_lengths():

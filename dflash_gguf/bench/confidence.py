@@ -28,6 +28,7 @@ from pathlib import Path
 
 import numpy as np
 
+from dflash_gguf.bench.scale.replay import block_right_for
 from dflash_gguf.decoding.proposer import DrafterProposer
 
 log = logging.getLogger("dflash_gguf.bench.confidence")
@@ -78,13 +79,8 @@ class TraceReplay(DrafterProposer):
         for j in range(len(seqs)):
             c, a = self.steps[self.i % len(self.steps)]
             self.i += 1
-            L = len(context(j)) + 1
-            block = list(self.ref[L:L + n])
-            block += [(block[-1] + 1) % self.n_vocab if block else 0] * (n - len(block))
             a = min(a, n)
-            if a < n:
-                block[a] = (block[a] + 1) % self.n_vocab
-            out[j, :n] = block
+            out[j, :n] = block_right_for(self.ref, len(context(j)) + 1, n, a, self.n_vocab)
             if conf is not None:
                 conf[j, :n] = (c + [c[-1]] * n)[:n]
             if self.oracle:

@@ -59,11 +59,6 @@ class Calibration:
         np.add.at(self.hits, b[:accepted], 1.0)
 
 
-def expected_tokens(p: np.ndarray) -> np.ndarray:
-    """Expected tokens a step commits verifying the first k drafted tokens, k = 0..len(p)."""
-    return np.concatenate(([1.0], 1.0 + np.cumsum(np.cumprod(np.asarray(p, dtype=np.float64)))))
-
-
 def allocate(rates: Sequence[np.ndarray], cost: Callable[[int], float], floor: int = 1) -> list[int]:
     """Drafted tokens to verify for each sequence of a step: the counts whose expected committed tokens
     per second of the step's cost are the most.

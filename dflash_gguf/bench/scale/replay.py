@@ -69,15 +69,19 @@ def expected_tau(cum: Sequence[float], n: int) -> float:
     return 1.0 + float(sum(list(cum)[:n]))
 
 
-def replayed_block(ref: Sequence[int], L: int, n: int, cum: np.ndarray, u: float, n_vocab: int) -> list[int]:
-    """``n`` proposed tokens after ``ref[:L]``: ``ref``'s next ones, the one at ``a = #{i : cum[i] > u}``
-    made wrong (past ``ref``'s end: filler, one more than its last token, or 0s)."""
+def block_right_for(ref: Sequence[int], L: int, n: int, a: int, n_vocab: int) -> list[int]:
+    """``n`` proposed tokens after ``ref[:L]``: ``ref``'s next ones, the one at ``a`` (if ``a < n``) made
+    wrong (past ``ref``'s end: filler, one more than its last token, or 0s), so exactly ``a`` are kept."""
     truth = list(ref[L:L + n])
     truth += [(truth[-1] + 1) % n_vocab if truth else 0] * (n - len(truth))
-    a = int((cum[:n] > u).sum()) if n else 0
     if a < n:
         truth[a] = (truth[a] + 1) % n_vocab
     return truth
+
+
+def replayed_block(ref: Sequence[int], L: int, n: int, cum: np.ndarray, u: float, n_vocab: int) -> list[int]:
+    """``n`` proposed tokens after ``ref[:L]`` of which the first ``a = #{i : cum[i] > u}`` are right."""
+    return block_right_for(ref, L, n, int((cum[:n] > u).sum()) if n else 0, n_vocab)
 
 
 class ReplayBook:
