@@ -2,6 +2,7 @@
 check, installation and the model card."""
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import shutil
@@ -378,6 +379,40 @@ one-hot drafts, measured with `python -m dflash_gguf.bench.sampling`: `BENCHMARK
 """
 
 
+@contextlib.contextmanager
+def _drafter_at(tm, dm, opts, prompt: list[int]):
+    """A drafter context (on a target context of its own) holding the features of ``prompt[:-1]``, ready
+    to draft the block after ``prompt[-1]``; both contexts are closed on leaving."""
+    from dflash_gguf.decoding import DFlashDecoder
+    from dflash_gguf.engine import Context
+
+    tctx = Context(tm, opts)
+    dctx = Context(dm, opts, other=tctx)
+    spec = DFlashDecoder(tctx, dctx)
+    try:
+        spec.feed(prompt[:-1])
+        spec.features.flush()
+        yield dctx
+    finally:
+        del spec
+        dctx.close()
+        tctx.close()
+
+
+def _torch_block_hidden(target, dr, taps: list[int], prompt: list[int], mask_id: int, Bk: int):
+    """The torch drafter's final hidden states [Bk, H] for the block ``[prompt[-1], mask x (Bk - 1)]``
+    after the target's tapped hidden states of ``prompt[:-1]``."""
+    import torch
+
+    pos, last = len(prompt) - 1, prompt[-1]
+    with torch.no_grad():
+        hs = target(input_ids=torch.tensor([prompt]), output_hidden_states=True).hidden_states
+        feats = torch.cat([hs[t + 1] for t in taps], -1)[:, :pos]
+        blk = torch.tensor([[last] + [mask_id] * (Bk - 1)])
+        return dr(feats, torch.arange(pos)[None], target.model.embed_tokens(blk), (pos + torch.arange(Bk))[None],
+                  torch.ones(1, 1, Bk, pos + Bk, dtype=torch.bool))[0]
+
+
 def lattice_check(work: Path, a, mask_id: int, n_prompts: int = 4) -> dict:
     """DFlash2 only: the selector lattice of the torch drafter and of llama.cpp for the same contexts.
 
@@ -389,9 +424,8 @@ def lattice_check(work: Path, a, mask_id: int, n_prompts: int = 4) -> dict:
 
     sys.path.insert(0, str(REPO))
     from dflash_gguf import _bindings as B
-    from dflash_gguf.engine import Context, ContextOptions, Model
+    from dflash_gguf.engine import ContextOptions, Model
     from dflash_gguf.logs import set_log_handler
-    from dflash_gguf.decoding import DFlashDecoder
 
     target, dr = torch_pair(work, a)
     W = target.model.embed_tokens.weight
@@ -406,24 +440,12 @@ def lattice_check(work: Path, a, mask_id: int, n_prompts: int = 4) -> dict:
     for i in range(min(n_prompts, len(toks))):
         prompt = toks[i, :P + 8 * i].tolist()
         pos, last = len(prompt) - 1, prompt[-1]
-        tctx = Context(tm, opts)
-        dctx = Context(dm, opts, other=tctx)
-        spec = DFlashDecoder(tctx, dctx)
-        spec.feed(prompt[:-1])
-        spec.features.flush()
         buf = np.zeros((Bk - 1, K + K * K), dtype=np.float32)
-        got = B.check(B.lib.llama_dflash_draft_lattice(dctx.cptr, 0, pos, last, Bk - 1,
-                                                       B.ffi.from_buffer("float[]", buf), buf.size), "lattice")
-        del spec
-        dctx.close()
-        tctx.close()
+        with _drafter_at(tm, dm, opts, prompt) as dctx:
+            got = B.check(B.lib.llama_dflash_draft_lattice(dctx.cptr, 0, pos, last, Bk - 1,
+                                                           B.ffi.from_buffer("float[]", buf), buf.size), "lattice")
+        h = _torch_block_hidden(target, dr, a.taps, prompt, mask_id, Bk)[1:]
         with torch.no_grad():
-            x = torch.tensor([prompt])
-            hs = target(input_ids=x, output_hidden_states=True).hidden_states
-            feats = torch.cat([hs[t + 1] for t in a.taps], -1)[:, :pos]
-            ids = torch.tensor([[last] + [mask_id] * (Bk - 1)])
-            h = dr(feats, torch.arange(pos)[None], target.model.embed_tokens(ids), (pos + torch.arange(Bk))[None],
-                   torch.ones(1, 1, Bk, pos + Bk, dtype=torch.bool))[0, 1:]
             logits = h @ W.T
             cand = logits.topk(K, -1).indices
             sel = dr.candidate_selector
@@ -459,9 +481,8 @@ def dspark_check(work: Path, a, mask_id: int, n_prompts: int = 8) -> dict:
 
     sys.path.insert(0, str(REPO))
     from dflash_gguf import _bindings as B
-    from dflash_gguf.engine import Context, ContextOptions, Model
+    from dflash_gguf.engine import ContextOptions, Model
     from dflash_gguf.logs import set_log_handler
-    from dflash_gguf.decoding import DFlashDecoder
 
     target, dr = torch_pair(work, a)
     W = target.model.embed_tokens.weight
@@ -476,30 +497,18 @@ def dspark_check(work: Path, a, mask_id: int, n_prompts: int = 8) -> dict:
     for i in range(min(n_prompts, len(toks))):
         prompt = toks[i, :P + 8 * i].tolist()
         pos, last = len(prompt) - 1, prompt[-1]
-        tctx = Context(tm, opts)
-        dctx = Context(dm, opts, other=tctx)
-        spec = DFlashDecoder(tctx, dctx)
-        spec.feed(prompt[:-1])
-        spec.features.flush()
         ids = np.zeros(Bk, np.int32)
         conf = np.zeros(Bk, np.float32)
-        args = (dctx.cptr, 1, B.ffi.from_buffer(i32, np.zeros(1, np.int32)),
-                B.ffi.from_buffer(i32, np.array([pos], np.int32)), B.ffi.from_buffer(i32, np.array([last], np.int32)),
-                Bk, B.ffi.from_buffer("llama_token[]", ids))
-        if a.confidence:
-            got = B.check(B.lib.llama_dflash_draft_seqs_conf(*args, B.ffi.from_buffer("float[]", conf)), "draft")
-        else:
-            got = B.check(B.lib.llama_dflash_draft_seqs(*args), "draft")
-        del spec
-        dctx.close()
-        tctx.close()
+        with _drafter_at(tm, dm, opts, prompt) as dctx:
+            args = (dctx.cptr, 1, B.ffi.from_buffer(i32, np.zeros(1, np.int32)),
+                    B.ffi.from_buffer(i32, np.array([pos], np.int32)), B.ffi.from_buffer(i32, np.array([last], np.int32)),
+                    Bk, B.ffi.from_buffer("llama_token[]", ids))
+            if a.confidence:
+                got = B.check(B.lib.llama_dflash_draft_seqs_conf(*args, B.ffi.from_buffer("float[]", conf)), "draft")
+            else:
+                got = B.check(B.lib.llama_dflash_draft_seqs(*args), "draft")
+        h = _torch_block_hidden(target, dr, a.taps, prompt, mask_id, Bk)
         with torch.no_grad():
-            x = torch.tensor([prompt])
-            hs = target(input_ids=x, output_hidden_states=True).hidden_states
-            feats = torch.cat([hs[t + 1] for t in a.taps], -1)[:, :pos]
-            blk = torch.tensor([[last] + [mask_id] * (Bk - 1)])
-            h = dr(feats, torch.arange(pos)[None], target.model.embed_tokens(blk), (pos + torch.arange(Bk))[None],
-                   torch.ones(1, 1, Bk, pos + Bk, dtype=torch.bool))[0]
             want, want_conf = greedy_chain(dr, h @ W.T, h, last)
         # rows after the first difference follow another chain: compare up to it
         k = next((j for j in range(got) if int(ids[j]) != want[j]), got)
