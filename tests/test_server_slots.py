@@ -2,6 +2,8 @@
 llama_cpp.Llama gives for that request alone (the shipped demo pair: a trained drafter, real acceptance)."""
 from __future__ import annotations
 
+import contextlib
+import inspect
 import json
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -372,3 +374,125 @@ def test_a_streams_text_chunk_is_the_json_of_its_chunk(chat):
         want = json.dumps(chunk("cmpl-1", 'a "model"\\', text, None, chat, created=1700000000))
         assert head + json.dumps(text) + tail == want
     assert text_chunk_frame("cmpl-1", "\x00text\x00", chat, 1) is None     # a model id that is the marker: no frame
+
+
+@contextlib.contextmanager
+def _own_server(parallel: int = 1, **create_kw):
+    """A --parallel server of its own (slowed or broken on purpose, so kept apart from the module's)."""
+    llm = Llama(str(TARGET), draft_model_path=str(DRAFTER), **KW)
+    app = create_app(llm, "demo", parallel=parallel, **create_kw)
+    try:
+        with serve(app) as url:
+            yield url, app.state.server.slots
+    finally:
+        app.state.server.slots.close()
+        llm.close()
+
+
+def _submitted(slots) -> list:
+    """The jobs ``slots`` is given from now on, in order."""
+    jobs = []
+    submit = slots.submit
+    slots.submit = lambda job: (jobs.append(job), submit(job))[1]
+    return jobs
+
+
+SAMPLING_FIELDS = ("temperature", "top_k", "top_p", "min_p", "typical_p", "repeat_penalty", "frequency_penalty",
+                   "presence_penalty", "mirostat_mode", "mirostat_tau", "mirostat_eta", "seed")
+
+
+@pytest.mark.parametrize("chat", [False, True], ids=["completion", "chat"])
+def test_a_request_without_sampling_fields_gets_the_llamas_defaults_for_its_endpoint(server, chat):
+    """A field the request leaves out is sampled in the slots with llama_cpp.Llama's default for that
+    endpoint (create_completion's or create_chat_completion's: temperature 0.8 and 0.2), which is what the
+    server without --parallel hands the Llama: a seeded request without temperature gives what the same
+    request with the endpoint's default temperature gives, not what the other endpoint's gives."""
+    from dflash_gguf.server.slots import sampling
+
+    fn = llama_cpp.Llama.create_chat_completion if chat else llama_cpp.Llama.create_completion
+    defaults = {k: v.default for k, v in inspect.signature(fn).parameters.items()}
+    sp = sampling({}, chat)
+    assert {f: getattr(sp, f) for f in SAMPLING_FIELDS} == {f: defaults[f] for f in SAMPLING_FIELDS}
+
+    url, srv = server
+    other = inspect.signature(llama_cpp.Llama.create_completion if chat else
+                              llama_cpp.Llama.create_chat_completion).parameters["temperature"].default
+    assert other != defaults["temperature"]
+    if chat:
+        path, body = "/v1/chat/completions", {"messages": [{"role": "user", "content": "def add(a, b):"}]}
+    else:
+        path, body = "/v1/completions", {"prompt": PROMPTS[5]}
+    body.update(max_tokens=32, seed=3)
+
+    def text(**kw) -> str:
+        r = httpx.post(f"{url}{path}", json={**body, **kw}, timeout=120)
+        assert r.status_code == 200, r.text
+        c = r.json()["choices"][0]
+        return c["message"]["content"] if chat else c["text"]
+
+    before = srv.slots.sequences
+    got = text()
+    assert srv.slots.sequences > before, "it ran in the slots"
+    assert got == text(temperature=defaults["temperature"])
+    assert got != text(temperature=other), "this seed cannot tell the two temperatures apart"
+
+
+def test_a_dropped_or_timed_out_request_stops_within_a_few_steps():
+    """A client that leaves a stream, or a request past --request-timeout, ends its generation at the
+    next step or so, not at max_tokens: slow steps and a reply that cannot end early (ignore_eos, max_tokens
+    near the context) show how many steps ran after the server learnt it."""
+    with _own_server(request_timeout=1.5) as (url, slots):
+        step, steps = slots.decoder.step, [0]
+
+        def slow_step():
+            time.sleep(0.05)
+            steps[0] += 1
+            return step()
+        slots.decoder.step = slow_step
+        jobs = _submitted(slots)
+        body = {"prompt": PROMPTS[1], "max_tokens": 480, "temperature": 0, "ignore_eos": True}
+        with httpx.stream("POST", f"{url}/v1/completions", json={**body, "stream": True}, timeout=60) as r:
+            for line in r.iter_lines():
+                if line.startswith("data: ") and json.loads(line[6:])["choices"][0]["text"]:
+                    break
+            left = steps[0]
+        assert _slots_freed(url, within=5), "the dropped stream kept its slot"
+        assert steps[0] - left <= 8, f"{steps[0] - left} steps after the client left"
+        assert jobs[0].n_tokens < 200
+
+        r = httpx.post(f"{url}/v1/completions", json=body, timeout=60)
+        assert r.status_code == 408, r.text
+        answered = steps[0]
+        assert _slots_freed(url, within=5), "the timed-out request kept its slot"
+        assert steps[0] - answered <= 8, f"{steps[0] - answered} steps after the timeout"
+        assert jobs[1].n_tokens < 480
+
+
+def test_a_failure_handing_out_a_steps_tokens_fails_that_request_and_the_server_serves_on(monkeypatch):
+    """An exception in the engine thread's handling of a step's results (here: reading a request's text,
+    once) ends that request with a 500 at once; the request beside it and later ones are served as usual."""
+    from dflash_gguf.batch import StopStrings
+
+    text, calls = StopStrings.text, [0]
+
+    def text_once(self):
+        calls[0] += 1
+        if calls[0] == 1:
+            raise RuntimeError("injected fault")
+        return text(self)
+    with _own_server(parallel=2) as (url, slots):
+        want = [_complete(url, p, max_tokens=16)["choices"][0]["text"] for p in PROMPTS[:2]]
+        calls[0] = 0
+        monkeypatch.setattr(StopStrings, "text", text_once)
+        t0 = time.monotonic()
+        with ThreadPoolExecutor(2) as pool:
+            rs = list(pool.map(lambda p: httpx.post(f"{url}/v1/completions", json={
+                "prompt": p, "max_tokens": 16, "temperature": 0}, timeout=20), PROMPTS[:2]))
+        assert time.monotonic() - t0 < 10
+        assert sorted(r.status_code for r in rs) == [200, 500], [r.text for r in rs]
+        failed = next(r for r in rs if r.status_code == 500)
+        assert "injected fault" in failed.json()["error"]["message"]
+        ok = next(i for i, r in enumerate(rs) if r.status_code == 200)
+        assert rs[ok].json()["choices"][0]["text"] == want[ok]
+        assert _slots_freed(url, within=5)
+        assert [_complete(url, p, max_tokens=16)["choices"][0]["text"] for p in PROMPTS[:2]] == want

@@ -66,6 +66,7 @@ class Job:
         self.tool: str | None = None    # the function a chat reply calls (a named tool_choice): its arguments
         self.logprobs: Collector | None = None        # the generated tokens' log-probabilities, if asked for
         self.logprobs_offset = 0                      # ... the first one's text offset (llama_cpp: len(prompt))
+        self.failed = False         # ended with an error of the engine thread's: nothing more goes to it
         request.consumer = self._consume
 
     def want_logprobs(self, k: int, end_tokens, offset0: int) -> None:
@@ -148,59 +149,100 @@ class Slots:
 
     # ------------------------------------------------------------------ the engine thread
     def _loop(self) -> None:
-        dec = self.decoder
         while True:
-            block = not dec.running and not self.waiting
             try:
-                job = self._jobs.get(block=block)
-                while True:
-                    if job is None:
-                        self._fail_all(RuntimeError("the server is shutting down"))
-                        return
-                    self.waiting.append(job)
-                    job = self._jobs.get_nowait()
-            except queue.Empty:
-                pass
-            while self.waiting and dec.free_slots:
-                job = self.waiting.popleft()
-                job.loop.call_soon_threadsafe(self._left_queue)
-                if job.cancelled:
-                    job.put(("end", ""))
-                    continue
-                self._next_id += 1
-                job.id = self._next_id
+                if not self._turn():
+                    return
+            except Exception as e:   # a fault of this loop's own: its requests fail, the thread serves on
+                log.exception("the slots' engine loop failed")
                 try:
-                    dec.admit(job.request, job.id)
-                except Exception as e:   # a bad prompt: that request fails, the others go on
-                    job.put(("error", e))
-                    continue
-                self._running[job.id] = job
-            if not dec.running:
+                    self._recover(e)
+                except Exception:
+                    log.exception("resetting the batched engine failed")
+
+    def _turn(self) -> bool:
+        """Admit what waits, run one step, hand its tokens out; False once the server shuts down."""
+        dec = self.decoder
+        block = not dec.running and not self.waiting
+        try:
+            job = self._jobs.get(block=block)
+            while True:
+                if job is None:
+                    self._fail_all(RuntimeError("the server is shutting down"))
+                    return False
+                self.waiting.append(job)
+                job = self._jobs.get_nowait()
+        except queue.Empty:
+            pass
+        while self.waiting and dec.free_slots:
+            job = self.waiting.popleft()
+            job.loop.call_soon_threadsafe(self._left_queue)
+            if job.cancelled:
+                job.put(("end", ""))
                 continue
-            n_running = dec.running
+            self._next_id += 1
+            job.id = self._next_id
             try:
-                results = dec.step()
-                self.steps += 1
-                self.sequences += n_running
-            except Exception as e:   # the engine failed mid-step: every running request fails, caches reset
-                log.exception("batched step failed")
-                dec.abandon()
-                dec.reset()
-                for j in self._running.values():
-                    j.put(("error", e))
-                self._running.clear()
+                dec.admit(job.request, job.id)
+            except Exception as e:   # a bad prompt: that request fails, the others go on
+                job.put(("error", e))
                 continue
-            for idx, toks, ended in results:
-                j = self._running[idx]
-                j.n_tokens += sum(t not in dec.eog for t in toks)   # llama_cpp counts no end-of-generation token
-                if ended:
-                    del self._running[idx]
-                if ended and j.request.error is not None:   # its prompt could not be decoded
-                    j.put(("error", j.request.error))
-                elif ended or (toks and j.stream):
-                    # the text so far, taken here, right after the consumer saw these tokens: it holds no
-                    # whole stop string unless the request ended on it (then it is cut before it)
-                    j.put(("end" if ended else "tokens", j.text.text()))
+            self._running[job.id] = job
+        if not dec.running:
+            return True
+        n_running = dec.running
+        try:
+            results = dec.step()
+            self.steps += 1
+            self.sequences += n_running
+        except Exception as e:   # the engine failed mid-step: every running request fails, caches reset
+            log.exception("batched step failed")
+            self._recover(e)
+            return True
+        for idx, toks, ended in results:
+            j = self._running.get(idx)
+            if j is None:
+                continue
+            if ended:
+                del self._running[idx]
+            try:
+                self._deliver(j, toks, ended)
+            except Exception as e:   # this request fails; the engine and the other requests go on
+                log.exception("handing request %d its tokens failed", idx)
+                self._fail(j, e)
+        return True
+
+    def _deliver(self, j: Job, toks: list[int], ended: bool) -> None:
+        """Give ``j`` what a step kept of it (``ended``: its slot is free again)."""
+        if j.failed:
+            return
+        j.n_tokens += sum(t not in self.decoder.eog for t in toks)   # llama_cpp counts no end-of-generation token
+        if ended and j.request.error is not None:   # its prompt could not be decoded
+            j.put(("error", j.request.error))
+        elif ended or (toks and j.stream):
+            # the text so far, taken here, right after the consumer saw these tokens: it holds no
+            # whole stop string unless the request ended on it (then it is cut before it)
+            j.put(("end" if ended else "tokens", j.text.text()))
+
+    def _fail(self, j: Job, e: BaseException) -> None:
+        """``j`` ends with ``e``; a request still running keeps nothing of its next step, so its slot frees
+        then (a cancelled job's consumer keeps no token)."""
+        j.failed = j.cancelled = True
+        try:
+            j.put(("error", e))
+        except Exception:   # its event loop is gone: nobody waits for it
+            log.exception("reporting a failed request failed")
+
+    def _recover(self, e: BaseException) -> None:
+        """Every running request fails with ``e`` and the caches are reset; waiting requests stay."""
+        dec = self.decoder
+        try:
+            dec.abandon()
+            dec.reset()
+        finally:
+            for j in list(self._running.values()):
+                self._fail(j, e)
+            self._running.clear()
 
     def _left_queue(self) -> None:
         self.n_waiting -= 1
