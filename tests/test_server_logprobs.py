@@ -3,7 +3,9 @@ batched engine verified, equal to what llama_cpp.Llama(logits_all=True) reports 
 shipped demo pair: real acceptance, so accepted drafted tokens' rows are covered, not only rejected ones)."""
 from __future__ import annotations
 
+import gc
 import json
+import weakref
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
@@ -177,3 +179,38 @@ def test_the_collector_reports_kept_tokens_up_to_the_end_token():
     c.sink(0, rows[1])
     c.commit([4])
     assert [e.token for e in c.entries] == [3, 4, 3, 4]
+
+
+def test_nothing_of_a_logprobs_request_survives_its_slot():
+    """A finished request leaves nothing of its own on its slot: the next requests there sink no logits row
+    into its collector, and the request, its job and its collector are freed (a long-running server would
+    otherwise keep growing them with every later request's rows)."""
+    from dflash_gguf.server import create_app
+
+    llm = Llama(str(TARGET), draft_model_path=str(DRAFTER), draft_adaptive=False, **KW)
+    app = create_app(llm, "demo", parallel=1)      # one slot: every request runs where the first one did
+    slots = app.state.server.slots
+    seen = []
+    submit = slots.submit
+
+    def watched(job):
+        seen.append((weakref.ref(job), weakref.ref(job.request), job.logprobs and weakref.ref(job.logprobs)))
+        submit(job)
+    slots.submit = watched
+    try:
+        with serve(app) as url:
+            r = _post(url, "/v1/completions", {"prompt": PROMPTS[0], "max_tokens": 16, "logprobs": 2})
+            n = len(r["choices"][0]["logprobs"]["tokens"])
+            collector = seen[0][2]()
+            assert collector is not None and len(collector.entries) == n > 0 and not collector._rows
+            del collector
+            for p in PROMPTS:
+                _post(url, "/v1/completions", {"prompt": p, "max_tokens": 16})
+            gc.collect()
+            left = seen[0][2]()
+            assert left is None, (f"the collector survived its request: {len(left.entries)} entries for {n} "
+                                   f"tokens, {len(left._rows)} rows of later requests")
+            assert seen[0][0]() is None and seen[0][1]() is None, "the request survived its slot"
+    finally:
+        slots.close()
+        llm.close()
