@@ -73,6 +73,14 @@ def test_seeded_sampling_repeats():
     assert len({tuple(t) for t in runs[0]}) == 4
 
 
+def test_repeated_prompts_of_a_seeded_batch_sample_with_seeds_of_their_own():
+    """Prompt ``i`` of a seeded batch samples with ``seed + i``: the same prompt four times in one sampled
+    batch gives four completions of their own, not one completion four times."""
+    with BatchLlama(TARGET, DRAFTER, n_parallel=4, n_ctx=512, n_threads=2) as b:
+        got = b.generate([PROMPTS[0]] * 4, max_tokens=24, temperature=0.8, seed=7)
+    assert len({tuple(c.tokens) for c in got}) == 4, [c.text for c in got]
+
+
 @pytest.mark.parametrize("eos", ["template", "mid-answer"])
 def test_chat_uses_the_gguf_template(models, tmp_path, eos):
     """The GGUF's template and end of turn; "mid-answer": the end-of-turn token is an ordinary token of the
