@@ -81,6 +81,24 @@ def test_repeated_prompts_of_a_seeded_batch_sample_with_seeds_of_their_own():
     assert len({tuple(c.tokens) for c in got}) == 4, [c.text for c in got]
 
 
+def test_a_prompt_takes_the_free_slot_that_holds_its_longest_prefix():
+    """Admission puts a prompt on the free slot whose cache shares the longest prefix with it: a prompt that
+    continues one of three cached completions reuses everything that completion's slot holds (its prompt
+    and its tokens but the last, never decoded), and the same prompt right after reuses all of itself but
+    its last token, whichever slot each was cached in."""
+    with BatchLlama(TARGET, DRAFTER, n_parallel=3, n_ctx=512, n_threads=2) as b:
+        first = b.generate(PROMPTS[:3], max_tokens=8)
+        assert [c.finish_reason for c in first] == ["length"] * 3
+        ids = [b.model.tokenize(p.encode(), add_bos=True, special=True) for p in PROMPTS[:3]]
+        more = b.model.tokenize(b"\n# more", add_bos=False, special=True)
+        for i in (2, 0, 1):
+            follow = ids[i] + first[i].tokens + more
+            (c,) = b.generate([follow], max_tokens=4)
+            assert c.stats.n_reused == len(ids[i]) + len(first[i].tokens) - 1, i
+            (again,) = b.generate([follow], max_tokens=4)
+            assert again.stats.n_reused == len(follow) - 1, i
+
+
 @pytest.mark.parametrize("eos", ["template", "mid-answer"])
 def test_chat_uses_the_gguf_template(models, tmp_path, eos):
     """The GGUF's template and end of turn; "mid-answer": the end-of-turn token is an ordinary token of the
