@@ -8,7 +8,7 @@ CROSS   ?= aarch64-linux-gnu
 # KleidiAI v1.24.0 source archive for offline arm64 builds; without one upstream downloads it
 KLEIDIAI_SRC ?= $(firstword $(wildcard vendor/kleidiai-v1.24.0-src.tar.gz ../shared/vendor/kleidiai-v1.24.0-src.tar.gz))
 
-.PHONY: demo test lint build tools ggml-variants cross cross-kleidiai venv clean-cache help mutate mutate-ci gpu-dry-run
+.PHONY: demo test lint build tools ggml-variants cross cross-kleidiai qemu-sme2 venv clean-cache help mutate mutate-ci gpu-dry-run
 
 help:
 	@echo "make demo    - set up everything, then run the offline DFlash demo on the shipped pair"
@@ -21,6 +21,7 @@ help:
 	@echo "make mutate  - mutation testing of the core's pure logic, full profile (long; make mutate-ci: the CI subset)"
 	@echo "make cross   - cross-build the patched library, reference loop and an installable wheel for $(CROSS)"
 	@echo "make cross-kleidiai - the same with KleidiAI's Arm kernels (KLEIDIAI_SRC=archive or folder, offline)"
+	@echo "make qemu-sme2 - fetch a qemu-aarch64 that emulates SME2 (for KleidiAI's SME2 kernels) into the cache"
 	@echo "make gpu-dry-run - pack the offline CUDA check (bench/gpu_pack.py -> gpu-pack/) and run its run.sh here with"
 	@echo "                   a CPU build of the same trimmed tree and short sizes (DRY_RUN=1; logs in gpu-pack-work/dry-run)"
 
@@ -70,6 +71,10 @@ cross: venv
 cross-kleidiai: venv
 	$(VPY) -m dflash_gguf.build --cross $(CROSS) --platform kleidiai $(if $(KLEIDIAI_SRC),--kleidiai-src $(KLEIDIAI_SRC),)
 
+# a qemu-aarch64 >= 10.1 (emulates SME2) fetched once into the cache, beside the system's qemu-user-static
+qemu-sme2: venv
+	$(VPY) -m dflash_gguf.build_cross --fetch-qemu-sme2
+
 demo: build
 	$(VPY) -m dflash_gguf.demo
 
@@ -80,7 +85,7 @@ test: tools ggml-variants $(VENV)/.test-deps
 		echo "no $(CROSS)-g++ or qemu-aarch64-static: the arm64 checks will be skipped"; \
 	elif [ -z "$(KLEIDIAI_SRC)" ]; then \
 		echo "no KleidiAI v1.24.0 source archive (vendor/ or ../shared/vendor/): the arm64 checks will be skipped"; \
-	else $(MAKE) cross-kleidiai; fi
+	else $(MAKE) cross-kleidiai && { $(MAKE) qemu-sme2 || echo "no SME2-capable qemu-user: the SME2 checks will be skipped"; }; fi
 	$(VPY) tests/mutation.py ci
 	$(VPY) -m pytest -q
 

@@ -16,7 +16,8 @@ the arm64 tests. Three parts:
   ``libpython3.X-stdlib`` with their arm64 library dependencies (``apt-get download`` +
   ``dpkg -x`` into a sysroot in the cache), and a site folder with the aarch64 wheel, numpy and
   cffi from PyPI for that Python version. :func:`guest_python` returns the command that runs it:
-  ``qemu-aarch64-static -cpu max -L SYSROOT SYSROOT/usr/bin/python3.X``.
+  ``qemu-aarch64-static -cpu max -L SYSROOT SYSROOT/usr/bin/python3.X``; KleidiAI's SME2 kernels
+  run under a newer qemu-user fetched into the cache (:func:`fetch_qemu_sme2`).
 
 Needs on the build machine: ``g++-aarch64-linux-gnu`` (cross build), ``qemu-user-static`` (to run),
 and for the emulated Python ``dpkg --add-architecture arm64`` + ``apt-get update`` (done by
@@ -111,6 +112,107 @@ def find_qemu() -> str | None:
         if shutil.which(name):
             return shutil.which(name)
     return None
+
+
+# --------------------------------------------------------------------------- an SME2-capable qemu-user
+#
+# Debian 12's qemu-user-static (7.2) emulates SME but not SME2: KleidiAI's SME2 kernels die there with
+# SIGILL, and ggml never selects them. QEMU 10.1 and later emulate SME2 under ``-cpu max``. Debian's
+# trixie-backports ``qemu-user`` (statically linked) runs on Debian 12; fetch_qemu_sme2 takes only its
+# ``qemu-aarch64`` through a private apt state, so the system's packages are never touched. It must not
+# replace qemu-user-static 7.2: QEMU cannot hide SME2 while keeping SME, so the SME1-only kernels need
+# the old emulator.
+
+QEMU_SME2_MIN = (10, 1)
+QEMU_SME2_SUITES = ("trixie-backports", "forky")
+QEMU_SME2_ENV = "DFLASH_GGUF_QEMU_SME2"
+# the streaming vector lengths the SME2 checks run at: 256 bits (QEMU's default), 512 bits (Apple M4's)
+SME2_VECTOR_BITS = (256, 512)
+
+
+def qemu_sme2_cpu(vector_bits: int = 256) -> str:
+    """The ``-cpu`` argument of an SME2 emulator run at ``vector_bits`` streaming vector length."""
+    return "max" if vector_bits == 256 else f"max,sme-default-vector-length={vector_bits // 8}"
+
+
+def qemu_version(qemu: str | os.PathLike) -> tuple[int, int] | None:
+    try:
+        out = subprocess.run([str(qemu), "--version"], capture_output=True, text=True, timeout=30).stdout
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    m = re.search(r"version (\d+)\.(\d+)", out)
+    return (int(m.group(1)), int(m.group(2))) if m else None
+
+
+def qemu_sme2_path() -> Path:
+    return paths.cache_dir() / "qemu-sme2" / "qemu-aarch64"
+
+
+def find_qemu_sme2() -> str | None:
+    """A qemu-aarch64 that emulates SME2: $DFLASH_GGUF_QEMU_SME2, the fetched one in the cache, or the
+    system's qemu-aarch64(-static) when it is new enough."""
+    cands = [os.environ.get(QEMU_SME2_ENV), str(qemu_sme2_path()), *(shutil.which(n) for n in QEMU_NAMES)]
+    for c in cands:
+        if c and os.access(c, os.X_OK) and (qemu_version(c) or (0, 0)) >= QEMU_SME2_MIN:
+            return c
+    return None
+
+
+def _debian_archive() -> str | None:
+    """The Debian archive this machine's apt already uses (deb822 or one-line sources)."""
+    texts = [f.read_text(errors="replace") for f in Path("/etc/apt/sources.list.d").glob("*.sources")]
+    for t in texts:
+        m = re.search(r"^URIs:\s*(\S+/debian)\s*$", t, re.M)
+        if m:
+            return m.group(1)
+    lst = Path("/etc/apt/sources.list")
+    if lst.exists():
+        m = re.search(r"^deb\s+(?:\[[^]]*\]\s+)?(\S+/debian)\s", lst.read_text(errors="replace"), re.M)
+        if m:
+            return m.group(1)
+    return None
+
+
+def fetch_qemu_sme2() -> Path:
+    """Fetch (once; cached) a qemu-aarch64 >= 10.1 from Debian's newer suites into the cache."""
+    dest = qemu_sme2_path()
+    if dest.exists() and (qemu_version(dest) or (0, 0)) >= QEMU_SME2_MIN:
+        return dest
+    if not shutil.which("apt-get") or not shutil.which("dpkg-deb"):
+        raise ToolMissing("apt-get/dpkg-deb not found: the SME2 emulator is taken from Debian's qemu-user package")
+    uri = _debian_archive()
+    if uri is None:
+        raise ToolMissing("no Debian archive in this machine's apt sources: cannot fetch an SME2-capable qemu-user")
+    errors = []
+    with tempfile.TemporaryDirectory(dir=paths.cache_dir()) as tmp:
+        w = Path(tmp)
+        for d in ("lists/partial", "cache/archives/partial", "parts", "deb"):
+            (w / d).mkdir(parents=True)
+        for suite in QEMU_SME2_SUITES:
+            (w / "sources.list").write_text(f"deb {uri} {suite} main\n")
+            opts = ["-q", "-o", f"Dir::Etc::SourceList={w / 'sources.list'}", "-o", f"Dir::Etc::SourceParts={w / 'parts'}",
+                    "-o", f"Dir::State::Lists={w / 'lists'}", "-o", f"Dir::Cache={w / 'cache'}",
+                    "-o", "APT::Architectures=amd64", "-o", "APT::Sandbox::User=root"]
+            r = subprocess.run(["apt-get", *opts, "update"], capture_output=True, text=True)
+            if r.returncode == 0:
+                r = subprocess.run(["apt-get", *opts, "download", "qemu-user"], cwd=w / "deb", capture_output=True, text=True)
+            debs = sorted((w / "deb").glob("qemu-user_*_amd64.deb"))
+            if r.returncode != 0 or not debs:
+                errors.append(f"{suite}: {r.stderr.strip()[-300:]}")
+                continue
+            dest.parent.mkdir(parents=True, exist_ok=True)
+            part = dest.with_suffix(".part")
+            with open(part, "wb") as f:
+                tar = subprocess.Popen(["dpkg-deb", "--fsys-tarfile", str(debs[-1])], stdout=subprocess.PIPE)
+                subprocess.run(["tar", "-x", "-O", "./usr/bin/qemu-aarch64"], stdin=tar.stdout, stdout=f, check=True)
+                tar.wait()
+            part.chmod(0o755)
+            if (qemu_version(part) or (0, 0)) >= QEMU_SME2_MIN:
+                os.replace(part, dest)
+                return dest
+            errors.append(f"{suite}: its qemu-aarch64 ({qemu_version(part)}) predates SME2 emulation")
+            part.unlink()
+    raise ToolMissing("could not fetch an SME2-capable qemu-user (>= 10.1) from " + uri + ": " + "; ".join(errors))
 
 
 # --------------------------------------------------------------------------- KleidiAI
@@ -326,9 +428,10 @@ def guest_site(wheel: Path, pyver: str) -> Path:
     return site
 
 
-def guest_python(wheel: Path, cpu: str = "max") -> tuple[list[str], dict]:
-    """(command prefix, environment) that run the emulated aarch64 CPython with the wheel installed."""
-    qemu = find_qemu()
+def guest_python(wheel: Path, cpu: str = "max", qemu: str | None = None) -> tuple[list[str], dict]:
+    """(command prefix, environment) that run the emulated aarch64 CPython with the wheel installed
+    (under ``qemu``, default: the system's qemu-user)."""
+    qemu = qemu or find_qemu()
     if qemu is None:
         raise ToolMissing("qemu-aarch64-static not found (Debian: apt-get install qemu-user-static)")
     root = sysroot()
@@ -369,8 +472,17 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--wheel", help="aarch64 wheel (default: the last --cross build's)")
     ap.add_argument("--variant", default="aarch64-linux-gnu",
                     help="which cross build: aarch64-linux-gnu (default) or aarch64-linux-gnu-kleidiai")
+    ap.add_argument("--fetch-qemu-sme2", action="store_true",
+                    help="fetch (once, into the cache) a qemu-aarch64 that emulates SME2, print its path and stop")
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s", datefmt="%H:%M:%S")
+    if args.fetch_qemu_sme2:
+        try:
+            print(fetch_qemu_sme2())
+        except CrossError as e:
+            log.error("%s", e)
+            return 1
+        return 0
     wheel = Path(args.wheel) if args.wheel else cross_wheel(args.variant)
     if wheel is None:
         log.error("no aarch64 wheel: run python -m dflash_gguf.build --cross first (%s)", args.variant)
