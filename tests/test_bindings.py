@@ -310,6 +310,25 @@ def test_prepare_refuses_drafter_of_other_hidden_size(models, tmp_path):
         tc.close()
 
 
+@pytest.mark.parametrize("field, delta", [("n_vocab", -1), ("n_vocab", 1), ("n_embd", -32), ("n_embd", 32)],
+                         ids=["smaller vocabulary", "larger vocabulary", "narrower", "wider"])
+def test_a_drafter_of_another_vocabulary_or_width_is_refused(monkeypatch, field, delta):
+    """A drafter whose vocabulary (its tokenizer's: a reduced draft head maps into it by d2t) or hidden size
+    is not the target's is refused before any context exists, smaller as well as larger."""
+    from dataclasses import replace
+
+    from dflash_gguf.engine import DrafterInfo, check_compatible
+
+    with Model(paths.DEMO_DIR / "target.gguf") as tm, Model(paths.DEMO_DIR / "drafter.gguf") as dm:
+        real = DrafterInfo.read(dm)
+        check_compatible(tm, dm)
+        other = replace(real, **{field: getattr(real, field) + delta})
+        monkeypatch.setattr(DrafterInfo, "read", classmethod(lambda cls, m: other))
+        what = "vocabulary" if field == "n_vocab" else "hidden size"
+        with pytest.raises(PairMismatchError, match=f"{what}.*{getattr(other, field)}.*dflash_gguf.convert"):
+            check_compatible(tm, dm)
+
+
 def _import_in_subprocess(tmp_path: Path, prelude: str) -> subprocess.CompletedProcess:
     code = textwrap.dedent(prelude) + "\nimport dflash_gguf._bindings\n"
     return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,

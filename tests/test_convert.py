@@ -372,6 +372,11 @@ BAD = {
                                                (t, d))[1], "lacks tensor 'layers.0.mlp.up_proj.weight'"),
     "vocab mismatch": ("dflash", lambda t, d: (edit_config(d, _set("vocab_size", 1024)), (t, d))[1], "vocab_size"),
     "hidden mismatch": ("dflash", lambda t, d: (edit_config(d, _set("hidden_size", 128)), (t, d))[1], "hidden_size"),
+    # a drafter narrower than its target is as wrong as a wider one
+    "smaller vocab": ("dflash", lambda t, d: (edit_config(d, _set("vocab_size", 256)), (t, d))[1],
+                      "drafter vocab_size 256 != target vocab_size 512"),
+    "smaller hidden": ("dflash", lambda t, d: (edit_config(d, _set("hidden_size", 32)), (t, d))[1],
+                       "drafter hidden_size 32 != target hidden_size 64"),
     "tap of the last layer": ("dflash", lambda t, d: (edit_config(d, _set("target_layer_ids", [0, 3], True)), (t, d))[1],
                               "outside 0..2"),
     "negative tap": ("dflash", lambda t, d: (edit_config(d, _set("target_layer_ids", [-1, 2], True)), (t, d))[1],
