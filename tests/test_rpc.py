@@ -164,6 +164,45 @@ def test_not_an_rpc_server(reply, match, monkeypatch):
         lis.close()
 
 
+def test_a_server_that_never_accepts_fails_within_the_connect_timeout(monkeypatch):
+    """A host that takes no connection (a black-holed address; here a listener whose accept queue is full, so
+    the kernel drops the SYN as a firewall would) fails within the timeout, not after TCP's retries."""
+    monkeypatch.setattr(rpc, "CONNECT_TIMEOUT_S", 0.5)
+    lis = socket.socket()
+    lis.bind(("127.0.0.1", 0))
+    lis.listen(0)
+    ep = f"127.0.0.1:{lis.getsockname()[1]}"
+    held = []
+    try:
+        while True:        # fill the accept queue: the next connection is not answered
+            c = socket.socket()
+            c.settimeout(0.3)
+            held.append(c)
+            try:
+                c.connect(lis.getsockname())
+            except (socket.timeout, TimeoutError):
+                break
+            assert len(held) < 64, "the listener accepts every connection"
+        done: list = []
+
+        def load():
+            try:
+                Llama(str(DEMO / "target.gguf"), rpc_servers=[ep], **KW)
+            except Exception as e:
+                done.append(e)
+        t0 = time.monotonic()
+        worker = threading.Thread(target=load, daemon=True)
+        worker.start()
+        worker.join(10)
+        assert not worker.is_alive(), "the connection attempt is unbounded"
+        assert isinstance(done[0], RpcConnectError) and "no connection within 0.5 s" in str(done[0]), done
+        assert time.monotonic() - t0 < 3
+    finally:
+        lis.close()      # a connect still waiting is refused now
+        for c in held:
+            c.close()
+
+
 # ----------------------------------------------------------------------------- over two rpc-servers
 def _layer_devices(records) -> dict[int, str]:
     out = {}
