@@ -493,6 +493,26 @@ def test_disk_full_leaves_nothing(hf, tmp_path, monkeypatch, fake_converter):
     assert_nothing_written(old.dir, keep=set(before))
 
 
+def test_a_failed_final_rename_keeps_the_old_pair(hf, tmp_path, monkeypatch, fake_converter):
+    """--force swaps the new pair in by renames: when the last one (the new pair into place) fails, the old
+    pair is back where it was, byte for byte, and nothing else is left beside it."""
+    t, d = hf("dflash")
+    old = convert_pair(t, d, tmp_path / "pair")
+    before = {p.name: p.read_bytes() for p in old.dir.iterdir()}
+    rename = os.rename
+
+    def failing(src, dst, *a, **k):
+        if Path(src).name.startswith(".pair.partial-"):
+            raise OSError(errno.EIO, os.strerror(errno.EIO))
+        return rename(src, dst, *a, **k)
+    monkeypatch.setattr(os, "rename", failing)
+    with pytest.raises(OutputError, match="nothing was left behind"):
+        convert_pair(t, d, old.dir, force=True)
+    assert {p.name: p.read_bytes() for p in old.dir.iterdir()} == before
+    assert_nothing_written(old.dir, keep=set(before))
+    load_manifest(old.dir, verify=True)
+
+
 def test_space_precheck(hf, tmp_path, monkeypatch, fake_converter):
     t, d = hf("dflash")
     monkeypatch.setattr(shutil, "disk_usage", lambda p: shutil._ntuple_diskusage(1 << 30, 1 << 30, 1000))
