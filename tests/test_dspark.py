@@ -45,9 +45,9 @@ def _sigmoid(x):
     return 1.0 / (1.0 + np.exp(-x))
 
 
-def _reference_chain(pair, taps: np.ndarray, layers: list[int], anchor: int, n: int, sample_from_anchor: bool):
-    """The numpy reference (tests/reference_dflash.py, F16 KV cache modelled) with DeepSpec's Markov and
-    confidence heads on top: drafted ids, confidences and the base rows' own argmax."""
+def _reference_rows(pair, taps: np.ndarray, layers: list[int], anchor: int, n: int, sample_from_anchor: bool):
+    """The numpy reference (tests/reference_dflash.py, F16 KV cache modelled): the block's normed hidden
+    rows and logits before the Markov bias, the drafting rows' indices and the reference's weights."""
     from reference_dflash import DFlashReference, TargetHF, rms_norm
 
     ref = DFlashReference(pair.drafter_hf, kv_dtype=np.float16)
@@ -63,10 +63,16 @@ def _reference_chain(pair, taps: np.ndarray, layers: list[int], anchor: int, n: 
     for i in range(ref.cfg["num_hidden_layers"]):
         h = ref._layer(i, h, ctx, pos)
     hn = rms_norm(h, ref.w["norm.weight"], ref.eps)
-    base = hn @ tgt.lm_head.T
-    w1, w2 = ref.w["markov_head.markov_w1.weight"], ref.w["markov_head.markov_w2.weight"]
-    conf_w = ref.w.get("confidence_head.proj.weight")
     rows = range(0, n) if sample_from_anchor else range(1, n + 1)
+    return hn, hn @ tgt.lm_head.T, rows, ref.w
+
+
+def _reference_chain(pair, taps: np.ndarray, layers: list[int], anchor: int, n: int, sample_from_anchor: bool):
+    """The reference with DeepSpec's Markov and confidence heads on top: drafted ids, confidences and the
+    base rows' own argmax."""
+    hn, base, rows, w = _reference_rows(pair, taps, layers, anchor, n, sample_from_anchor)
+    w1, w2 = w["markov_head.markov_w1.weight"], w["markov_head.markov_w2.weight"]
+    conf_w = w.get("confidence_head.proj.weight")
     ids, conf, prev = [], [], anchor
     for r in rows:
         logits = base[r] + w2 @ w1[prev]
@@ -77,8 +83,9 @@ def _reference_chain(pair, taps: np.ndarray, layers: list[int], anchor: int, n: 
     return ids, conf, base[list(rows)].argmax(-1).tolist()
 
 
-def _llama_draft(pair, tokens: list[int], n: int):
-    """Prefill the target, inject its taps into the drafter, draft one block after ``tokens``."""
+def _llama_draft(pair, tokens: list[int], n: int, then=None):
+    """Prefill the target, inject its taps into the drafter, draft one block after ``tokens``; ``then(dc)``
+    (if given) runs on the drafter's context after the block, which is drafted by logits rows for it."""
     with Model(pair.target) as tm, Model(pair.drafter) as dm:
         opts = ContextOptions(n_ctx=128, n_threads=1, flash_attn=False)
         with Context(tm, opts) as tc, Context(dm, opts, other=tc) as dc:
@@ -93,6 +100,8 @@ def _llama_draft(pair, tokens: list[int], n: int):
             B.check(B.lib.llama_dflash_inject(dc.cptr, tc.cptr, 0, 0, 0, P), "inject")
             ids = np.zeros(n, np.int32)
             conf = np.full(n, -1.0, np.float32)
+            if then is not None:
+                B.check(B.lib.llama_dflash_set_draft_ids(dc.cptr, False), "drafting by logits")
             i32 = "int32_t[]"
             args = (dc.cptr, 1, B.ffi.from_buffer(i32, np.zeros(1, np.int32)), B.ffi.from_buffer(i32, np.array([P], np.int32)),
                     B.ffi.from_buffer(i32, np.array([tokens[P]], np.int32)), n, B.ffi.from_buffer("llama_token[]", ids))
@@ -104,6 +113,8 @@ def _llama_draft(pair, tokens: list[int], n: int):
                 got = B.check(B.lib.llama_dflash_draft_seqs(*args), "draft")
             assert got == n
             assert dc.pos_max(0) == P - 1, "the noise block left the drafter's cache"
+            if then is not None:
+                then(dc, ids.copy())
             return DrafterInfo.from_c(info), layers, taps.reshape(P, len(layers), -1), ids.tolist(), conf.tolist()
 
 
@@ -121,6 +132,49 @@ def test_drafts_follow_the_markov_chain_of_an_independent_reference(models, layo
     if info.has_confidence:
         np.testing.assert_allclose(conf, want_conf, atol=2e-3)
         assert all(0.0 < c < 1.0 for c in conf)
+
+
+class _SecondBest:
+    """A random generator whose draws pick, of each distribution, its second most likely outcome: every
+    drawn token leaves the head's argmax chain."""
+    def choice(self, k, p):
+        return int(np.argsort(p)[-2])
+
+
+@pytest.mark.parametrize("layout", ["anchor", "bonus"])
+def test_sampled_proposals_follow_the_markov_head_given_the_drawn_tokens(models, layout):
+    """At temperature > 0 a DSpark block is drawn through the Markov chain: row i's proposal q is the
+    softmax of the block row's logits plus the bias of the token actually drawn for row i - 1 (not the
+    argmax chain's), at the request's temperature, over the row's best candidates as the graph's chain
+    ranked them. Checked against the
+    independent reference along a chain that leaves the argmax at every row."""
+    from dflash_gguf.decoding.proposer import MarkovProposer
+
+    pair = dspark(models, layout=layout)
+    tokens = [1] + np.random.default_rng(5).integers(4, 500, 14).tolist()
+    n, temp, got = 5, 0.7, {}
+
+    def sample(dc, chain):
+        prop = MarkovProposer(pair.drafter, dc.model.n_vocab)
+        out = np.zeros(n, np.int32)
+        first = 0 if DrafterInfo.read(dc.model).sample_from_anchor else 1
+        got["n"], got["qs"] = prop.propose(dc, first, chain, tokens[-1], n, out, _SecondBest(), temp)
+        got["out"], got["chain"] = out.tolist(), chain.tolist()
+    info, layers, taps, ids, _ = _llama_draft(pair, tokens, n, then=sample)
+    assert got["n"] == n and got["out"] != got["chain"] and got["chain"] == ids
+    hn, base, rows, w = _reference_rows(pair, taps, layers, tokens[-1], n, info.sample_from_anchor)
+    w1, w2 = w["markov_head.markov_w1.weight"], w["markov_head.markov_w2.weight"]
+    prev, graph_prev = tokens[-1], tokens[-1]
+    for r, tok, chained, (q_ids, q) in zip(rows, got["out"], got["chain"], got["qs"]):
+        logits = base[r] + w2 @ w1[prev]
+        want = np.exp((logits[q_ids] - logits[q_ids].max()) / temp)
+        np.testing.assert_allclose(q, want / want.sum(), atol=2e-3)
+        # the candidates: the block row's best as the graph biased it (its own chain's previous token)
+        # (up to near-ties at the edge: the graph's rows are not the reference's to the last bit)
+        rank = np.argsort(base[r] + w2 @ w1[graph_prev])[::-1].tolist()
+        k = MarkovProposer.CANDIDATES
+        assert set(rank[:k - 4]) <= set(q_ids.tolist()) <= set(rank[:k + 4])
+        prev, graph_prev = tok, chained
 
 
 # ---------------------------------------------------------------- lossless, one sequence
@@ -203,8 +257,9 @@ def _sampling(pair):
 
 @pytest.mark.parametrize("layout", ["anchor", "bonus"])
 def test_sampling_keeps_the_target_distribution(models, layout):
-    """At temperature > 0 the drafted block (the Markov head's chain) is a deterministic proposal: kept with
-    probability p(token), else the residual is sampled. The samples follow the target's exact distribution."""
+    """At temperature > 0 the drafted block is drawn through the Markov head's chain, each token kept with
+    probability min(1, p/q), else the residual max(0, p - q) is sampled; an oracle's block is a
+    deterministic proposal (kept with p(token)). The samples follow the target's exact distribution."""
     with _sampling(dspark(models, layout=layout)) as (pc, tc, dc, prompt, exact):
         greedy = list(DFlashDecoder(pc, None).generate(prompt, K_TOKENS, stop_tokens=[]))
         # half the runs with the drafter's own blocks, half with an oracle's (accepted and rejected rows both)
@@ -217,8 +272,23 @@ def test_sampling_keeps_the_target_distribution(models, layout):
             d = dec if seed % 2 else oracle
             counts[tuple(d.generate(prompt, K_TOKENS, sampling=sp, stats=st, stop_tokens=[]))] += 1
         assert st.drafted > 0 and 0 < st.accepted < st.drafted
+        assert dec.markov is not None and oracle.markov is not None
         p = chi2_pvalue(counts, exact)
         assert p > ALPHA, f"DSpark samples do not follow the target distribution (p={p:.2e})"
+
+
+def test_sampled_and_greedy_sequences_in_one_batch(models):
+    """In a batch, the sampled sequences' blocks are drawn through the Markov chain (the drafter gives that
+    step's logits rows) while the greedy ones beside them keep the graph's chain: the samples follow the
+    target's exact distribution, the greedy requests give what they give alone."""
+    from test_batch import BatchRig, _sampled_beside_greedy
+
+    rig = BatchRig(dspark(models), 4)
+    try:
+        assert rig.dec.markov is not None
+        _sampled_beside_greedy(rig, 1200, 20)
+    finally:
+        rig.close()
 
 
 # ---------------------------------------------------------------- the front doors
@@ -280,7 +350,7 @@ def test_llama_batch_cli_and_server_serve_a_dspark_drafter(models, tmp_path):
 def test_each_published_form_converted_runs_losslessly(models, tmp_path, form, kind, anchor):
     """What ``python -m dflash_gguf.convert`` makes of each published form (tests/test_convert_dspark.py)
     drafts in its own layout - DeepSpec's DFlash drafters (no Markov head) anchor-first too - and gives
-    plain decoding's tokens."""
+    plain decoding's tokens; a seeded sampled request, drawn through the Markov chain, repeats itself."""
     import tiny
     from test_convert_dspark import FORMS, RANK, deepspec
 
@@ -297,6 +367,10 @@ def test_each_published_form_converted_runs_losslessly(models, tmp_path, form, k
         assert (info.kind, info.sample_from_anchor) == (kind, anchor)
         assert rig.dec.n_draft == info.draft_max == (8 if anchor else 7)
         _equals_plain(rig, 30)
+        if kind == "dspark":    # sampled: drawn through the Markov chain (a reduced head: its d2t rows)
+            sp, prompt = SamplingParams(temperature=0.8, seed=7), rig.tm.tokenize(PROMPTS[0])
+            first, st = rig.run(rig.dec, prompt, 30, sampling=sp)
+            assert st.drafted > 0 and rig.run(rig.dec, prompt, 30, sampling=sp)[0] == first
     finally:
         rig.close()
 

@@ -1,9 +1,12 @@
-"""Acceptance at temperature > 0: DFlash2 lattice proposals (q = the selector's distribution) vs
-one-hot proposals (the greedy walk, q = 1 on the drafted token).
+"""Acceptance at temperature > 0: proposals drawn from the drafter's own distribution (DFlash2: its
+selector's lattice; DSpark: its Markov chain) vs one-hot proposals (the greedy walk, q = 1 on the
+drafted token).
 
 ``python -m dflash_gguf.bench.sampling [--target T.gguf] [--drafter D.gguf] [--temperatures 0.7,1.0]``
 
-Without paths it uses the shipped demo target and its DFlash2 drafter (``data/demo-dflash2``). For
+Without paths it uses the shipped demo target and its DFlash2 drafter (``data/demo-dflash2``;
+``--drafter dflash_gguf/data/demo-dspark/drafter.gguf`` for the DSpark one; the modes keep their
+names, ``lattice`` being the drafter's own distribution). For
 each temperature, each prompt and each seed it generates four ways on the same contexts: plain
 decoding, DFlash with fixed drafting and one-hot proposals (``SpecOptions(sample_lattice=False)``),
 DFlash with fixed drafting and lattice proposals (these three with the seed), and lattice proposals
@@ -49,8 +52,9 @@ def measure(target: str, drafter: str, prompts: list[str], temperatures: list[fl
                     "one-hot": DFlashDecoder(tc, dc, SpecOptions(sample_lattice=False)),
                     "lattice": DFlashDecoder(tc, dc, SpecOptions(sample_lattice=True)),
                     GATED: DFlashDecoder(tc, dc, SpecOptions(sample_lattice=True, adaptive=True))}
-            if decs["lattice"].lattice is None:
-                raise SystemExit(f"{drafter} is not a DFlash2 drafter with a selector: nothing to compare")
+            if decs["lattice"].lattice is None and decs["lattice"].markov is None:
+                raise SystemExit(f"{drafter} is neither a DFlash2 drafter with a selector nor a DSpark drafter: "
+                                 "nothing to compare")
             for p in toks[:1]:                       # warm-up (first-call allocations)
                 for dec in decs.values():
                     dec.reset()

@@ -48,7 +48,7 @@ from dflash_gguf.decoding.acceptance import cut_at_stop, greedy_accept, sampled_
 from dflash_gguf.decoding.confidence import Calibration, allocate, rows_cost
 from dflash_gguf.decoding.features import FeatureFeed
 from dflash_gguf.decoding.prompts import TAP_ROWS, Prompts
-from dflash_gguf.decoding.proposer import DrafterProposer, LatticeProposer, Proposer
+from dflash_gguf.decoding.proposer import DrafterProposer, LatticeProposer, MarkovProposer, Proposer
 from dflash_gguf.decoding.rollback import make_rollback
 from dflash_gguf.decoding.scheduling import Scheduling, common_prefix_len
 from dflash_gguf.decoding.sequence import NO_HEAD, Slot, Step
@@ -64,7 +64,9 @@ class SpecOptions:
     rollback: str = "auto"       # auto | seq_rm | snapshot | checkpoint
     adaptive: bool = False       # speed gate: draft per step as many tokens as pays (gate.DraftLength)
     calibrate: bool = True       # ... starting from this machine's measured step costs (decoding.calibration)
-    sample_lattice: bool = True  # DFlash2 at temperature > 0: draft from the selector's top-k distribution
+    # at temperature > 0, draw from the drafter's own distribution (DFlash2: its selector's top-k lattice;
+    # DSpark: its Markov chain) rather than propose its argmax tokens
+    sample_lattice: bool = True
 
 
 class DFlashDecoder(Prompts, Scheduling):
@@ -123,6 +125,9 @@ class DFlashDecoder(Prompts, Scheduling):
         self.lattice: LatticeProposer | None = None
         if self.info is not None and self.info.kind == "dflash2" and self.opts.sample_lattice and self.info.selector_top_k:
             self.lattice = LatticeProposer(self.info.selector_top_k, self.n_draft)
+        self.markov: MarkovProposer | None = None
+        if self.info is not None and self.info.kind == "dspark" and self.opts.sample_lattice:
+            self.markov = MarkovProposer(drafter.model.path, target.model.n_vocab)
         self.seqs = [Slot(slot, make_rollback(target, self.n_draft, self.opts.rollback, seq=slot),
                           FeatureFeed(target, drafter, self.info, seq=slot) if drafter is not None else None)
                      for slot in range(self.n_seq)]
@@ -260,8 +265,27 @@ class DFlashDecoder(Prompts, Scheduling):
             pending = np.array([seqs[i].pending for i in batch], dtype=np.int32)
             out = np.zeros((len(batch), n_block), dtype=np.int32)
             conf = np.zeros((len(batch), n_block), dtype=np.float32) if self.confidence is not None else None
-            got = self.proposer.propose(self.drafter, slots, pos, pending, n_block, out,
-                                        lambda j: seqs[batch[j]].cache, conf=conf)
+            # a DSpark chain drawn at temperature > 0 reads the block's logits rows, which the drafter
+            # gives instead of argmax ids for this call
+            markov = any(seqs[i].markov for i in batch)
+            if markov:
+                B.check(B.lib.llama_dflash_set_draft_ids(self.drafter.cptr, False), "drafting by logits")
+            try:
+                got = self.proposer.propose(self.drafter, slots, pos, pending, n_block, out,
+                                            lambda j: seqs[batch[j]].cache, conf=conf)
+                if markov:
+                    rows = n_block + (0 if self.info.sample_from_anchor else 1)   # each block's rows
+                    first = rows - n_block                                      # its first drafted token's
+                    for j, i in enumerate(batch):
+                        s = seqs[i]
+                        if s.markov:
+                            got_i, qs[i] = self.markov.propose(
+                                self.drafter, j * rows + first, out[j, :got].copy(), s.pending, min(ns[i], got), out[j],
+                                s.chooser.rng, s.chooser.sp.temperature, s.chooser.constraints)
+                            ns[i] = got_i
+            finally:
+                if markov:
+                    B.check(B.lib.llama_dflash_set_draft_ids(self.drafter.cptr, True), "drafting by ids")
             for j, i in enumerate(batch):
                 ns[i] = min(ns[i], got)
                 self._draft[seqs[i].slot, :ns[i]] = out[j, :ns[i]]
@@ -431,6 +455,8 @@ class DFlashDecoder(Prompts, Scheduling):
             s.gate = self.gate if sp.greedy else (None if sp.is_repeatable else self.gate_sampled)
         # DFlash2, sampled: propose from the selector's distribution (the drafter's own proposer only)
         s.lattice = self.lattice is not None and not sp.greedy and type(self.proposer) is DrafterProposer
+        # DSpark, sampled: proposals drawn through its Markov chain (the drafter's own proposer only)
+        s.markov = self.markov is not None and not sp.greedy and type(self.proposer) is DrafterProposer
         s.done = False
         stats.n_prompt = len(prompt)
         n_keep = self.keep_prefix(common_prefix_len(s.cache, prompt[:len(prompt) - 1]), s.slot)

@@ -103,3 +103,84 @@ class LatticeProposer:
             uniq, inv = np.unique(ids, return_inverse=True)      # a token listed twice: its q is the sum
             qs.append((uniq, np.bincount(inv, weights=q, minlength=len(uniq))))
         return got, qs
+
+
+class MarkovProposer:
+    """DSpark at temperature > 0: drafted tokens drawn through the Markov head's chain.
+
+    The drafter's graph adds to block row i's logits the bias ``scale * markov_w2 @ markov_w1[prev]``, where
+    ``prev`` is the token drafted for row i - 1 (row 0: the anchor) along the graph's own argmax chain; the
+    rest of the row does not depend on ``prev``. So once a drawn token leaves that chain, the row's logits
+    given what was drawn are exactly ``logits_i - bias(argmax prev) + bias(drawn prev)``. Each row's proposal
+    q is the softmax of those logits at the request's temperature over the row's ``CANDIDATES`` best ids
+    (any q is lossless as long as the acceptance rule gets the q the token was drawn from; the cut keeps
+    the bias to a few rows of ``markov_w2``). The weights are read from the drafter's GGUF, a row at a time,
+    on the first sampled request.
+    """
+
+    CANDIDATES = 64
+
+    def __init__(self, path, n_vocab: int):
+        self.path, self.n_vocab = path, n_vocab
+        self._w = None
+
+    def _weights(self):
+        if self._w is None:
+            from gguf import GGUFReader
+            from gguf.quants import dequantize
+            t = {x.name: x for x in GGUFReader(self.path).tensors}
+
+            def rows(name):
+                x = t[name]
+                return lambda ids: np.asarray(dequantize(x.data[ids], x.tensor_type), dtype=np.float64)
+            scale = float(np.asarray(t["markov_w2.scale"].data, dtype=np.float64).reshape(-1)[0]) \
+                if "markov_w2.scale" in t else 1.0
+            t2d = None
+            if "d2t" in t:      # a reduced draft head: its row j scores target token d2t[j]
+                d2t = np.asarray(t["d2t"].data, dtype=np.int64).reshape(-1)
+                t2d = np.full(self.n_vocab, -1, dtype=np.int64)
+                t2d[d2t] = np.arange(len(d2t))
+            self._w = (rows("markov_w1.weight"), rows("markov_w2.weight"), scale, t2d)
+        return self._w
+
+    def bias(self, prev: int, ids: np.ndarray) -> np.ndarray:
+        """The Markov head's bias on target tokens ``ids`` after ``prev``."""
+        w1, w2, scale, t2d = self._weights()
+        if t2d is None:
+            return scale * (w2(ids) @ w1(np.array([prev]))[0])
+        out = np.zeros(len(ids))
+        j = t2d[ids]
+        has = j >= 0
+        if has.any():
+            out[has] = scale * (w2(j[has]) @ w1(np.array([prev]))[0])
+        return out
+
+    def propose(self, drafter: Context, row0: int, chain: np.ndarray, anchor: int, n: int, out: np.ndarray,
+                rng: np.random.Generator, temperature: float,
+                limits=None) -> tuple[int, list[tuple[np.ndarray, np.ndarray]]]:
+        """Draw ``n`` tokens into ``out`` from the drafter's logits rows ``row0 .. row0 + n - 1`` of its last
+        decode (``chain``: their argmax ids, the graph's own chain after ``anchor``). ``limits``: the request's
+        :class:`~dflash_gguf.constraints.Constraints`; with a grammar each row draws only among the
+        candidates it allows after the tokens drawn before (the block ends at a row where it allows none).
+        Returns how many were drawn and each one's (ids, q)."""
+        t = temperature if temperature > 0 else 1.0
+        grammar = limits is not None and limits.grammar is not None
+        qs, drawn_prev, graph_prev = [], int(anchor), int(anchor)
+        for i in range(n):
+            row = drafter.logits_row(row0 + i)
+            k = min(self.CANDIDATES, len(row))
+            ids = np.argpartition(row, -k)[-k:]
+            lg = row[ids].astype(np.float64)
+            if drawn_prev != graph_prev:
+                lg += self.bias(drawn_prev, ids) - self.bias(graph_prev, ids)
+            q = np.exp((lg - lg.max()) / t)
+            if grammar:
+                q = q * limits.allowed(out[:i].tolist())(ids.astype(np.int32))
+            if not np.isfinite(q).all() or q.sum() <= 0:
+                return i, qs
+            q /= q.sum()
+            tok = int(ids[rng.choice(k, p=q)])
+            out[i] = tok
+            qs.append((ids.astype(np.int64), q))
+            drawn_prev, graph_prev = tok, int(chain[i])
+        return n, qs

@@ -73,6 +73,7 @@ class Slot:
     n_draft: int = 0                  # most tokens this request drafts per step (0: plain)
     gate: DraftLength | None = None   # its speed gate alone (None: fixed length)
     lattice: bool = False             # DFlash2, sampled: proposals drawn from the selector's lattice
+    markov: bool = False              # DSpark, sampled: proposals drawn through the Markov head's chain
     stats: GenerationStats = field(default_factory=GenerationStats)
     consumer: Callable[[list[int]], int | None] | None = None
     prompt: list[int] = field(default_factory=list)
