@@ -1,8 +1,9 @@
 """Run inside the emulated aarch64 CPython by tests/test_arm64.py: our DFlash loop on a GGUF pair.
 
-Prints one JSON object: the DFlash tokens, the plain tokens from the same loop (``--plain``), the
-acceptance statistics, the machine as the guest sees it, and ggml's own log lines about KleidiAI
-kernel selection and weight buffers (captured through :func:`dflash_gguf.logs.set_log_handler`).
+Prints one JSON object: the DFlash tokens, the plain tokens from the same loop (``--plain``), two
+sampled runs with one seed (``--sample-seed``), the acceptance statistics, the machine as the guest
+sees it, and ggml's own log lines about KleidiAI kernel selection and weight buffers (captured
+through :func:`dflash_gguf.logs.set_log_handler`).
 """
 from __future__ import annotations
 
@@ -38,6 +39,8 @@ def main(argv=None) -> int:
     ap.add_argument("--n-ctx", type=int, default=256)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--plain", action="store_true", help="also decode plainly with the same loop")
+    ap.add_argument("--sample-seed", type=int, default=None,
+                    help="also sample twice with this seed (temperature 0.8, top-k 20), each from a fresh state")
     a = ap.parse_args(argv)
 
     grab = _Grab()
@@ -50,6 +53,7 @@ def main(argv=None) -> int:
     set_log_handler(logger)
     from dflash_gguf.engine import Context, ContextOptions, Model
     from dflash_gguf.decoding import DFlashDecoder, GenerationStats, SpecOptions
+    from dflash_gguf.sampling import SamplingParams
     t_import = time.perf_counter() - t0
 
     tm, dm = Model(a.target), Model(a.drafter)
@@ -65,7 +69,14 @@ def main(argv=None) -> int:
     if a.plain:
         dec.reset()
         plain = list(dec.generate(prompt, a.n, use_draft=False))
+    sampled = []
+    if a.sample_seed is not None:
+        sp = SamplingParams(temperature=0.8, top_k=20, seed=a.sample_seed)
+        for _ in range(2):
+            dec.reset()
+            sampled.append(list(dec.generate(prompt, a.n, sampling=sp)))
     out = {"machine": platform.machine(), "python": sys.version.split()[0], "dflash": dflash, "plain": plain,
+           "sampled": sampled,
            "text": tm.detokenize(dflash).decode("utf-8", "replace"), "tau": st.tau, "steps": st.steps,
            "seconds": {"import": round(t_import, 2), "dflash": round(t_dflash, 2)}, "log": grab.lines}
     dc.close(), tc.close(), dm.close(), tm.close()

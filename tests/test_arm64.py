@@ -7,8 +7,9 @@ Under qemu-user (``-cpu max``: NEON, SVE, dotprod, i8mm and SME, but not SME2):
 * the project's own Python loop (engine + spec over cffi) runs in an emulated aarch64 CPython with
   the cross-built wheel installed by pip, plain == DFlash == the x86 engine on the demo pair;
 * the KleidiAI build (``--platform kleidiai``) selects KleidiAI's SME kernels (Q8_0) and its
-  dotprod/i8mm kernels (Q4_0; Q8_0 with SME off), shown by ggml's own log, with the x86 tokens.
-  KleidiAI's SME2-only kernels cannot run under qemu 7.2 and stay untested.
+  dotprod/i8mm kernels (Q4_0; Q8_0 with SME off), shown by ggml's own log and by breakpoints on the
+  kernels that run, with the x86 tokens. KleidiAI's SME2-only kernels cannot run under qemu 7.2:
+  tests/test_sme2.py runs them under a newer qemu-user.
 """
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ import json
 import os
 import re
 import shutil
+import socket
 import subprocess
 import zipfile
 from pathlib import Path
@@ -98,10 +100,10 @@ def _guest(variant: str):
 
 
 def run_guest(variant: str, target: Path, drafter: Path, *, plain: bool = False, env: dict | None = None,
-              n: int = N_GUEST) -> dict:
+              n: int = N_GUEST, threads: int = 2) -> dict:
     _, cmd, genv = _guest(variant)
     args = [*cmd, str(GUEST_SCRIPT), "--target", str(target), "--drafter", str(drafter), "--prompt", DEMO_PROMPT,
-            "-n", str(n)] + (["--plain"] if plain else [])
+            "-n", str(n), "--threads", str(threads)] + (["--plain"] if plain else [])
     r = subprocess.run(args, capture_output=True, text=True, timeout=900, env={**genv, **(env or {})})
     assert r.returncode == 0, r.stderr[-3000:]
     return json.loads(r.stdout.strip().splitlines()[-1])
@@ -134,6 +136,49 @@ def demo_quantized():
                 os.replace(d / (src.name + ".part"), d / src.name)
         out[q] = (d / "target.gguf", d / "drafter.gguf")
     return out
+
+
+GDB = shutil.which("gdb-multiarch")
+ROWS_SCRIPT = Path(__file__).with_name("arm_rows.py")
+
+
+def trace_kernels(cmd: list[str], env: dict, target: Path, rows: str = "1,2,16") -> tuple[dict[int, set[str]], list[str]]:
+    """Run tests/arm_rows.py on ``target`` in the emulated Python (``cmd``, ``env``: build_cross.guest_python)
+    under qemu's gdb stub, a breakpoint (dprintf) on every kai_run_matmul_* entry point of the guest's
+    libggml-cpu printing the kernel's name and its row count m. Returns ({rows of the decoded batch:
+    KleidiAI matmul kernels that ran with m == rows}, ggml's KleidiAI log lines)."""
+    if GDB is None:
+        pytest.skip("no gdb-multiarch (apt-get install gdb-multiarch): it shows which KleidiAI kernels run")
+    site = Path(env["PYTHONPATH"].split(os.pathsep)[0]) / "llama_cpp" / "lib"
+    lib = next(site.glob("libggml-cpu.so*"))
+    nm = shutil.which("aarch64-linux-gnu-nm") or shutil.which("nm")
+    syms = subprocess.run([nm, "-D", "--defined-only", str(lib)], capture_output=True, text=True, check=True).stdout
+    kernels = sorted({ln.split()[-1] for ln in syms.splitlines() if " kai_run_matmul_" in ln})
+    assert kernels, f"no KleidiAI kernels exported by {lib}"
+    with socket.socket() as s:      # a free port for qemu's gdb stub
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    root = cmd[cmd.index("-L") + 1]
+    guest = subprocess.Popen([cmd[0], "-g", str(port), *cmd[1:], str(ROWS_SCRIPT), "--target", str(target),
+                              "--threads", "1", "--rows", rows],
+                             env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    g = [GDB, "-batch", "-nx", "-ex", "set pagination off", "-ex", f"set sysroot {root}",
+         "-ex", f"set solib-search-path {site}", "-ex", "set breakpoint pending on",
+         "-ex", f"file {cmd[-1]}", "-ex", f"target remote 127.0.0.1:{port}"]
+    for k in kernels:
+        g += ["-ex", f'dprintf {k},"KAI {k} %lu\\n", $x0']
+    try:
+        trace = subprocess.run(g + ["-ex", "continue"], capture_output=True, text=True, timeout=600).stdout
+        out, err = guest.communicate(timeout=60)
+    finally:
+        guest.kill()
+    assert guest.returncode == 0, err[-3000:]
+    seen: dict[int, set[str]] = {}
+    for ln in trace.splitlines():
+        if ln.startswith("KAI "):
+            _, name, m = ln.split()
+            seen.setdefault(int(m), set()).add(name.removeprefix("kai_run_matmul_clamp_f32_"))
+    return seen, json.loads(out.strip().splitlines()[-1])["log"]
 
 
 def _any_variant() -> str:
@@ -170,9 +215,11 @@ def test_python_loop_under_qemu_matches_x86_on_the_demo_pair():
 def test_kleidiai_kernels_under_qemu_match_x86(demo_quantized, qtype, expect):
     """KleidiAI build, qemu -cpu max (SME, SVE, i8mm, dotprod; no SME2): ggml selects KleidiAI
     kernels and puts the weights in CPU_KLEIDIAI buffers, and greedy DFlash gives the x86 tokens.
-    Cannot pass with KleidiAI off: ggml only logs these lines when it is compiled in."""
+    Cannot pass with KleidiAI off: ggml only logs these lines when it is compiled in. One thread:
+    ggml's SME thread cap is 1 here (qemu does not say how many SME units there are), and with more
+    threads than that, batches under 128 rows run the non-SME fallback kernels."""
     target, drafter = demo_quantized[qtype]
-    got = run_guest(KAI, target, drafter, plain=True)
+    got = run_guest(KAI, target, drafter, plain=True, threads=1)
     log = "\n".join(got["log"])
     print(f"{qtype} under qemu: tau {got['tau']:.2f}, {got['seconds']}\n{log}")
     assert expect in log, log
@@ -180,6 +227,19 @@ def test_kleidiai_kernels_under_qemu_match_x86(demo_quantized, qtype, expect):
     assert got["dflash"] == got["plain"]
     assert got["dflash"] == x86_tokens(target, drafter)
     assert got["tau"] > 1.5, f"the quantized demo drafter should still be accepted often (tau {got['tau']})"
+
+
+def test_sme1_kernels_run_for_decode_and_verify_rows_under_qemu_7_2(demo_quantized):
+    """Q8_0 on one thread: one-row decodes run KleidiAI's SME GEMV (sme_dot), verify batches of 2-16
+    rows its SME GEMM (sme_mopa), seen by breakpoints on KleidiAI's own entry points."""
+    _, cmd, env = _guest(KAI)
+    if (build_cross.qemu_version(cmd[0]) or (0, 0)) >= build_cross.QEMU_SME2_MIN:
+        pytest.skip(f"{cmd[0]} emulates SME2: the SME1-only kernels need a qemu-user before 10.1 (Debian 12's 7.2)")
+    seen, log = trace_kernels(cmd, env, demo_quantized["q8_0"][0])
+    print(f"q8_0 under {cmd[0]}: {seen}")
+    assert "kleidiai: primary q8 kernel feature SME\n" in "\n".join(log) + "\n", log
+    assert seen == {1: {"qai8dxp1x4_qsi8cxp4vlx4_1x4vl_sme_dot"}, 2: {"qai8dxp1vlx4_qsi8cxp4vlx4_1vlx4vl_sme_mopa"},
+                    16: {"qai8dxp1vlx4_qsi8cxp4vlx4_1vlx4vl_sme_mopa"}}, seen
 
 
 def test_kleidiai_sme_off_falls_back_to_neon_kernels(demo_quantized):
