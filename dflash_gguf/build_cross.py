@@ -60,7 +60,9 @@ GCC_KLEIDIAI_CFLAGS = "-fno-tree-vectorize"
 QEMU_NAMES = ("qemu-aarch64-static", "qemu-aarch64")
 # wheels of the guest Python: manylinux tags a Debian bookworm (glibc 2.36) arm64 system accepts
 GUEST_PLATFORMS = ["linux_aarch64", "manylinux2014_aarch64"] + [f"manylinux_2_{v}_aarch64" for v in range(17, 37)]
-GUEST_EXTRA = ("cffi>=1.16",)
+# cffi for the engine's bindings; gguf for the DSpark drafter's sampled proposals (it reads the drafter's
+# Markov weights from its GGUF)
+GUEST_EXTRA = ("cffi>=1.16", "gguf>=0.10")
 # arm64 packages the emulated Python never needs (host tools, perl, data)
 _SKIP_PKGS = re.compile(r"^(dpkg|tar|install-info|perl.*|libperl.*|debconf.*|tzdata|media-types|mime-support|"
                         r"mailcap|readline-common|libtirpc-common|libgdbm-compat4)$")
@@ -408,8 +410,8 @@ def sysroot(arch: str = "arm64") -> Path:
 
 
 def guest_site(wheel: Path, pyver: str) -> Path:
-    """A folder holding the aarch64 wheel installed with its dependencies + cffi (cached by wheel hash)."""
-    tag = hashlib.sha256(wheel.read_bytes()).hexdigest()[:16]
+    """A folder holding the aarch64 wheel installed with its dependencies + GUEST_EXTRA (cached by both)."""
+    tag = hashlib.sha256(wheel.read_bytes() + repr(GUEST_EXTRA).encode()).hexdigest()[:16]
     site = paths.cache_dir() / "cross" / f"site-py{pyver}-{tag}"
     if (site / ".complete").exists():
         return site
