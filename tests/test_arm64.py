@@ -210,7 +210,14 @@ def test_python_loop_under_qemu_matches_x86_on_the_demo_pair():
     assert got["tau"] > 1.5, f"the demo drafter should be accepted often (tau {got['tau']})"
 
 
-@pytest.mark.parametrize("qtype,expect", [("q8_0", "primary q8 kernel feature SME"),
+# run on one thread (below), KleidiAI's SME kernels for Q8_0 (sme_dot / sme_mopa, traced) give other
+# tokens than the x86 engine under qemu 7.2 from the second token on, and DFlash's drafts are never
+# accepted; the same weights on the SME2 kernels under QEMU 11.1 give the x86 tokens (test_sme2.py).
+# Whether 7.2's SME emulation or the SME1 kernels are wrong is not told apart here.
+SME1_Q8_WRONG = pytest.mark.xfail(strict=True, reason="KleidiAI's SME1 Q8_0 kernels under qemu 7.2 give other tokens")
+
+
+@pytest.mark.parametrize("qtype,expect", [pytest.param("q8_0", "primary q8 kernel feature SME", marks=SME1_Q8_WRONG),
                                           ("q4_0", "primary q4 kernel feature I8MM")])
 def test_kleidiai_kernels_under_qemu_match_x86(demo_quantized, qtype, expect):
     """KleidiAI build, qemu -cpu max (SME, SVE, i8mm, dotprod; no SME2): ggml selects KleidiAI
