@@ -245,6 +245,43 @@ def choose_drafter(files: list[str], target: str | None = None) -> Sidecar | Non
     return Sidecar(best, kind, quant, "; ".join(why))
 
 
+# upstream's `-hf USER/MODEL[:QUANT]` (common/arg.cpp, common/download.cpp): the quantization tag is
+# case-insensitive and defaults to Q4_K_M; with no tag given and no Q4_K_M file, the first model GGUF
+DEFAULT_QUANT = "Q4_K_M"
+
+
+def split_hf_spec(spec: str) -> tuple[str, str | None]:
+    """``("org/Model-GGUF", "Q8_0")`` for ``org/Model-GGUF:Q8_0`` (no tag: None)."""
+    repo, _, quant = spec.partition(":")
+    if not looks_like_repo_id(repo):
+        raise ValueError(f"{spec!r} is not USER/MODEL[:QUANT] (a Hugging Face repository, e.g. ggml-org/Qwen3-8B-GGUF:Q8_0)")
+    return repo, quant or None
+
+
+def choose_model(files: list[str], quant: str | None) -> str:
+    """The model GGUF of a repository's ``files`` for a ``-hf`` tag (sidecars, projectors and the later
+    shards of a split GGUF are never taken). Raises :class:`HubFileNotFound` naming the tags there are."""
+    models = sorted(f for f in files if f.endswith(".gguf") and not is_sidecar_name(f)
+                    and (_SHARD.match(f.rsplit("/", 1)[-1]) is None or split_shards(f)))
+    want = (quant or DEFAULT_QUANT).upper()
+    hits = [f for f in models if quant_tag(f) == want]
+    if hits:
+        return hits[0]
+    if quant is None and models:
+        return models[0]
+    tags = sorted({quant_tag(f) or f for f in models})
+    raise HubFileNotFound(f"no {want} model GGUF" + (f"; there are: {', '.join(tags)}" if tags else " (no model GGUF at all)"))
+
+
+def model_for_tag(repo_id: str, quant: str | None, *, revision: str | None = None, **kw) -> str:
+    """:func:`choose_model` over ``repo_id``'s files (the Hub's list online, the cache offline), as a
+    file name to fetch."""
+    try:
+        return glob.escape(choose_model(repo_files(repo_id, revision=revision, **kw), quant))
+    except HubFileNotFound as e:
+        raise HubFileNotFound(f"{repo_id}: {e}") from None
+
+
 def _listing(repo_id: str, revision: str | None) -> list[str] | None:
     """The Hub's list of ``repo_id``'s files, or None where it cannot be had (the cache answers then)."""
     try:

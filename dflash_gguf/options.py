@@ -60,6 +60,22 @@ FLAGS: dict[str, tuple[tuple[str, ...], dict]] = {
                      dict(dest="tensor_split", metavar="N0,N1,...", default=None,
                           help="fraction of the offloaded layers per device, in order (with --rpc: per rpc-server "
                                "device), e.g. 3,1")),
+    "hf_repo": (("-hf", "-hfr", "--hf-repo"),
+                dict(dest="hf_repo", metavar="USER/MODEL[:QUANT]", default=None,
+                     help="the target from a Hugging Face repository, as llama.cpp's -hf: QUANT picks the GGUF by its "
+                          "tag (default Q4_K_M, else the first); the drafter published beside it (dspark-*, "
+                          "dflash-*) comes with it unless -hfd, -md or --no-draft says otherwise (needs the hub extra)")),
+    "hf_file": (("-hff", "--hf-file"), dict(dest="hf_file", metavar="FILE", default=None,
+                                           help="with -hf: this file (a name or glob) instead of the QUANT tag")),
+    "hf_repo_draft": (("-hfd", "-hfrd", "--hf-repo-draft"),
+                      dict(dest="hf_repo_draft", metavar="USER/MODEL[:QUANT]", default=None,
+                           help="the drafter from its own repository (QUANT: its tag; default: DSpark before DFlash, "
+                                "Q8_0 before BF16/F16)")),
+    "hf_file_draft": (("-hffd", "--hf-file-draft"), dict(dest="hf_file_draft", metavar="FILE", default=None,
+                                                        help="the drafter file (a name or glob) of -hfd's "
+                                                             "repository, or of -hf's")),
+    "no_draft": (("--no-draft",), dict(dest="no_draft", action="store_true",
+                                       help="with -hf: no drafter (plain decoding), even where one is published")),
     "n_predict": (("-n", "--n-predict", "--predict", "--max-tokens"),
                   dict(dest="max_tokens", type=int, metavar="N",
                        help="tokens to generate at most (default %(default)s; generate and chat: 0 means until EOS "
@@ -84,7 +100,7 @@ def add_model_args(ap: argparse.ArgumentParser) -> None:
     """The model-selection and context options shared by generate, chat and serve."""
     g = ap.add_argument_group("model")
     g.add_argument("--pair", metavar="DIR", help="converted pair directory (pair.json, target*.gguf, drafter*.gguf)")
-    for name in ("model", "draft", "ctx_size", "gpu_layers", "gpu_layers_draft", "threads", "flash_attn", "draft_max",
+    for name in ("model", "draft", "hf_repo", "hf_file", "hf_repo_draft", "hf_file_draft", "no_draft", "ctx_size", "gpu_layers", "gpu_layers_draft", "threads", "flash_attn", "draft_max",
                  "draft_adaptive", "draft_window", "low_memory", "rollback_memory", "rpc", "rpc_draft", "tensor_split"):
         add_flag(g, name)
     g.add_argument("--no-dflash", action="store_true", help="load the drafter but decode plainly (for comparison)")
@@ -117,6 +133,10 @@ def load_llama(args: argparse.Namespace):
     """A :class:`dflash_gguf.Llama` from parsed :func:`add_model_args` options."""
     from dflash_gguf.api import Llama, pair_files
 
+    if getattr(args, "hf_repo", None):
+        return _load_hub(args)
+    if getattr(args, "hf_repo_draft", None) or getattr(args, "hf_file", None) or getattr(args, "hf_file_draft", None):
+        raise SystemExit(f"{PROG}: -hfd, -hff and -hffd go with -hf (the target's repository)")
     if args.pair:
         if args.model or args.draft:
             raise SystemExit(f"{PROG}: use either --pair or --model/--draft, not both")
@@ -124,7 +144,40 @@ def load_llama(args: argparse.Namespace):
     elif args.model:
         target, draft = args.model, args.draft
     else:
-        raise SystemExit(f"{PROG}: no model: pass --pair DIR, or --model TARGET.gguf [--draft DRAFTER.gguf]")
+        raise SystemExit(f"{PROG}: no model: pass --pair DIR, --model TARGET.gguf [--draft DRAFTER.gguf] or "
+                         "-hf USER/MODEL[:QUANT]")
+    return Llama(str(target), draft_model_path=str(draft) if draft else None, **llama_kwargs(args, target))
+
+
+def _load_hub(args: argparse.Namespace):
+    """-hf and its companions: the target (and its drafter) fetched as ``Llama.from_pretrained`` fetches
+    them, so the drafter found beside the target is the same one Python users get."""
+    from dflash_gguf.api import Llama
+    from dflash_gguf.hub import HubFileNotFound, fetch_model, model_for_tag, split_hf_spec
+
+    if args.pair or args.model:
+        raise SystemExit(f"{PROG}: use either -hf or --pair/--model, not both")
+    try:
+        repo, quant = split_hf_spec(args.hf_repo)
+        filename = args.hf_file or model_for_tag(repo, quant)
+        draft = dict(draft_filename=False) if args.no_draft else {}
+        if args.hf_repo_draft:
+            d_repo, d_quant = split_hf_spec(args.hf_repo_draft)
+            draft = dict(draft_repo_id=d_repo, draft_filename=args.hf_file_draft
+                         or (model_for_tag(d_repo, d_quant) if d_quant else None))
+        elif args.hf_file_draft:
+            draft = dict(draft_filename=args.hf_file_draft)
+        root, rel = fetch_model(repo, filename)
+        kw = llama_kwargs(args, root / rel)
+        if args.draft:       # a local drafter beside the fetched target
+            return Llama(str(root / rel), draft_model_path=str(args.draft), **kw)
+        return Llama.from_pretrained(repo, filename, **draft, **kw)
+    except (ValueError, HubFileNotFound) as e:
+        raise SystemExit(f"{PROG}: {e}") from None
+
+
+def llama_kwargs(args: argparse.Namespace, target) -> dict:
+    """The :class:`dflash_gguf.Llama` keyword arguments of parsed :func:`add_model_args` options."""
     kw = dict(n_ctx=resolve_n_ctx(args.n_ctx, target), n_gpu_layers=args.n_gpu_layers, draft_n_max=args.draft_n_max,
               draft_adaptive=args.draft_adaptive, draft_n_gpu_layers=args.draft_n_gpu_layers,
               dflash=not args.no_dflash, chat_format=args.chat_format, verbose=args.verbose,
@@ -133,7 +186,7 @@ def load_llama(args: argparse.Namespace):
     if args.threads:
         kw.update(n_threads=args.threads, n_threads_batch=args.threads)
     kw.update(rpc_kwargs(args, kw))
-    return Llama(str(target), draft_model_path=str(draft) if draft else None, **kw)
+    return kw
 
 
 def rpc_kwargs(args: argparse.Namespace, kw: dict) -> dict:

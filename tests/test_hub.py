@@ -342,3 +342,47 @@ def test_online_the_listing_names_the_files_to_download(published, monkeypatch):
     monkeypatch.setattr(hub.HfApi, "list_repo_files", unreachable)
     root, rel = fetch_model("org/Tiny-GGUF", "Tiny-*.gguf")
     assert rel == "Tiny-F32.gguf" and find_drafter("org/Tiny-GGUF", rel, root=root).name == "dspark-Tiny-Q8_0.gguf"
+
+
+def test_choose_model_reads_upstreams_quant_tags():
+    """-hf USER/MODEL[:QUANT]: the tag picks the model GGUF, case-insensitively (default Q4_K_M, else the
+    first model GGUF); drafters, projectors and later shards are never the model; a missing tag is an
+    error that names the tags there are."""
+    from dflash_gguf.hub import choose_model, split_hf_spec
+
+    files = ["README.md", "Tiny-Q8_0.gguf", "Tiny-Q4_K_M.gguf", "dspark-Tiny-Q4_K_M.gguf", "mmproj-Tiny-F16.gguf",
+             "big/Tiny-F16-00001-of-00002.gguf", "big/Tiny-F16-00002-of-00002.gguf"]
+    assert choose_model(files, None) == "Tiny-Q4_K_M.gguf"
+    assert choose_model(files, "q8_0") == "Tiny-Q8_0.gguf"
+    assert choose_model(files, "F16") == "big/Tiny-F16-00001-of-00002.gguf"
+    assert choose_model(["Tiny-Q8_0.gguf", "Tiny-BF16.gguf", "dflash-Tiny-Q4_K_M.gguf"], None) == "Tiny-BF16.gguf"
+    with pytest.raises(HubFileNotFound, match="no IQ2_XS model GGUF; there are: F16, Q4_K_M, Q8_0"):
+        choose_model(files, "IQ2_XS")
+    assert split_hf_spec("ggml-org/Qwen3-8B-GGUF:Q8_0") == ("ggml-org/Qwen3-8B-GGUF", "Q8_0")
+    assert split_hf_spec("ggml-org/Qwen3-8B-GGUF") == ("ggml-org/Qwen3-8B-GGUF", None)
+    with pytest.raises(ValueError, match="USER/MODEL"):
+        split_hf_spec("Qwen3-8B-GGUF:Q8_0")
+
+
+def test_cli_hf_fetches_the_target_and_the_drafter_beside_it(published, offline, plain):
+    """``generate -hf org/Model:QUANT`` (llama.cpp's flag) loads the tagged GGUF and the sidecar beside it,
+    as ``Llama.from_pretrained`` does, and prints plain decoding's text; ``--no-draft`` decodes plainly;
+    ``-hfd`` takes the drafter from its own repository; an unknown tag stops with the tags there are."""
+    want = plain("def main(", max_tokens=16, temperature=0)["choices"][0]["text"]
+    env = dict(os.environ, HF_HUB_OFFLINE="1", HF_HUB_CACHE=str(offline))
+
+    def generate(*flags):
+        return subprocess.run([sys.executable, "-m", "dflash_gguf", "generate", *flags, "-c", "512", "-t", "1", "-n",
+                               "16", "--json", "-v", "def main("], capture_output=True, text=True, timeout=180, env=env)
+    for flags, drafter in [(["-hf", "org/Tiny-GGUF:f32"], "dspark-Tiny-Q8_0.gguf"),
+                           (["-hf", "org/Tiny-GGUF:F32", "--no-draft"], None),
+                           (["-hf", "org/tiny-target-GGUF", "-hfd", "org/tiny-drafter-GGUF"], "drafter-f32.gguf")]:
+        r = generate(*flags)
+        assert r.returncode == 0, r.stderr
+        assert r.stdout == want + "\n"
+        stats = json.loads([line for line in r.stderr.splitlines() if line.startswith("{")][-1])
+        dfl = stats["dflash"]
+        assert (dfl is not None and dfl["steps"] > 0) == (drafter is not None), (flags, stats)
+        assert drafter is None or f"drafter {drafter}" in r.stderr
+    r = generate("-hf", "org/Tiny-GGUF:Q2_K")
+    assert r.returncode != 0 and "org/Tiny-GGUF: no Q2_K model GGUF; there are: F32" in r.stderr

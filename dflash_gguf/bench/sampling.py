@@ -159,7 +159,7 @@ def main(argv: list[str] | None = None) -> int:
 
     ap = argparse.ArgumentParser(prog="python -m dflash_gguf.bench.sampling", description=__doc__.split("\n\n")[0])
     ap.add_argument("--target", default=str(_DATA / "demo" / "target.gguf"))
-    ap.add_argument("--drafter", default=str(_DATA / "demo-dflash2" / "drafter.gguf"), help="a DFlash2 drafter GGUF")
+    ap.add_argument("--drafter", default=str(_DATA / "demo-dflash2" / "drafter.gguf"), help="a DFlash2 or DSpark drafter GGUF")
     ap.add_argument("--prompts", nargs="+", default=["code"], help="prompt sets (code, math, prose, all) or files")
     ap.add_argument("--temperatures", default="0.7,1.0")
     ap.add_argument("--seeds", type=int, default=3, help="seeds per prompt and temperature (default 3)")
