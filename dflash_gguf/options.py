@@ -100,7 +100,8 @@ def add_model_args(ap: argparse.ArgumentParser) -> None:
     """The model-selection and context options shared by generate, chat and serve."""
     g = ap.add_argument_group("model")
     g.add_argument("--pair", metavar="DIR", help="converted pair directory (pair.json, target*.gguf, drafter*.gguf)")
-    for name in ("model", "draft", "hf_repo", "hf_file", "hf_repo_draft", "hf_file_draft", "no_draft", "ctx_size", "gpu_layers", "gpu_layers_draft", "threads", "flash_attn", "draft_max",
+    for name in ("model", "draft", "hf_repo", "hf_file", "hf_repo_draft", "hf_file_draft", "no_draft",
+                 "ctx_size", "gpu_layers", "gpu_layers_draft", "threads", "flash_attn", "draft_max",
                  "draft_adaptive", "draft_window", "low_memory", "rollback_memory", "rpc", "rpc_draft", "tensor_split"):
         add_flag(g, name)
     g.add_argument("--no-dflash", action="store_true", help="load the drafter but decode plainly (for comparison)")
