@@ -175,7 +175,8 @@ class Llama(PairConstructors, RpcTarget, llama_cpp.Llama):
         self._draft_ctx = Context(self._draft_model, opts, other=target)
         release_free_heap()   # what loading the drafter freed goes back to the system
         self._decoder = DFlashDecoder(target, self._draft_ctx,
-                                      SpecOptions(n_draft=n_draft, adaptive=self.draft_adaptive))
+                                      SpecOptions(n_draft=n_draft, adaptive=self.draft_adaptive,
+                                                  keep_history=True))
         self.n_tokens = 0   # the decoder cleared the target memory
         log.info("DFlash ready: %s drafter %s, block %d, %d drafted per step, rollback %s",
                  self._decoder.info.kind, Path(self.draft_model_path).name, self._decoder.info.block_size,

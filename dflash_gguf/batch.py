@@ -115,7 +115,8 @@ class BatchLlama:
             if self.draft_model is not None:
                 self.drafter = self._own(Context(self.draft_model, opts, other=self.target))
             self.decoder = DFlashDecoder(self.target, self.drafter,
-                                         SpecOptions(n_draft=draft_n_max, adaptive=draft_adaptive))
+                                         SpecOptions(n_draft=draft_n_max, adaptive=draft_adaptive,
+                                                     keep_history=True))
         except BaseException:
             self.close()
             raise

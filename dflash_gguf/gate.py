@@ -472,6 +472,19 @@ class DraftLength:
         self._learned = bool(other.tries[0] >= self.FEW_DRAWS)
         self._few = not self._learned
 
+    def start_from(self, hits: np.ndarray, tries: np.ndarray) -> None:
+        """Start from an acceptance history kept from earlier decoders of the same pair
+        (:mod:`dflash_gguf.decoding.history`), as :meth:`learn_acceptance` does from another gate: no warm-up
+        blocks to find out whether the drafter is ever right, a plan from the first step."""
+        if hits.shape != (self.n_max,) or tries.shape != (self.n_max,) or (hits < 0).any() or (hits > tries + 1e-9).any():
+            raise ValueError(f"an acceptance history of {self.n_max} positions with 0 <= hits <= tries")
+        self.hits[:], self.tries[:] = hits, tries
+        self._evaluated = None
+        self._right = bool(hits.sum() > 0)
+        self._blocks = max(self._blocks, self.WARMUP_GIVE_UP)
+        self._learned = bool(tries[0] >= self.FEW_DRAWS)
+        self._few = not self._learned
+
     def new_run(self, after: "DraftLength | None" = None) -> None:
         """The next step starts a run (a generation's first, after its prefill): its cost is no steady one
         (nor a probe's aftermath). ``after``: the step before was that gate's (another batch size's), and

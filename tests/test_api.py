@@ -6,6 +6,7 @@ import subprocess
 import sys
 
 import llama_cpp
+import numpy as np
 import pytest
 from llama_cpp.llama_chat_format import Jinja2ChatFormatter
 
@@ -491,3 +492,41 @@ def test_the_advertised_init_signature_lists_every_keyword_init_takes():
     assert not missing, f"Llama.__init__.__signature__ omits {missing}"
     assert {k: shown[k].default for k in ours} == {k: defaults[k] for k in ours}
 
+
+
+def test_a_new_llama_of_a_pair_starts_from_its_kept_acceptance(monkeypatch, tmp_path):
+    """The speed gate's acceptance history is kept per pair (decoding.history): a new Llama of the same
+    pair (another process, here another instance) plans from it on its first call instead of probing
+    from scratch, and its output is plain decoding's. The gate is charged a cost model in which drafting
+    pays (measured costs differ between machines). Shipped demo target with its trained DFlash drafter."""
+    from dflash_gguf.decoding import calibration
+    from dflash_gguf.demo import DEMO_DIR
+    from dflash_gguf.gate import DraftLength
+
+    monkeypatch.setenv("DFLASH_GGUF_CACHE", str(tmp_path))
+    monkeypatch.setattr(calibration, "step_costs",
+                        lambda dec: np.array([1e-3 * (1 + 0.1 * n) for n in range(dec.n_draft + 1)]))
+    monkeypatch.setattr(calibration, "check_prior", lambda *a: True)
+    target, drafter = str(DEMO_DIR / "target.gguf"), str(DEMO_DIR / "drafter.gguf")
+    ref = llama_cpp.Llama(target, n_ctx=512, verbose=False)
+    want = ref.create_completion("def main(", max_tokens=64, temperature=0)["choices"][0]["text"]
+    ref.close()
+    first = Llama(target, draft_model_path=drafter, n_ctx=512, verbose=False)
+    try:
+        assert first._decoder.gate.tries.sum() == 0                      # nothing kept yet
+        assert first.create_completion("def main(", max_tokens=64, temperature=0)["choices"][0]["text"] == want
+        learned = first._decoder.gate
+        assert learned.tries[0] >= DraftLength.FEW_DRAWS
+    finally:
+        first.close()
+    assert len(list((tmp_path / "acceptance").glob("*.json"))) == 1
+    second = Llama(target, draft_model_path=drafter, n_ctx=512, verbose=False)
+    try:
+        gate = second._decoder.gate
+        assert gate.tries[0] >= DraftLength.FEW_DRAWS
+        np.testing.assert_allclose(gate.hits[0] / gate.tries[0], learned.hits[0] / learned.tries[0], atol=0.01)
+        out = second.create_completion("def main(", max_tokens=64, temperature=0)
+        assert out["choices"][0]["text"] == want and out["dflash"]["drafted"] > 0
+        assert gate.steps > 0 and gate.tries[0] >= DraftLength.FEW_DRAWS
+    finally:
+        second.close()

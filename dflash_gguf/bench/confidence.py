@@ -113,6 +113,7 @@ def measure(target: Path, drafter: Path, steps, *, tokens: int, trials: int, thr
     decs = {"plain": plain, **fixed, "history": history, "confidence": confident, "oracle": oracle}
     tps: dict[str, list[float]] = {k: [] for k in decs}
     tau: dict[str, list[float]] = {k: [] for k in decs}
+    cold: dict[str, float] = {}               # trial 0: each decoder's first call (no history yet)
     exact = True
     for trial in range(trials + 1):            # trial 0 warms the gates (a Llama's first call): not counted
         start = trial * 997
@@ -126,6 +127,8 @@ def measure(target: Path, drafter: Path, steps, *, tokens: int, trials: int, thr
             if trial:
                 tps[name].append(st.tokens_per_second)
                 tau[name].append(st.tau if st.steps else 1.0)
+            else:
+                cold[name] = st.tokens_per_second
     for c in (dctx, tctx, pctx):
         c.close()
     dm.close()
@@ -139,6 +142,7 @@ def measure(target: Path, drafter: Path, steps, *, tokens: int, trials: int, thr
             "confidence_over_history": round(med["confidence"] / med["history"], 3),
             "confidence_over_best_fixed": round(med["confidence"] / med[best], 3),
             "of_oracle": {k: round(v / med["oracle"], 3) for k, v in med.items()},
+            "first_call_of_warm": {k: round(cold[k] / med[k], 3) for k in ("plain", "history", "confidence")},
             "over_plain": {k: round(v / med["plain"], 3) for k, v in med.items()}}
 
 
@@ -170,6 +174,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{'policy':<12} {'tok/s':>7} {'x plain':>8} {'of oracle':>10} {'tau':>5}")
     for k, v in r["tokens_per_second"].items():
         print(f"{k:<12} {v:>7.2f} {r['over_plain'][k]:>8.3f} {r['of_oracle'][k]:>10.3f} {r['tau'][k]:>5.2f}")
+    print("first call / warmed up: " + ", ".join(f"{k} {v:.2f}" for k, v in r["first_call_of_warm"].items()))
     print(f"confidence / history {r['confidence_over_history']}x, / best fixed ({r['best_fixed']}) "
           f"{r['confidence_over_best_fixed']}x; every output equal to plain decoding: {r['all_equal_plain']}")
     if a.json:

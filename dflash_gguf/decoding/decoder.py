@@ -42,7 +42,7 @@ from dflash_gguf.engine import Context, DrafterInfo, clamp_n_draft
 from dflash_gguf.errors import ContextOverflowError, DecodeError, InvalidArgumentError
 from dflash_gguf.gate import DraftLength
 from dflash_gguf.decoding.batch_costs import batch_prior
-from dflash_gguf.decoding import calibration
+from dflash_gguf.decoding import calibration, history
 from dflash_gguf.sampling import SamplingParams, TokenChooser
 from dflash_gguf.decoding.acceptance import cut_at_stop, greedy_accept, sampled_accept
 from dflash_gguf.decoding.confidence import Calibration, allocate, rows_cost
@@ -67,6 +67,9 @@ class SpecOptions:
     # at temperature > 0, draw from the drafter's own distribution (DFlash2: its selector's top-k lattice;
     # DSpark: its Markov chain) rather than propose its argmax tokens
     sample_lattice: bool = True
+    # the gate starts from the acceptance history earlier decoders of this pair kept, and keeps its own
+    # (decoding.history; the front doors' decoders: a user's first call plans from the first step)
+    keep_history: bool = False
 
 
 class DFlashDecoder(Prompts, Scheduling):
@@ -161,6 +164,12 @@ class DFlashDecoder(Prompts, Scheduling):
         if costs is not None:
             self.gate = DraftLength(self.n_draft, costs)
             self.gate_sampled = DraftLength(self.n_draft, costs)
+        # (the drafter's own proposals only: a replay or an oracle is not the pair's acceptance)
+        self._keep = self.opts.keep_history and self._gated and type(self.proposer) is DrafterProposer
+        self._kept_draws = 0
+        if self._keep:
+            history.recall(self, {"greedy": self.gate, "sampled": self.gate_sampled})
+            self._kept_draws = self._draws()
         log.debug("decoder ready: drafter=%s n_draft=%d rollback=%s sequences=%d", self.info, self.n_draft,
                   self.rollback, self.n_seq)
 
@@ -505,6 +514,15 @@ class DFlashDecoder(Prompts, Scheduling):
         if not self._prior_checked and not self.closed:
             self._prior_checked = any(calibration.check_prior(self, self._costs, g)
                                       for g in (self.gate, self.gate_sampled) if g is not None)
+        if self._keep and not self.closed and type(self.proposer) is DrafterProposer and self._draws() > self._kept_draws:
+            self._kept_draws = self._draws()
+            greedy = max((g for g in (self.gate, *self._batch_gates.values()) if g is not None),
+                         key=lambda g: g.tries[0])
+            history.keep(self, {"greedy": greedy, "sampled": self.gate_sampled})
+
+    def _draws(self) -> int:
+        """Steps the gates have chosen so far (what they know grows with them)."""
+        return sum(g.steps for g in (self.gate, self.gate_sampled, *self._batch_gates.values()) if g is not None)
 
     def _check_servers(self) -> None:
         """Raise RpcLostError if a model of this decoder lost an rpc-server (dflash_gguf.rpc)."""

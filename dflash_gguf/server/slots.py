@@ -113,7 +113,8 @@ class Slots:
             if dm is not None:
                 self.drafter = Context(dm, replace(opts, n_rs_seq=0), other=self.target)
             self.decoder = DFlashDecoder(self.target, self.drafter, SpecOptions(
-                n_draft=dec.n_draft if dec is not None else None, adaptive=getattr(llm, "draft_adaptive", True)))
+                n_draft=dec.n_draft if dec is not None else None, adaptive=getattr(llm, "draft_adaptive", True),
+                keep_history=True))
         except BaseException:
             self.close()
             raise
