@@ -14,6 +14,11 @@ as it would have. Policies, one decoder each on the same contexts, interleaved p
   confidence (:mod:`dflash_gguf.decoding.confidence`);
 * ``oracle``: verifies exactly the accepted tokens plus one row: the ceiling for any verify length.
 
+Each policy's first call (trial 0: a fresh gate) is also reported against its warmed-up median, and so
+is the first call of a new decoder whose gate starts from what the warmed-up one kept
+(``history (kept)``, ``confidence (kept)``: what a new ``Llama`` of the pair gets from
+:mod:`dflash_gguf.decoding.history`).
+
     python -m dflash_gguf.bench.confidence --shape 1.7b --type q4_0 --traces demo-dspark -t 2
 """
 from __future__ import annotations
@@ -92,6 +97,7 @@ def measure(target: Path, drafter: Path, steps, *, tokens: int, trials: int, thr
             n_draft: int) -> dict:
     from dflash_gguf.bench.scale.run import PROMPT, _gen
     from dflash_gguf.decoding import DFlashDecoder, SpecOptions
+    from dflash_gguf.decoding.history import kept
     from dflash_gguf.engine import Context, ContextOptions, Model
 
     tm = Model(target)
@@ -129,6 +135,16 @@ def measure(target: Path, drafter: Path, steps, *, tokens: int, trials: int, thr
                 tau[name].append(st.tau if st.steps else 1.0)
             else:
                 cold[name] = st.tokens_per_second
+    # a new decoder of the pair, as a new Llama makes it: its gate starts from what the warmed-up one
+    # kept (decoding.history); its first call is compared with the warmed-up decoder's median
+    for name in ("history", "confidence"):
+        dec = DFlashDecoder(tctx, dctx, SpecOptions(n_draft=n_draft, adaptive=True),
+                            TraceReplay(reference, steps, tm.n_vocab, start=(trials + 1) * 997,
+                                        confidence=name == "confidence"))
+        dec.gate.start_from(*kept(decs[name].gate))
+        got, st = _gen(dec, ids, tokens)
+        exact = exact and got == ref
+        cold[f"{name} (kept)"] = st.tokens_per_second
     for c in (dctx, tctx, pctx):
         c.close()
     dm.close()
@@ -142,7 +158,7 @@ def measure(target: Path, drafter: Path, steps, *, tokens: int, trials: int, thr
             "confidence_over_history": round(med["confidence"] / med["history"], 3),
             "confidence_over_best_fixed": round(med["confidence"] / med[best], 3),
             "of_oracle": {k: round(v / med["oracle"], 3) for k, v in med.items()},
-            "first_call_of_warm": {k: round(cold[k] / med[k], 3) for k in ("plain", "history", "confidence")},
+            "first_call_of_warm": {k: round(cold[k] / med[k.removesuffix(" (kept)")], 3) for k in cold},
             "over_plain": {k: round(v / med["plain"], 3) for k, v in med.items()}}
 
 

@@ -60,6 +60,12 @@ def recall(decoder: "DFlashDecoder", gates: dict[str, DraftLength | None]) -> No
             log.debug("ignoring a kept %s acceptance history: %s", name, e)
 
 
+def kept(gate: DraftLength) -> tuple[np.ndarray, np.ndarray]:
+    """What is kept of ``gate``'s acceptance: its history, at most KEEP_DRAWS draws deep."""
+    scale = min(1.0, KEEP_DRAWS / float(gate.tries[0])) if gate.tries[0] > 0 else 1.0
+    return (gate.hits * scale).round(3), (gate.tries * scale).round(3)
+
+
 def keep(decoder: "DFlashDecoder", gates: dict[str, DraftLength | None]) -> None:
     """Write the pair's history: each gate's acceptance once it has drawn enough to plan on (a gate that
     has not keeps what was there). Written whole or not at all."""
@@ -72,8 +78,8 @@ def keep(decoder: "DFlashDecoder", gates: dict[str, DraftLength | None]) -> None
     for name, gate in gates.items():
         if gate is None or gate.tries[0] < DraftLength.FEW_DRAWS:
             continue
-        scale = min(1.0, KEEP_DRAWS / float(gate.tries[0]))
-        data[name] = {"hits": (gate.hits * scale).round(3).tolist(), "tries": (gate.tries * scale).round(3).tolist()}
+        hits, tries = kept(gate)
+        data[name] = {"hits": hits.tolist(), "tries": tries.tolist()}
         changed = True
     if not changed:
         return
