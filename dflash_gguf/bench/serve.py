@@ -390,7 +390,7 @@ def main(argv: list[str] | None = None) -> int:
                     help="keep every server of a client count up at once, warmed once, and alternate the runs "
                          "between them (default: a fresh server per run)")
     ap.add_argument("--replay", default=None, metavar="PROFILE",
-                    help="ours replays this acceptance profile (demo, strong, none, p1,p2,...) over this tool's "
+                    help="ours replays this acceptance profile (demo, demo-dspark, strong, none, p1,p2,...) over this tool's "
                          "prompts in its slots (python -m dflash_gguf.bench.replay_server); default: the drafter's own")
     ap.add_argument("--engine", action="store_true",
                     help="also time the batched engine in this process (no HTTP): C sequences in one generate_batch")

@@ -26,7 +26,7 @@ def _parser() -> argparse.ArgumentParser:
                     "(8b only where memory allows; default 0.6b,1.7b,4b)")
     ap.add_argument("--types", default="q4_0,q8_0", help="comma list of q4_0, q8_0")
     ap.add_argument("--profiles", nargs="+", default=["demo", "strong", "none"], help="acceptance profiles: "
-                    f"names ({', '.join(PROFILES)}), 'p1,p2,...' lists of P(accepted >= i), or JSON list files")
+                    f"names ({', '.join(PROFILES)}, demo-dspark), 'p1,p2,...' lists of P(accepted >= i), or JSON list files")
     ap.add_argument("--draft-vocab", default="32768", help="also run a drafter with a reduced head of N rows "
                     "(python -m dflash_gguf.convert.draft_vocab); 'off' to skip")
     ap.add_argument("--tokens", type=int, default=128, help="tokens generated per run (default 128)")

@@ -43,13 +43,24 @@ DESCRIPTIONS = {
             "acceptance length 7.30 at 15 drafted)",
     "strong": "strong block-16 profile P(a>=i) = 0.885^i",
     "none": "never-right drafter (every proposal wrong)",
+    "demo-dspark": "the DSpark demo drafter's recorded whole blocks (block 8, anchor-first)",
 }
+
+
+def dspark_demo_profile() -> list[float]:
+    """P(a >= i), i = 1..8, of the shipped DSpark demo drafter's recorded steps that drafted a whole block
+    (``data/demo-dspark/traces.json``: [drafted, accepted, confidences] per step)."""
+    doc = json.loads((Path(__file__).resolve().parents[2] / "data" / "demo-dspark" / "traces.json").read_text())
+    acc = np.array([a for p in doc["prompts"] for n, a, _ in p["steps"] if n == 8])
+    return [round(float((acc >= i).mean()), 4) for i in range(1, 9)]
 
 
 def parse_profile(spec: str) -> tuple[str, list[float]]:
     """A named profile, ``p1,p2,...`` (P(a >= i) for i = 1..) or a JSON file holding that list."""
     if spec in PROFILES:
         return spec, PROFILES[spec]
+    if spec == "demo-dspark":
+        return spec, dspark_demo_profile()
     p = Path(spec)
     try:
         vals = json.loads(p.read_text()) if p.is_file() else [float(x) for x in spec.split(",") if x.strip()]
