@@ -182,7 +182,7 @@ def test_the_collector_reports_kept_tokens_up_to_the_end_token():
 
 
 def test_nothing_of_a_logprobs_request_survives_its_slot():
-    """A finished request leaves nothing of its own on its slot: the next requests there sink no logits row
+    """A finished request leaves nothing of its own on its slot, idle or not: the next requests there sink no logits row
     into its collector, and the request, its job and its collector are freed (a long-running server would
     otherwise keep growing them with every later request's rows)."""
     from dflash_gguf.server import create_app
@@ -204,6 +204,9 @@ def test_nothing_of_a_logprobs_request_survives_its_slot():
             collector = seen[0][2]()
             assert collector is not None and len(collector.entries) == n > 0 and not collector._rows
             del collector
+            gc.collect()
+            # the slot waiting idle holds none of it either
+            assert seen[0][2]() is None and seen[0][1]() is None, "the idle slot keeps its last request"
             for p in PROMPTS:
                 _post(url, "/v1/completions", {"prompt": p, "max_tokens": 16})
             gc.collect()

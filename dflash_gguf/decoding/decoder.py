@@ -130,7 +130,10 @@ class DFlashDecoder(Prompts, Scheduling):
             self.lattice = LatticeProposer(self.info.selector_top_k, self.n_draft)
         self.markov: MarkovProposer | None = None
         if self.info is not None and self.info.kind == "dspark" and self.opts.sample_lattice:
-            self.markov = MarkovProposer(drafter.model.path, target.model.n_vocab)
+            if MarkovProposer.available():
+                self.markov = MarkovProposer(drafter.model.path, target.model.n_vocab)
+            else:
+                log.info("no gguf package: sampled DSpark blocks are the Markov head's greedy chain")
         self.seqs = [Slot(slot, make_rollback(target, self.n_draft, self.opts.rollback, seq=slot),
                           FeatureFeed(target, drafter, self.info, seq=slot) if drafter is not None else None)
                      for slot in range(self.n_seq)]
@@ -510,6 +513,9 @@ class DFlashDecoder(Prompts, Scheduling):
         s.head = NO_HEAD   # a prompt tail never decoded (the request ended first): the caches hold s.cache
         if s.chooser is not None and s.chooser.constraints is not None:
             s.chooser.constraints.close()
+        # nothing of the request stays on its slot while the slot waits for the next one (a logprobs
+        # request's row collector, the consumer and its request, the sampler with its history)
+        s.chooser = s.logits_sink = s.consumer = s.request = None
         s.stats.t_total += time.perf_counter() - s.t_start
         if not self._prior_checked and not self.closed:
             self._prior_checked = any(calibration.check_prior(self, self._costs, g)

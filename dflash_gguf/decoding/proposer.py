@@ -120,6 +120,13 @@ class MarkovProposer:
 
     CANDIDATES = 64
 
+    @staticmethod
+    def available() -> bool:
+        """Whether the GGUF reader it reads the weights with is installed (the build installs it; without
+        it a sampled DSpark block is the greedy chain, a point-mass proposal, lossless too)."""
+        import importlib.util
+        return importlib.util.find_spec("gguf") is not None
+
     def __init__(self, path, n_vocab: int):
         self.path, self.n_vocab = path, n_vocab
         self._w = None
