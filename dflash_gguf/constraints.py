@@ -24,10 +24,12 @@ import ctypes
 import json
 from typing import Callable, Sequence
 
-import llama_cpp
 import numpy as np
 
 from dflash_gguf.errors import InvalidArgumentError
+
+# llama_cpp (which loads the native library) is imported where a grammar or a vocabulary is used, so
+# the processors and Constraints stay importable without the build (tests/test_sampling_rules.py)
 
 # llama_token_data {id, logit, p} as llama.h lays it out
 TOKEN_DATA = np.dtype([("id", "<i4"), ("logit", "<f4"), ("p", "<f4")], align=True)
@@ -37,6 +39,8 @@ class Grammar:
     """A llama.cpp grammar sampler: which tokens it allows next, advanced token by token."""
 
     def __init__(self, vocab, text: str, root: str = "root", *, _ptr=None):
+        import llama_cpp
+
         self.vocab = vocab
         self.ptr = _ptr if _ptr is not None else llama_cpp.llama_sampler_init_grammar(
             vocab, text.encode("utf-8"), root.encode("utf-8"))
@@ -49,10 +53,14 @@ class Grammar:
         return cls(llm._model.vocab, grammar._grammar, grammar._root)
 
     def clone(self) -> "Grammar":
+        import llama_cpp
+
         return Grammar(self.vocab, "", _ptr=llama_cpp.llama_sampler_clone(self.ptr))
 
     def allowed(self, ids: np.ndarray) -> np.ndarray:
         """Which of ``ids`` the grammar allows next (bool per id)."""
+        import llama_cpp
+
         buf = np.zeros(len(ids), dtype=TOKEN_DATA)
         buf["id"] = ids
         arr = llama_cpp.llama_token_data_array(
@@ -64,11 +72,15 @@ class Grammar:
     def accept(self, token: int) -> None:
         """Advance by ``token`` (which must be allowed: llama.cpp aborts on an end-of-generation token
         the grammar does not allow)."""
+        import llama_cpp
+
         llama_cpp.llama_sampler_accept(self.ptr, int(token))
 
     def close(self) -> None:
         ptr, self.ptr = self.ptr, None
         if ptr:
+            import llama_cpp
+
             llama_cpp.llama_sampler_free(ptr)
 
     def __del__(self):
@@ -92,6 +104,8 @@ def logit_bias_processor(bias: dict) -> Callable:
 
 def end_of_generation_ids(vocab, n_vocab: int) -> list[int]:
     """The end-of-generation token ids of a llama.cpp vocabulary of ``n_vocab`` tokens (``llama_vocab_is_eog``)."""
+    import llama_cpp
+
     return [t for t in range(n_vocab) if llama_cpp.llama_vocab_is_eog(vocab, t)]
 
 

@@ -8,6 +8,8 @@ from dflash_gguf.sampling import SamplingParams, TokenChooser, distribution
 from dflash_gguf.decoding.acceptance import cut_at_stop, greedy_accept, sampled_accept
 from dflash_gguf.decoding.stats import GenerationStats, acceptance_length
 
+pytestmark = pytest.mark.pure
+
 
 @pytest.mark.parametrize("draft, target, want", [
     ([], [7], [7]),                                   # nothing drafted: the target's own token

@@ -10,6 +10,8 @@ import pytest
 
 from dflash_gguf import build, build_cross
 
+pytestmark = pytest.mark.pure
+
 CMAKELISTS = "cmake_minimum_required(VERSION 3.16)\nproject(\n    KleidiAI\n    VERSION {v}\n    LANGUAGES C CXX ASM\n)\n"
 
 

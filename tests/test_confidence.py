@@ -10,6 +10,8 @@ import pytest
 
 from dflash_gguf.decoding.confidence import Calibration, allocate, rows_cost
 
+pytestmark = pytest.mark.pure
+
 
 def _rate(rates, counts, cost):
     reach = [np.cumprod(r) for r in rates]

@@ -11,6 +11,8 @@ from dflash_gguf.fallback import Call, plain_reason
 from dflash_gguf.sampling import SamplingParams
 from dflash_gguf.stopping import StopOnTokens
 
+pytestmark = pytest.mark.pure
+
 GREEDY = SamplingParams()
 SAMPLED = SamplingParams(temperature=0.8, top_k=40, top_p=0.9, min_p=0.05, seed=3)
 OK = Call(sampling=GREEDY)

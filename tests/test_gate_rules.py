@@ -1,7 +1,7 @@
 """Each rule of the speed gate (dflash_gguf.gate.DraftLength), one at a time, with exact expectations:
 the cost model, the acceptance estimate, the probes (length, spacing, what they probe, what a right
 probe does), the warm-up, the tie band, re-planning and the cost updates. tests/test_gate.py checks
-the gate's choices as a whole (simulated drafters, real decoders); these pin each rule down so that
+the gate's choices as a whole (simulated drafters; tests/test_gate_decoder.py real decoders); these pin each rule down so that
 changing one shows (``make mutate``)."""
 from __future__ import annotations
 
@@ -9,6 +9,8 @@ import numpy as np
 import pytest
 
 from dflash_gguf.gate import DraftLength as G
+
+pytestmark = pytest.mark.pure
 
 
 class _Given:

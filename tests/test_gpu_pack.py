@@ -19,6 +19,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.pure
+
 ROOT = Path(__file__).resolve().parent.parent
 _spec = importlib.util.spec_from_file_location("gpu_pack", ROOT / "bench" / "gpu_pack.py")
 gp = importlib.util.module_from_spec(_spec)

@@ -12,6 +12,8 @@ from dflash_gguf.errors import InvalidArgumentError, RollbackError
 from dflash_gguf.decoding.rollback import (KINDS, AttentionRollback, CheckpointRollback, SnapshotRollback,
                                        choose_for_memory, make_rollback, recurrent_state_bytes)
 
+pytestmark = pytest.mark.pure
+
 
 class Ctx:
     def __init__(self, arch="qwen3", recurrent=False, hybrid=False, n_rs_seq=0, truncates=True, state=b"S" * 10):

@@ -10,6 +10,8 @@ from dflash_gguf import sampling as S
 from dflash_gguf.constraints import Constraints
 from dflash_gguf.sampling import SamplingParams, TokenChooser, apply_penalties, constrained_argmax, distribution
 
+pytestmark = pytest.mark.pure
+
 LOGITS = np.array([2.0, -1.0, 0.5, 3.0, -2.0, 1.0], dtype=np.float32)
 
 
@@ -54,7 +56,7 @@ def _apply_llama_cpp(smpl, logits: np.ndarray) -> np.ndarray:
     """llama.cpp's sampler ``smpl`` applied to ``logits`` (then freed): the candidates it leaves."""
     import ctypes
 
-    import llama_cpp
+    llama_cpp = pytest.importorskip("llama_cpp")    # the reference (absent under --pure)
 
     from dflash_gguf.constraints import TOKEN_DATA
     buf = np.zeros(len(logits), dtype=TOKEN_DATA)
@@ -69,7 +71,7 @@ def _apply_llama_cpp(smpl, logits: np.ndarray) -> np.ndarray:
 def _llama_cpp_chain(logits: np.ndarray, sp: SamplingParams) -> tuple[np.ndarray, np.ndarray]:
     """The candidates and probabilities llama.cpp's own chain (as llama_cpp builds it for sampling,
     min_keep 1) leaves for ``dist`` to draw from."""
-    import llama_cpp
+    llama_cpp = pytest.importorskip("llama_cpp")    # the reference (absent under --pure)
 
     chain = llama_cpp.llama_sampler_chain_init(llama_cpp.llama_sampler_chain_default_params())
     for smpl in (llama_cpp.llama_sampler_init_top_k(sp.top_k), llama_cpp.llama_sampler_init_typical(sp.typical_p, 1),
@@ -529,7 +531,7 @@ def test_best_first_is_the_m_best_ids_lowest_id_first_on_ties():
 
 def _llama_cpp_mirostat_set(logits: np.ndarray, sp: SamplingParams) -> int:
     """How many candidates llama.cpp's mirostat sampler (fresh: mu = 2 tau) leaves before its draw."""
-    import llama_cpp
+    llama_cpp = pytest.importorskip("llama_cpp")    # the reference (absent under --pure)
 
     smpl = (llama_cpp.llama_sampler_init_mirostat_v2(1, sp.mirostat_tau, sp.mirostat_eta) if sp.mirostat_mode == 2
             else llama_cpp.llama_sampler_init_mirostat(len(logits), 1, sp.mirostat_tau, sp.mirostat_eta, S.MIROSTAT_M))

@@ -6,6 +6,8 @@ import pytest
 
 from dflash_gguf.decoding.stats import PHASES, GenerationStats, acceptance_length
 
+pytestmark = pytest.mark.pure
+
 
 def filled() -> GenerationStats:
     s = GenerationStats(n_prompt=11, n_reused=3, n_generated=40, finish="length")

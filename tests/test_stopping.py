@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import types
 
-import llama_cpp.llama_chat_format as chat_format
 import numpy as np
+import pytest
 
 from dflash_gguf.decoding.acceptance import sampled_accept
 from dflash_gguf.stopping import StopOnTokens, stop_token_ids
+
+pytestmark = pytest.mark.pure
 
 
 def test_stop_on_tokens_looks_at_the_last_id_only():
@@ -20,6 +22,7 @@ def test_stop_on_tokens_looks_at_the_last_id_only():
 
 
 def formatter_criterion(ids):
+    chat_format = pytest.importorskip("llama_cpp.llama_chat_format")    # the real criterion (absent under --pure)
     fmt = chat_format.Jinja2ChatFormatter(template="{{ messages[0]['content'] }}", eos_token="</s>",
                                           bos_token="<s>", stop_token_ids=ids)
     (fn,) = fmt(messages=[{"role": "user", "content": "hi"}]).stopping_criteria

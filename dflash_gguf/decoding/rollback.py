@@ -10,10 +10,14 @@ One object per kind, all with the same small interface:
 """
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import numpy as np
 
-from dflash_gguf.engine import Context
 from dflash_gguf.errors import InvalidArgumentError, RollbackError
+
+if TYPE_CHECKING:      # the rules need no native library (tests/test_rollback_rules.py runs without it)
+    from dflash_gguf.engine import Context
 
 KINDS = ("seq_rm", "snapshot", "checkpoint")
 
