@@ -38,19 +38,17 @@ import logging
 import os
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import Any, Iterator, Protocol, Sequence
 
 import numpy as np
 
 from dflash_gguf import _bindings as B
 from dflash_gguf import paths
 from dflash_gguf.cpu import cpu_flags, cpu_model
-from dflash_gguf.decoding.proposer import DrafterProposer
+from dflash_gguf.decoding.proposer import DrafterProposer, Proposer
+from dflash_gguf.engine import Context
 from dflash_gguf.gate import DraftLength
 from dflash_gguf.threads import run_in_own_thread
-
-if TYPE_CHECKING:
-    from dflash_gguf.decoding.decoder import DFlashDecoder
 
 log = logging.getLogger("dflash_gguf.decoding")
 
@@ -65,6 +63,24 @@ FORMAT = 2                         # how the costs are measured and kept (2: run
 PROMPT = b"The quick brown fox jumps over the lazy dog. " * 4
 # ggml's run-time switches for the kernels that decide these costs
 KERNEL_ENV = ("GGML_CPU_X86MM", "GGML_CPU_AMX", "GGML_CPU_TILED_MM", "GGML_KLEIDIAI_SME")
+
+
+class Measured(Protocol):
+    """What the calibration uses of a decoder (the decoder passes itself): its pair and block length,
+    which key the cache, and its own loop, run with a fixed schedule standing in for its gate and the
+    drafter's own proposals for its proposer. Stated here so that the decoder depends on the calibration
+    and never the other way round."""
+
+    n_draft: int
+    target: Context
+    drafter: Context
+    gate: Any               # a DraftLength, or the calibration's _Schedule while it measures
+    proposer: Proposer
+
+    def generate(self, prompt: Sequence[int], max_tokens: int, *, stop_tokens: Sequence[int] | None = None
+                 ) -> Iterator[int]: ...
+
+    def reset(self) -> None: ...
 
 
 def schedule_lengths(n_max: int) -> list[int]:
@@ -106,7 +122,7 @@ class _Schedule:
             self.i += 1
 
 
-def measure(decoder: "DFlashDecoder", rounds: int) -> tuple[np.ndarray, bool] | None:
+def measure(decoder: Measured, rounds: int) -> tuple[np.ndarray, bool] | None:
     """Seconds of one step drafting n = 0..n_draft tokens on this decoder's contexts (clears their
     caches), and whether the rounds agreed (a busy machine - another process, a build - shows as
     rounds of one length far apart); None when the target's context is too small for the schedule."""
@@ -175,7 +191,7 @@ def _cpu_id() -> str:
     return (cpu_model() or "") + ";" + hashlib.sha256(" ".join(sorted(cpu_flags())).encode()).hexdigest()[:12]
 
 
-def cache_key(decoder: "DFlashDecoder") -> str:
+def cache_key(decoder: Measured) -> str:
     from dflash_gguf import __version__
 
     t, d = decoder.target, decoder.drafter
@@ -192,7 +208,7 @@ def cache_file(key: str) -> Path:
     return paths.cache_dir() / "calibration" / f"{key}.json"
 
 
-def step_costs(decoder: "DFlashDecoder") -> np.ndarray | None:
+def step_costs(decoder: Measured) -> np.ndarray | None:
     """The cached cost prior of this decoder's pair on this machine, measured now if there is none
     (None, and nothing cached, where the target's context cannot hold the schedule's steps)."""
     key = cache_key(decoder)
@@ -247,7 +263,7 @@ def prior_is_stale(prior: np.ndarray, gate: DraftLength) -> bool:
     return 0 not in gate._prior and np.isfinite(gate.cost[0]) and gate.cost[0] < STALE * prior[0]
 
 
-def check_prior(decoder: "DFlashDecoder", prior: np.ndarray, gate: DraftLength) -> bool:
+def check_prior(decoder: Measured, prior: np.ndarray, gate: DraftLength) -> bool:
     """After a generation: mark this pair's cached prior stale if ``gate`` shows it was measured on a
     busier machine (:func:`prior_is_stale`); the next decoder measures again. A prior is dropped so once:
     one measured again is kept whatever follows (a pair whose calibration always reads dearer than its

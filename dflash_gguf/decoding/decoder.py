@@ -160,7 +160,8 @@ class DFlashDecoder(Prompts, Scheduling):
         self._argmax = np.zeros(len(self._rows), dtype=np.int32)
         self.eog = frozenset(int(t) for t in target.model.eog_tokens)   # default stop tokens
         self.reset()   # the decoder owns both caches from here on
-        self._prior_checked = True   # the calibration's own generation checks nothing
+        self._prior_checked = True   # the calibration's own generation checks nothing ...
+        self._keep = False           # ... and keeps no acceptance history (its gate is a fixed schedule)
         costs = calibration.step_costs(self) if self._gated and self.opts.calibrate else None   # cached per pair and machine
         self._costs = costs          # one sequence's step costs: the batch gates' priors come from them
         self._prior_checked = costs is None   # whether the prior was found stale (or there is none to check)

@@ -15,15 +15,12 @@ import json
 import logging
 import os
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import numpy as np
 
 from dflash_gguf import paths
 from dflash_gguf.gate import DraftLength
-
-if TYPE_CHECKING:
-    from dflash_gguf.decoding.decoder import DFlashDecoder
 
 log = logging.getLogger("dflash_gguf.decoding")
 
@@ -31,19 +28,37 @@ FORMAT = 1
 KEEP_DRAWS = 32     # the deepest a kept history starts (draws of the first position)
 
 
+class _Model(Protocol):
+    path: Path
+
+
+class _Context(Protocol):
+    model: _Model
+
+
+class Pair(Protocol):
+    """What the history uses of a decoder (the decoder passes itself): the model files and block length
+    it is kept by. Stated here, in shapes that need no native library, so that the decoder depends on
+    the history and never the other way round."""
+
+    n_draft: int
+    target: _Context
+    drafter: _Context
+
+
 def _file_id(path: Path) -> list:
     st = os.stat(path)
     return [str(Path(path).resolve()), st.st_size, st.st_mtime_ns]
 
 
-def history_file(decoder: "DFlashDecoder") -> Path:
+def history_file(decoder: Pair) -> Path:
     ident = {"format": FORMAT, "target": _file_id(decoder.target.model.path),
              "drafter": _file_id(decoder.drafter.model.path), "n_draft": decoder.n_draft}
     key = hashlib.sha256(json.dumps(ident, sort_keys=True).encode()).hexdigest()[:24]
     return paths.cache_dir() / "acceptance" / f"{key}.json"
 
 
-def recall(decoder: "DFlashDecoder", gates: dict[str, DraftLength | None]) -> None:
+def recall(decoder: Pair, gates: dict[str, DraftLength | None]) -> None:
     """Start each of ``gates`` ("greedy", "sampled") from the pair's kept history, where there is one."""
     try:
         data = json.loads(history_file(decoder).read_text())
@@ -66,7 +81,7 @@ def kept(gate: DraftLength) -> tuple[np.ndarray, np.ndarray]:
     return (gate.hits * scale).round(3), (gate.tries * scale).round(3)
 
 
-def keep(decoder: "DFlashDecoder", gates: dict[str, DraftLength | None]) -> None:
+def keep(decoder: Pair, gates: dict[str, DraftLength | None]) -> None:
     """Write the pair's history: each gate's acceptance once it has drawn enough to plan on (a gate that
     has not keeps what was there). Written whole or not at all."""
     f = history_file(decoder)
