@@ -30,6 +30,8 @@ from dflash_gguf.demo import demo_pair
 from dflash_gguf.engine import Context, ContextOptions, Model
 from dflash_gguf.decoding import DFlashDecoder, GenerationStats, SpecOptions
 
+pytestmark = pytest.mark.slow
+
 TRIPLE = "aarch64-linux-gnu"
 KAI = TRIPLE + "-kleidiai"
 # upstream's loop: from the plain cross build, else from the KleidiAI one (its F32 pair runs KleidiAI's

@@ -32,6 +32,8 @@ from dflash_gguf.engine import DEFAULT_DRAFT_CACHE, Context, ContextOptions, Mod
 from dflash_gguf.errors import ContextFullError, ContextOverflowError
 from dflash_gguf.decoding import DFlashDecoder, DrafterProposer, GenerationStats, OverrideProposer
 
+pytestmark = pytest.mark.slow
+
 SIZES = (16384, 32768)
 ARCHS = ("qwen3", "llama", "qwen35")
 N_GEN = 48          # tokens generated near the end of the context

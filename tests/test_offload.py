@@ -32,6 +32,8 @@ import pytest
 from dflash_gguf import paths
 from dflash_gguf.demo import DEMO_DIR
 
+pytestmark = pytest.mark.slow
+
 CHILD = Path(__file__).with_name("offload_child.py")
 DEMO_T, DEMO_D = DEMO_DIR / "target.gguf", DEMO_DIR / "drafter.gguf"
 DEMO_D2 = DEMO_DIR.parent / "demo-dflash2" / "drafter.gguf"

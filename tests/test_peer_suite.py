@@ -38,6 +38,8 @@ import peer_models
 from dflash_gguf import Llama, paths
 from dflash_gguf.build import SDIST_FILE, SDIST_VERSION
 
+pytestmark = pytest.mark.slow
+
 pytest.importorskip("scipy", reason="the peer suite imports scipy (llama-cpp-python's [test] extra)")
 pytest.importorskip("huggingface_hub", reason="the peer suite imports huggingface_hub (llama-cpp-python's [test] extra)")
 

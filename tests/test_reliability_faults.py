@@ -26,7 +26,7 @@ from dflash_gguf import Llama, state_file
 from dflash_gguf.errors import BusyError, StateFileError
 from dflash_gguf.decoding import DrafterProposer, OverrideProposer
 
-pytestmark = pytest.mark.reliability
+pytestmark = [pytest.mark.reliability, pytest.mark.slow]
 
 DEMO = paths.DEMO_DIR
 # fixed drafting: faults are injected through the proposer, which must run every step

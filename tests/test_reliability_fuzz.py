@@ -20,7 +20,7 @@ from dflash_gguf.errors import ModelFileError, PairMismatchError
 from dflash_gguf.gguf_check import T_STRING, T_UINT32, check_gguf, check_manifest, parse_gguf
 from dflash_gguf.reliability import fuzz, mutate
 
-pytestmark = pytest.mark.reliability
+pytestmark = [pytest.mark.reliability, pytest.mark.slow]
 
 DEMO = Path(fuzz.DEMO_DIR)
 

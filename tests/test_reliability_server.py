@@ -12,7 +12,7 @@ pytest.importorskip("uvicorn", reason="the server needs fastapi and uvicorn (pip
 
 from dflash_gguf.reliability import server_soak  # noqa: E402
 
-pytestmark = pytest.mark.reliability
+pytestmark = [pytest.mark.reliability, pytest.mark.slow]
 
 
 @pytest.mark.parametrize("parallel", [None, 4], ids=["serial", "parallel4"])

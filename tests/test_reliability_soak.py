@@ -10,7 +10,7 @@ import pytest
 
 from dflash_gguf.reliability import soak
 
-pytestmark = pytest.mark.reliability
+pytestmark = [pytest.mark.reliability, pytest.mark.slow]
 
 
 def _check(rep):

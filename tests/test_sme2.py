@@ -33,6 +33,8 @@ from dflash_gguf.engine import Model
 
 from test_arm64 import DEMO_PROMPT, GUEST_SCRIPT, KAI, demo_quantized, trace_kernels, x86_tokens  # noqa: F401 (a fixture)
 
+pytestmark = pytest.mark.slow
+
 QEMU_SME2 = build_cross.find_qemu_sme2()
 DFLASH2 = DEMO_DIR.parent / "demo-dflash2" / "drafter.gguf"
 DSPARK = DEMO_DIR.parent / "demo-dspark" / "drafter.gguf"

@@ -21,6 +21,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.slow
+
 REPO = Path(__file__).resolve().parents[1]
 SCRIPT = REPO / "examples" / "train_demo_pair.py"
 DEMO = REPO / "dflash_gguf" / "data"

@@ -19,9 +19,9 @@ from dflash_gguf.engine import Context, ContextOptions, Model
 from dflash_gguf.decoding import DFlashDecoder, GenerationStats
 
 TOOLS = paths.tools_dir()
-pytestmark = pytest.mark.skipif(
+pytestmark = [pytest.mark.slow, pytest.mark.skipif(
     TOOLS is None or not (TOOLS / "llama-speculative-simple").exists(),
-    reason="upstream reference binaries are not built (python -m dflash_gguf.build --with-tools; .ci/run builds them)")
+    reason="upstream reference binaries are not built (python -m dflash_gguf.build --with-tools; .ci/run builds them)")]
 
 PROMPT = "def main(argv):\n    parser = argparse.ArgumentParser("
 

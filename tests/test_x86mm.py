@@ -31,8 +31,9 @@ from dflash_gguf.cpu import cpu_flags
 from dflash_gguf.mulmat import BUFT_TYPES, default_lib_dir
 
 FLAGS = cpu_flags()
-pytestmark = pytest.mark.skipif(not {"avx2", "fma", "f16c"} <= FLAGS,
-                                reason="this CPU has no AVX2+FMA+F16C (/proc/cpuinfo): the x86 kernels are not built")
+pytestmark = [pytest.mark.slow,
+              pytest.mark.skipif(not {"avx2", "fma", "f16c"} <= FLAGS,
+                                 reason="this CPU has no AVX2+FMA+F16C (/proc/cpuinfo): the x86 kernels are not built")]
 
 ROOT = Path(__file__).resolve().parents[1]
 DEMO = paths.DEMO_DIR
