@@ -8,11 +8,13 @@ CROSS   ?= aarch64-linux-gnu
 # KleidiAI v1.24.0 source archive for offline arm64 builds; without one upstream downloads it
 KLEIDIAI_SRC ?= $(firstword $(wildcard vendor/kleidiai-v1.24.0-src.tar.gz ../shared/vendor/kleidiai-v1.24.0-src.tar.gz))
 
-.PHONY: demo test lint build tools ggml-variants cross cross-kleidiai qemu-sme2 venv clean-cache help mutate mutate-ci gpu-dry-run
+.PHONY: demo test test-fast test-pure lint build tools ggml-variants cross cross-kleidiai qemu-sme2 venv clean-cache help mutate mutate-ci gpu-dry-run
 
 help:
 	@echo "make demo    - set up everything, then run the offline DFlash demo on the shipped pair"
 	@echo "make test    - set up everything (incl. upstream reference tools), then run the test suite"
+	@echo "make test-fast - the edit-test loop: the tests not marked slow (no qemu, lavapipe, peer suite, reliability)"
+	@echo "make test-pure - the tests marked pure with the native modules blocked (seconds; needs only numpy and pytest)"
 	@echo "make build   - build/install the patched llama-cpp-python (cached; FORCE=1 rebuilds)"
 	@echo "make tools   - also build upstream's reference binaries (llama-speculative-simple, ...)"
 	@echo "make ggml-variants - x86: ggml's libraries without AVX-512 (the kernels' AVX2 path; AVX-VNNI where the CPU has it); where the Vulkan"
@@ -86,8 +88,20 @@ test: tools ggml-variants $(VENV)/.test-deps
 	elif [ -z "$(KLEIDIAI_SRC)" ]; then \
 		echo "no KleidiAI v1.24.0 source archive (vendor/ or ../shared/vendor/): the arm64 checks will be skipped"; \
 	else $(MAKE) cross-kleidiai && { $(MAKE) qemu-sme2 || echo "no SME2-capable qemu-user: the SME2 checks will be skipped"; }; fi
+	$(PURE_TESTS)
 	$(VPY) tests/mutation.py ci
 	$(VPY) -m pytest -q
+
+# the pure files (policy, acceptance, sampling rules, stopping) with llama_cpp, the cffi bindings and
+# torch made unimportable: make test runs it first, so a native import creeping into them fails CI
+PURE_TESTS = $(VPY) -m pytest -q -p no:cacheprovider --pure
+
+test-pure: venv
+	@$(VPY) -c "import pytest" 2>/dev/null || $(VPY) -m pip install -q pytest
+	$(PURE_TESTS)
+
+test-fast: build $(VENV)/.test-deps
+	$(VPY) -m pytest -q -m "not slow"
 
 # mutation testing (tests/mutation.py): every surviving mutant is killed by a test or listed as
 # equivalent in tests/mutation-survivors.txt; mutate-ci is the bounded subset make test runs
