@@ -73,68 +73,13 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from dflash_gguf import __version__
 from dflash_gguf.server.metrics import Metrics
+from dflash_gguf.server.responses import (POLL_S, BadRequest, ServingError, error_body, error_response, plain_json,
+                                          usage_chunk, validation_message)
 from dflash_gguf.server.schemas import ChatRequest, CompletionRequest
 from dflash_gguf.threads import SerialWorker
 
 log = logging.getLogger("dflash_gguf.server")
 _END = object()
-POLL_S = 0.05          # how often a running generation checks for a gone client or a passed deadline
-
-
-# --------------------------------------------------------------------------- errors
-class BadRequest(ValueError):
-    def __init__(self, message: str, param: str | None = None):
-        super().__init__(message)
-        self.param = param
-
-
-class ServingError(Exception):
-    """A refusal decided by the serving state: 503 (queue full), 408 (timeout)."""
-
-    def __init__(self, status: int, message: str, type_: str, code: str, headers: dict | None = None):
-        super().__init__(message)
-        self.status, self.type, self.code, self.headers = status, type_, code, headers or {}
-
-
-def error_body(message: str, type_: str, param: str | None = None, code: Any = None) -> dict:
-    return {"error": {"message": message, "type": type_, "param": param, "code": code}}
-
-
-def plain_json(obj):
-    """``obj`` with numpy scalars as Python numbers (llama_cpp's logprobs are numpy floats)."""
-    if isinstance(obj, dict):
-        return {k: plain_json(v) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        return [plain_json(v) for v in obj]
-    return obj.item() if hasattr(obj, "item") and hasattr(obj, "dtype") else obj
-
-
-def _error_response(exc: BaseException) -> JSONResponse:
-    if isinstance(exc, ServingError):
-        return JSONResponse(error_body(str(exc), exc.type, None, exc.code), status_code=exc.status,
-                            headers=exc.headers)
-    if isinstance(exc, ValueError):   # bad input: validation, context overflow, unknown token ids, ...
-        return JSONResponse(error_body(str(exc) or type(exc).__name__, "invalid_request_error",
-                                       getattr(exc, "param", None)), status_code=400)
-    log.exception("request failed", exc_info=exc)
-    return JSONResponse(error_body(f"internal error: {type(exc).__name__}: {exc}", "server_error"), status_code=500)
-
-
-def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
-    parts, param = [], None
-    for err in exc.errors():
-        loc = [str(x) for x in err.get("loc", ()) if x != "body"]
-        where = ".".join(loc)
-        param = param or (where or None)
-        msg = err.get("msg", "invalid value")
-        if err.get("type") == "json_invalid":
-            error = (err.get("ctx") or {}).get("error", "")
-            parts.append(f"the body is not valid JSON ({error} at character {where})")
-            return "; ".join(parts), None
-        if err.get("type") == "extra_forbidden":
-            msg = "unknown field (not supported by this server)"
-        parts.append(f"{where}: {msg}" if where else msg)
-    return "; ".join(parts) or "invalid request", param
 
 
 # --------------------------------------------------------------------------- serving state
@@ -191,7 +136,7 @@ class _Server:
 
     def failed(self, endpoint: str, exc: BaseException) -> JSONResponse:
         """The error response for ``exc``, counted in the metrics."""
-        resp = _error_response(exc)
+        resp = error_response(exc)
         self.metrics.request(endpoint, resp.status_code)
         return resp
 
@@ -298,7 +243,7 @@ class _Server:
 
     def _stopped(self, endpoint: str, why: str) -> JSONResponse:
         if why == "timeout":
-            resp = _error_response(self.timed_out())
+            resp = error_response(self.timed_out())
         else:                      # nobody reads this answer; 499 as nginx logs a client that closed
             self.metrics.disconnects += 1
             log.info("client disconnected: generation stopped")
@@ -332,7 +277,7 @@ class _Server:
                     return
             if include_usage and last is not None:
                 fin, usage = last
-                yield f"data: {json.dumps(_usage_chunk(fin, usage))}\n\n"
+                yield f"data: {json.dumps(usage_chunk(fin, usage))}\n\n"
             yield "data: [DONE]\n\n"
         except asyncio.CancelledError:   # Starlette saw the disconnect first and cancelled the stream
             self.metrics.disconnects += 1
@@ -342,15 +287,6 @@ class _Server:
             yield f"data: {json.dumps(error_body(str(e), 'server_error'))}\n\n"
         finally:
             lease.release()
-
-
-def _usage_chunk(finish_chunk: dict, usage: dict | None) -> dict:
-    """The chunk OpenAI sends last with ``stream_options.include_usage``: no choices, the usage."""
-    out = {k: finish_chunk[k] for k in ("id", "object", "created", "model") if k in finish_chunk}
-    out.update(choices=[], usage=usage)
-    if "dflash" in finish_chunk:
-        out["dflash"] = finish_chunk["dflash"]
-    return out
 
 
 def _quiet(fut) -> None:
@@ -458,7 +394,7 @@ def create_app(llm, model_id: str | None = None, *, max_queue: int | None = None
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(request: Request, exc: RequestValidationError):
-        msg, param = _validation_message(exc)
+        msg, param = validation_message(exc)
         srv.metrics.request(request.url.path, 400)
         return JSONResponse(error_body(msg, "invalid_request_error", param), status_code=400)
 
@@ -470,11 +406,11 @@ def create_app(llm, model_id: str | None = None, *, max_queue: int | None = None
     @app.exception_handler(ValueError)
     async def _bad_value(request: Request, exc: ValueError):
         srv.metrics.request(request.url.path, 400)
-        return _error_response(exc)
+        return error_response(exc)
 
     @app.exception_handler(Exception)
     async def _crash(request: Request, exc: Exception):
-        return _error_response(exc)
+        return error_response(exc)
 
     @app.get("/health")
     async def health():

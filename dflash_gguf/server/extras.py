@@ -18,7 +18,7 @@ from typing import List, Literal, Optional, Union
 from fastapi import FastAPI
 from pydantic import BaseModel, ConfigDict, Field
 
-from dflash_gguf.server.app import BadRequest, ServingError
+from dflash_gguf.server.responses import BadRequest, ServingError
 
 Ids = List[int]
 

@@ -26,7 +26,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from dflash_gguf.batch import StopStrings, formatted_prompt
 from dflash_gguf.calls import check_template_kwargs
 from dflash_gguf.constraints import request_constraints, tool_call_grammar
-from dflash_gguf.server.app import POLL_S, _error_response, _usage_chunk, error_body
+from dflash_gguf.server.responses import POLL_S, error_body, error_response, usage_chunk
 from dflash_gguf.engine import Context, ContextOptions, Model
 from dflash_gguf.logprobs import Collector, CompletionLogprobs, chat_logprobs
 from dflash_gguf.sampling import SamplingParams
@@ -521,7 +521,7 @@ async def _events(srv, request, job: Job, deadline: float | None, include_usage:
                 return
             kind, val = item
             if kind == "error":
-                err = _error_response(val)
+                err = error_response(val)
                 yield f"data: {err.body.decode()}\n\n"
                 return
             upto = len(val) if kind == "end" else max(sent, len(val) - hold)
@@ -546,7 +546,7 @@ async def _events(srv, request, job: Job, deadline: float | None, include_usage:
             fin["usage"] = None
         yield f"data: {json.dumps(fin)}\n\n"
         if include_usage:
-            yield f"data: {json.dumps(_usage_chunk(fin, used))}\n\n"
+            yield f"data: {json.dumps(usage_chunk(fin, used))}\n\n"
         yield "data: [DONE]\n\n"
     except asyncio.CancelledError:
         job.cancelled = True

@@ -21,7 +21,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from dflash_gguf.server.app import BadRequest, ServingError, _validation_message
+from dflash_gguf.server.responses import BadRequest, ServingError, validation_message
 from dflash_gguf.server.schemas import ChatRequest
 
 STORED_RESPONSES = 256      # previous_response_id: the most recent responses kept, in memory
@@ -104,7 +104,7 @@ def parse(model: type[BaseModel], data: dict):
     try:
         return model.model_validate(data)
     except ValidationError as e:
-        raise BadRequest(*_validation_message(e)) from None
+        raise BadRequest(*validation_message(e)) from None
 
 
 def chat_request(fields: dict) -> ChatRequest:
