@@ -14,6 +14,10 @@ from functools import lru_cache
 from pathlib import Path
 from typing import NamedTuple
 
+import pytest
+
+pytestmark = pytest.mark.pure
+
 PACKAGE = "dflash_gguf"
 SOURCE = Path(__file__).resolve().parents[1]
 
@@ -28,11 +32,13 @@ FRONT_DOORS = ("dflash_gguf.api", "dflash_gguf.batch", "dflash_gguf.server", "df
                "dflash_gguf.cli", "dflash_gguf.demo")
 # the native handles: the library's bindings and its models and contexts
 NATIVE = ("dflash_gguf._bindings", "dflash_gguf.engine")
-# pure rules that import without the native build (their tests run without it)
-PURE = ("dflash_gguf.gate", "dflash_gguf.sampling", "dflash_gguf.decoding.acceptance",
-        "dflash_gguf.decoding.batch_costs", "dflash_gguf.decoding.stats", "dflash_gguf.decoding.confidence",
+# the rules that load without the native build (their tests run under ``pytest --pure``)
+PURE = ("dflash_gguf.gate", "dflash_gguf.sampling", "dflash_gguf.constraints", "dflash_gguf.stopping",
+        "dflash_gguf.fallback", "dflash_gguf.decoding.acceptance", "dflash_gguf.decoding.batch_costs",
+        "dflash_gguf.decoding.stats", "dflash_gguf.decoding.confidence", "dflash_gguf.decoding.rollback",
         "dflash_gguf.decoding.history")
-NATIVE_LIBRARIES = ("llama_cpp", "cffi")
+# what a pure module must not load: the patched llama.cpp, its bindings, the conversion stack
+NATIVE_LIBRARIES = ("llama_cpp", "cffi", "_cffi_backend", "torch", "transformers")
 
 
 class Import(NamedTuple):
