@@ -18,14 +18,17 @@ import time
 KEEP = re.compile(r"kleidiai|KLEIDIAI|REPACK|model buffer size|CPU :", re.I)
 
 
-class _Grab(logging.Handler):
-    def __init__(self):
+class Grab(logging.Handler):
+    """Keeps the log lines that match ``keep`` (ggml's own, through llama_cpp's logger)."""
+
+    def __init__(self, keep: re.Pattern = KEEP):
         super().__init__(logging.DEBUG)
+        self.keep = keep
         self.lines: list[str] = []
 
     def emit(self, record):
         msg = record.getMessage()
-        if KEEP.search(msg):
+        if self.keep.search(msg):
             self.lines.append(msg.strip())
 
 
@@ -43,7 +46,7 @@ def main(argv=None) -> int:
                     help="also sample twice with this seed (temperature 0.8, top-k 20), each from a fresh state")
     a = ap.parse_args(argv)
 
-    grab = _Grab()
+    grab = Grab()
     logger = logging.getLogger("guest.llama_cpp")
     logger.setLevel(logging.DEBUG)
     logger.propagate = False

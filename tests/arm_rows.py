@@ -10,21 +10,13 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import re
 import sys
 import time
 
+from arm_guest import Grab   # beside this script (run from tests/ or copied with it)
+
 ROWS = (1, 2, 4, 8, 16)
-
-
-class _Grab(logging.Handler):
-    def __init__(self):
-        super().__init__(logging.DEBUG)
-        self.lines: list[str] = []
-
-    def emit(self, record):
-        msg = record.getMessage()
-        if "kleidiai" in msg.lower():
-            self.lines.append(msg.strip())
 
 
 def main(argv=None) -> int:
@@ -35,7 +27,7 @@ def main(argv=None) -> int:
     ap.add_argument("--rows", default=",".join(map(str, ROWS)))
     a = ap.parse_args(argv)
 
-    grab = _Grab()
+    grab = Grab(re.compile("kleidiai", re.I))
     logger = logging.getLogger("rows.llama_cpp")
     logger.setLevel(logging.DEBUG)
     logger.propagate = False
