@@ -50,22 +50,21 @@ _SCALAR = {T_UINT8: "<B", T_INT8: "<b", T_UINT16: "<H", T_INT16: "<h", T_UINT32:
            T_FLOAT32: "<f", T_BOOL: "<B", T_UINT64: "<Q", T_INT64: "<q", T_FLOAT64: "<d"}
 _INTEGER = {T_UINT8, T_INT8, T_UINT16, T_INT16, T_UINT32, T_INT32, T_UINT64, T_INT64}
 
-# ggml type id -> (block size, bytes per block); ids that upstream removed are absent
-_GGML_FALLBACK = {0: (1, 4), 1: (1, 2), 2: (32, 18), 3: (32, 20), 6: (32, 22), 7: (32, 24), 8: (32, 34),
-                  9: (32, 36), 10: (256, 84), 11: (256, 110), 12: (256, 144), 13: (256, 176), 14: (256, 210),
-                  15: (256, 292), 16: (256, 66), 17: (256, 74), 18: (256, 98), 19: (256, 50), 20: (32, 18),
-                  21: (256, 110), 22: (256, 82), 23: (256, 136), 24: (1, 1), 25: (1, 2), 26: (1, 4),
-                  27: (1, 8), 28: (1, 8), 29: (256, 56), 30: (1, 2), 34: (256, 54), 35: (256, 66),
-                  39: (32, 17), 40: (64, 36), 41: (128, 18), 42: (64, 18)}
+# ggml type id -> (block size, bytes per block); ids that upstream removed are absent. The vendored
+# gguf-py's GGML_QUANT_SIZES is the same table (tests/test_llama_parity.py checks it), but importing any
+# part of gguf-py loads the whole package (its reader, writer and vocabulary modules, with yaml and
+# sentencepiece): memory that every Llama would then hold beyond plain llama_cpp's for one table
+GGML_TYPE_SIZES = {0: (1, 4), 1: (1, 2), 2: (32, 18), 3: (32, 20), 6: (32, 22), 7: (32, 24), 8: (32, 34),
+                   9: (32, 36), 10: (256, 84), 11: (256, 110), 12: (256, 144), 13: (256, 176), 14: (256, 210),
+                   15: (256, 292), 16: (256, 66), 17: (256, 74), 18: (256, 98), 19: (256, 50), 20: (32, 18),
+                   21: (256, 110), 22: (256, 82), 23: (256, 136), 24: (1, 1), 25: (1, 2), 26: (1, 4),
+                   27: (1, 8), 28: (1, 8), 29: (256, 56), 30: (1, 2), 34: (256, 54), 35: (256, 66),
+                   39: (32, 17), 40: (64, 36), 41: (128, 18), 42: (64, 18)}
 
 
 def ggml_type_sizes() -> dict[int, tuple[int, int]]:
-    """ggml type id -> (elements per block, bytes per block), from the vendored gguf-py when present."""
-    try:
-        from gguf.constants import GGML_QUANT_SIZES
-        return {int(k): (int(v[0]), int(v[1])) for k, v in GGML_QUANT_SIZES.items()}
-    except Exception:   # gguf-py not installed: the table of the pinned version
-        return dict(_GGML_FALLBACK)
+    """ggml type id -> (elements per block, bytes per block)."""
+    return dict(GGML_TYPE_SIZES)
 
 
 @dataclass

@@ -31,6 +31,13 @@ def test_recurrent_and_hybrid_archs_are_llama_cpp_s():
         assert {names[c] for c in re.findall(r"case (LLM_ARCH_\w+):", body)} == table, fn
 
 
+def test_ggml_type_sizes_are_gguf_py_s():
+    """gguf_check's block sizes per ggml type are the vendored gguf-py's (kept as a table of its own:
+    importing gguf-py loads the whole package), every type of it."""
+    from gguf.constants import GGML_QUANT_SIZES
+    assert gguf_check.ggml_type_sizes() == {int(k): (int(v[0]), int(v[1])) for k, v in GGML_QUANT_SIZES.items()}
+
+
 @pytest.mark.parametrize("version", [1, 2])
 def test_mamba_loads_without_a_drafter(models, version):
     """Upstream's converter writes attention.head_count = 0 for Mamba and Mamba2: llama.cpp loads them,

@@ -26,10 +26,13 @@ from dflash_gguf import _bindings as B
 from dflash_gguf.engine import Context, DrafterInfo
 from dflash_gguf.errors import DFlashError
 
-MAX_BYTES = 16 << 20   # rows are injected when the buffer would pass this (per sequence; it grows by doubling
-                       # from FIRST_ROWS: 3,276 rows of the demo pair, 409 at the Qwen3-1.7B shape with 5 taps). A
+MAX_BYTES = 4 << 20    # rows are injected when the buffer would pass this (per sequence; it grows by doubling
+                       # from FIRST_ROWS: 819 rows of the demo pair, 102 at the Qwen3-1.7B shape with 5 taps). A
                        # flush mid-run costs more than its 6.5 us a row and 60 us a call: the drafter's graph
-                       # run pushes a small target out of the CPU's caches for the plain steps after it
+                       # run pushes a small target out of the CPU's caches for the plain steps after it, so
+                       # the cap is far above a small pair's row. Not higher: a long prompt's kept rows fill
+                       # the buffer while the target's compute buffer is in full use, and a growth holds the
+                       # old buffer and the new one at once, all of it on top of plain decoding's peak
 FIRST_ROWS = 64
 
 
