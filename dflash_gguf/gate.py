@@ -474,16 +474,17 @@ class DraftLength:
 
     def start_from(self, hits: np.ndarray, tries: np.ndarray) -> None:
         """Start from an acceptance history kept from earlier decoders of the same pair
-        (:mod:`dflash_gguf.decoding.history`), as :meth:`learn_acceptance` does from another gate: no warm-up
-        blocks to find out whether the drafter is ever right, a plan from the first step."""
-        if hits.shape != (self.n_max,) or tries.shape != (self.n_max,) or (hits < 0).any() or (hits > tries + 1e-9).any():
-            raise ValueError(f"an acceptance history of {self.n_max} positions with 0 <= hits <= tries")
+        (:mod:`dflash_gguf.decoding.history`), at least FEW_DRAWS draws deep: no warm-up blocks to find out
+        whether the drafter is ever right, a plan from the first step."""
+        if (hits.shape != (self.n_max,) or tries.shape != (self.n_max,) or (hits < 0).any() or (hits > tries).any()
+                or tries[0] < self.FEW_DRAWS):
+            raise ValueError(f"an acceptance history of {self.n_max} positions with 0 <= hits <= tries and at "
+                             f"least {self.FEW_DRAWS} draws of the first")
         self.hits[:], self.tries[:] = hits, tries
         self._evaluated = None
-        self._right = bool(hits.sum() > 0)
-        self._blocks = max(self._blocks, self.WARMUP_GIVE_UP)
-        self._learned = bool(tries[0] >= self.FEW_DRAWS)
-        self._few = not self._learned
+        self._warmup = 0
+        # a first plan of plain decoding is what the history says, not a dip to re-probe soon
+        self._learned = True
 
     def new_run(self, after: "DraftLength | None" = None) -> None:
         """The next step starts a run (a generation's first, after its prefill): its cost is no steady one

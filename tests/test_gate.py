@@ -329,8 +329,12 @@ def test_a_kept_history_plans_from_the_first_step():
     never = DraftLength(7, prior)
     never.start_from(np.zeros(7), np.array([32.0] + [0.0] * 6))
     assert feed(never, 10, accept=lambda n: 0, cost=cost) == [0] * 10
-    with pytest.raises(ValueError, match="0 <= hits <= tries"):
-        DraftLength(7, prior).start_from(np.full(7, 2.0), np.ones(7))
+    # a history that says plain decoding wins (rows dear, half the tokens right) is not re-probed soon
+    dear = lambda n: 1.0 + 0.5 * n  # noqa: E731
+    plain = DraftLength(7, np.array([dear(n) for n in range(8)]))
+    half = np.array([32.0 * 0.5 ** i for i in range(7)])
+    plain.start_from(half * 0.5, half)
+    assert feed(plain, 12, accept=lambda n: min(n, 1), cost=dear) == [0] * 12
 
     cond = [0.85, 0.8, 0.75, 0.7, 0.6, 0.5, 0.4]
     tries = np.array([32.0 * np.prod(cond[:i]) for i in range(7)])
@@ -344,3 +348,20 @@ def test_a_kept_history_plans_from_the_first_step():
         kept.append(simulate(g, cond, cost, np.random.default_rng(seed), 64))
         warmed.append(simulate(warm, cond, cost, np.random.default_rng(seed), 64))
     assert np.mean(kept) >= max(np.mean(fresh), 0.95 * np.mean(warmed))
+
+
+@pytest.mark.parametrize("hits,tries", [
+    (np.zeros(6), np.full(7, 8.0)),                      # a history of another block length
+    (np.zeros(7), np.full(1, 8.0)),
+    (np.array([-1.0] + [0.0] * 6), np.full(7, 8.0)),     # negative counts
+    (np.array([8.5] + [0.0] * 6), np.full(7, 8.0)),      # more hits than draws
+    (np.zeros(7), np.full(7, DraftLength.FEW_DRAWS - 0.5)),   # too few draws to plan on
+])
+def test_a_kept_history_that_cannot_be_the_gates_own_is_refused(hits, tries):
+    g = DraftLength(7, np.ones(8))
+    with pytest.raises(ValueError, match="0 <= hits <= tries and at least"):
+        g.start_from(hits, tries)
+    assert g.tries.sum() == 0
+    # the edges are histories it can have: every token right, nothing right, just enough draws
+    g.start_from(np.full(7, 8.0), np.full(7, 8.0))
+    g.start_from(np.zeros(7), np.full(7, float(DraftLength.FEW_DRAWS)))
