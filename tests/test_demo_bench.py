@@ -186,4 +186,4 @@ def test_sampling_bench_compares_lattice_and_one_hot(tmp_path):
     assert all(row[k] > 0 for row in api for k in ("llama_cpp", "gate", "fixed"))
     r = subprocess.run([sys.executable, "-m", "dflash_gguf.bench.sampling", "--drafter", str(DRAFTER), "--seeds", "1",
                         "-n", "4"], capture_output=True, text=True, timeout=600, env=_env(), cwd=REPO)
-    assert r.returncode != 0 and "not a DFlash2 drafter" in r.stdout + r.stderr
+    assert r.returncode != 0 and "neither a DFlash2 drafter with a selector nor a DSpark drafter" in r.stdout + r.stderr
