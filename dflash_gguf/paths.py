@@ -3,10 +3,25 @@ from __future__ import annotations
 
 import hashlib
 import importlib.util
+import json
 import os
 from pathlib import Path
 
 _PKG = Path(__file__).resolve().parent
+
+
+def file_identity(path: str | os.PathLike) -> list:
+    """What a cache keyed by a model file keys it by: its resolved path, size and modification time."""
+    st = Path(path).stat()
+    return [str(Path(path).resolve()), st.st_size, st.st_mtime_ns]
+
+
+def write_json(path: Path, data) -> None:
+    """Write ``data`` as JSON to ``path`` whole or not at all: readers see the old file or the new one."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(f".tmp{os.getpid()}")
+    tmp.write_text(json.dumps(data))
+    os.replace(tmp, path)
 
 
 def patches_dir() -> Path:

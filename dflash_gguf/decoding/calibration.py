@@ -182,11 +182,6 @@ def steady(seen: dict[int, list[float]]) -> bool:
     return sum(s > SPREAD for s in spread) <= UNSTEADY * len(spread)
 
 
-def _file_id(path: Path) -> list:
-    st = Path(path).stat()
-    return [str(Path(path).resolve()), st.st_size, st.st_mtime_ns]
-
-
 def _cpu_id() -> str:
     return (cpu_model() or "") + ";" + hashlib.sha256(" ".join(sorted(cpu_flags())).encode()).hexdigest()[:12]
 
@@ -197,7 +192,7 @@ def cache_key(decoder: Measured) -> str:
     t, d = decoder.target, decoder.drafter
     ident = {
         "format": FORMAT, "version": __version__, "build": B.BUILD_STAMP,   # the loaded library's patch series
-        "target": _file_id(t.model.path), "drafter": _file_id(d.model.path), "n_draft": decoder.n_draft,
+        "target": paths.file_identity(t.model.path), "drafter": paths.file_identity(d.model.path), "n_draft": decoder.n_draft,
         "threads": t.opts.n_threads or os.cpu_count(), "n_ubatch": [t.n_ubatch, d.n_ubatch],
         "flash_attn": t.opts.flash_attn, "cpu": _cpu_id(), "env": {k: os.environ.get(k) for k in KERNEL_ENV},
     }
@@ -247,11 +242,8 @@ def step_costs(decoder: Measured) -> np.ndarray | None:
         log.warning("step costs still unsteady after a second measurement (%.1f s): used for now, not cached; "
                     "the next decoder measures again", seconds)
         return costs
-    f.parent.mkdir(parents=True, exist_ok=True)
-    tmp = f.with_suffix(f".tmp{os.getpid()}")
-    tmp.write_text(json.dumps({"costs": costs.tolist(), "seconds": round(seconds, 3), "measured": measured_before + 1,
-                               "target": decoder.target.model.path.name, "drafter": decoder.drafter.model.path.name}))
-    os.replace(tmp, f)   # no partial file: readers see the old one or the whole new one
+    paths.write_json(f, {"costs": costs.tolist(), "seconds": round(seconds, 3), "measured": measured_before + 1,
+                         "target": decoder.target.model.path.name, "drafter": decoder.drafter.model.path.name})
     log.info("step costs measured in %.1f s: plain %.2f ms, full block (%d) %.2f ms", seconds,
              costs[0] * 1e3, decoder.n_draft, costs[-1] * 1e3)
     return costs
@@ -282,7 +274,5 @@ def check_prior(decoder: Measured, prior: np.ndarray, gate: DraftLength) -> bool
         return True                         # measured again already, or not this decoder's prior
     log.info("plain steps cost %.2f ms here, the cached prior says %.2f ms (measured while the machine was "
              "busy?): the next decoder of this pair measures again", gate.cost[0] * 1e3, prior[0] * 1e3)
-    tmp = f.with_suffix(f".tmp{os.getpid()}")
-    tmp.write_text(json.dumps({"stale": True, "measured": int(data.get("measured", 1))}))
-    os.replace(tmp, f)
+    paths.write_json(f, {"stale": True, "measured": int(data.get("measured", 1))})
     return True

@@ -13,7 +13,6 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-import os
 from pathlib import Path
 from typing import Protocol
 
@@ -46,14 +45,9 @@ class Pair(Protocol):
     drafter: _Context
 
 
-def _file_id(path: Path) -> list:
-    st = os.stat(path)
-    return [str(Path(path).resolve()), st.st_size, st.st_mtime_ns]
-
-
 def history_file(decoder: Pair) -> Path:
-    ident = {"format": FORMAT, "target": _file_id(decoder.target.model.path),
-             "drafter": _file_id(decoder.drafter.model.path), "n_draft": decoder.n_draft}
+    ident = {"format": FORMAT, "target": paths.file_identity(decoder.target.model.path),
+             "drafter": paths.file_identity(decoder.drafter.model.path), "n_draft": decoder.n_draft}
     key = hashlib.sha256(json.dumps(ident, sort_keys=True).encode()).hexdigest()[:24]
     return paths.cache_dir() / "acceptance" / f"{key}.json"
 
@@ -99,9 +93,6 @@ def keep(decoder: Pair, gates: dict[str, DraftLength | None]) -> None:
     if not changed:
         return
     try:
-        f.parent.mkdir(parents=True, exist_ok=True)
-        tmp = f.with_suffix(f".tmp{os.getpid()}")
-        tmp.write_text(json.dumps(data))
-        os.replace(tmp, f)
+        paths.write_json(f, data)
     except OSError as e:       # a read-only cache: the next decoder warms up again, nothing else changes
         log.debug("could not keep the acceptance history in %s: %s", f, e)
