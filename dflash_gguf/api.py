@@ -37,16 +37,16 @@ import llama_cpp.llama_chat_format as llama_chat_format
 from dflash_gguf.calls import CallState, Request, check_grammar, check_template_kwargs, extended_signature as _signature
 from dflash_gguf.constraints import Constraints, request_constraints
 from dflash_gguf.constructors import PairConstructors
-from dflash_gguf.engine import Context, ContextOptions, DrafterInfo, Model, clamp_n_draft
+from dflash_gguf.engine import Context, ContextOptions, DrafterInfo, Model
 from dflash_gguf.pair import pair_files
 from dflash_gguf.errors import BusyError, ModelFileError, ModelNotFoundError
 from dflash_gguf.fallback import Call, plain_reason
 from dflash_gguf.gguf_check import check_gguf
-from dflash_gguf.memory import LOW_MEMORY_DRAFT_CACHE, low_memory_settings, release_free_heap
+from dflash_gguf.memory import LOW_MEMORY_DRAFT_CACHE, low_memory_settings
 from dflash_gguf.rpc import RpcTarget
 from dflash_gguf.sampling import SamplingParams
-from dflash_gguf.decoding.decoder import DFlashDecoder, SpecOptions, common_prefix_len
-from dflash_gguf.decoding.rollback import choose_for_memory, recurrent_state_bytes
+from dflash_gguf.decoding.decoder import DFlashDecoder, common_prefix_len
+from dflash_gguf.runtime import DraftSettings, Runtime, snapshots
 from dflash_gguf.decoding.stats import GenerationStats
 from dflash_gguf.stopping import stop_token_ids
 
@@ -105,8 +105,9 @@ class Llama(PairConstructors, RpcTarget, llama_cpp.Llama):
                  draft_n_gpu_layers: int | None = None, draft_use_mmap: bool = False,
                  draft_window: int | None = None, low_memory: bool = False,
                  rollback_memory_mb: float | None = None, rpc_servers=None, draft_rpc_servers=None, **kwargs):
-        if draft_n_max is not None and draft_n_max < 0:
-            raise ValueError(f"draft_n_max must be >= 0 (0: no drafting), got {draft_n_max}")
+        # checked before anything loads (the runtime takes them as DraftSettings)
+        DraftSettings(n_max=draft_n_max, window=draft_window, rollback_memory_mb=rollback_memory_mb)
+        self._runtime: Runtime | None = None
         self._decoder: DFlashDecoder | None = None
         self._call = CallState()
         # a seed the user chose (here, per call or with set_seed) makes sampled requests repeatable;
@@ -120,10 +121,6 @@ class Llama(PairConstructors, RpcTarget, llama_cpp.Llama):
         self.draft_adaptive = draft_adaptive
         self.draft_n_gpu_layers = draft_n_gpu_layers
         self.draft_use_mmap = draft_use_mmap
-        if draft_window is not None and draft_window < 0:
-            raise ValueError(f"draft_window must be >= 0 (0: the whole context), got {draft_window}")
-        if rollback_memory_mb is not None and rollback_memory_mb < 0:
-            raise ValueError(f"rollback_memory_mb must be >= 0, got {rollback_memory_mb}")
         self.rollback_memory_mb = rollback_memory_mb
         self._owner_lock = threading.RLock()
         self._owner: tuple[int, weakref.ref] | None = None   # (thread, generation) in flight
@@ -152,45 +149,36 @@ class Llama(PairConstructors, RpcTarget, llama_cpp.Llama):
         elif kwargs.get("draft_model") is None:
             log.info("no draft_model_path: %s decodes plainly", Path(model_path).name)
 
+    def draft_settings(self) -> DraftSettings:
+        """How this Llama drafts, as every runtime of it (the server's slots too) takes it."""
+        window = self.draft_window
+        if window is None and self.low_memory and getattr(self, "_draft_model", None) is not None:
+            window = max(LOW_MEMORY_DRAFT_CACHE - DrafterInfo.read(self._draft_model).block_size, 1)
+        return DraftSettings(n_max=self.draft_n_max, adaptive=self.draft_adaptive, window=window,
+                             rollback_memory_mb=self.rollback_memory_mb)
+
     def _open_drafter(self) -> None:
         self._draft_model = Model(self.draft_model_path, use_mmap=self.draft_use_mmap, **self._draft_devices())
-        hybrid = self._is_hybrid or self._is_recurrent
-        info = DrafterInfo.read(self._draft_model)
-        n_draft = clamp_n_draft(info, self.draft_n_max, n_batch=self.n_batch,
-                                n_ubatch=self.context_params.n_ubatch, hybrid=hybrid)
+        draft = self.draft_settings()
+        flash = self.context_params.flash_attn_type == llama_cpp.LLAMA_FLASH_ATTN_TYPE_ENABLED
+        opts = ContextOptions(n_ctx=self._n_ctx, n_batch=self.n_batch, n_ubatch=self.context_params.n_ubatch,
+                              n_threads=self.n_threads, flash_attn=flash)
+
         def borrowed() -> Context:
             model = Model.borrow(self._model.model, self.model_path, self._rpc_hook)
-            return Context.borrow(model, self._ctx.ctx, ContextOptions(n_ctx=self._n_ctx, n_batch=self.n_batch))
-        if hybrid and n_draft > 0 and self._rollback_kind(borrowed(), n_draft) == "snapshot":
-            # rollback by recurrent snapshots: n_rs_seq >= n_draft (clamped so that n_ubatch >= n_rs_seq + 2)
-            self._recreate_context(n_rs_seq=n_draft)
+            return Context.borrow(model, self._ctx.ctx, opts)
+        n_rs_seq = snapshots(borrowed().model, self._draft_model, opts, draft, measure_on=borrowed())
+        if n_rs_seq:
+            # llama_cpp made its context before this class could ask for the snapshots: made again with them
+            self._recreate_context(n_rs_seq=n_rs_seq)
             self._stack.callback(self._close_dflash)   # again: the drafter must go before the new context
-        target = borrowed()
-        flash = self.context_params.flash_attn_type == llama_cpp.LLAMA_FLASH_ATTN_TYPE_ENABLED
-        window = self.draft_window
-        if window is None and self.low_memory:
-            window = max(LOW_MEMORY_DRAFT_CACHE - info.block_size, 1)
-        opts = ContextOptions(n_ctx=self._n_ctx, n_batch=self.n_batch, n_ubatch=self.context_params.n_ubatch,
-                              n_threads=self.n_threads, flash_attn=flash, draft_window=window)
-        self._draft_ctx = Context(self._draft_model, opts, other=target)
-        release_free_heap()   # what loading the drafter freed goes back to the system
-        self._decoder = DFlashDecoder(target, self._draft_ctx,
-                                      SpecOptions(n_draft=n_draft, adaptive=self.draft_adaptive,
-                                                  keep_history=True))
+        self._runtime = Runtime(borrowed(), self._draft_model, draft)
+        self._decoder = self._runtime.decoder
+        self._draft_ctx = self._runtime.drafter
         self.n_tokens = 0   # the decoder cleared the target memory
         log.info("DFlash ready: %s drafter %s, block %d, %d drafted per step, rollback %s",
                  self._decoder.info.kind, Path(self.draft_model_path).name, self._decoder.info.block_size,
                  self._decoder.n_draft, self._decoder.rollback)
-
-    def _rollback_kind(self, target: Context, n_draft: int) -> str:
-        """Snapshots unless ``rollback_memory_mb`` is set and n_draft copies of the state exceed it."""
-        if self.rollback_memory_mb is None:
-            return "snapshot"
-        state = recurrent_state_bytes(target)
-        kind = choose_for_memory(state, n_draft, int(self.rollback_memory_mb * 2**20))
-        log.info("recurrent state %.1f MiB per copy: %d snapshots = %.1f MiB, cap %.1f MiB -> %s rollback",
-                 state / 2**20, n_draft, n_draft * state / 2**20, self.rollback_memory_mb, kind)
-        return kind
 
     def _recreate_context(self, n_rs_seq: int) -> None:
         """Rebuild the target context with ``n_rs_seq`` recurrent snapshots (hybrid targets).
@@ -212,10 +200,8 @@ class Llama(PairConstructors, RpcTarget, llama_cpp.Llama):
 
     def _close_dflash(self) -> None:
         self._finish_live()
-        if self._decoder is not None:
-            self._decoder.closed = True   # a generator finalized later must not touch freed contexts
-        self._decoder = None
-        for name in ("_draft_ctx", "_draft_model"):   # context before model
+        self._decoder = self._draft_ctx = None
+        for name in ("_runtime", "_draft_model"):   # the drafter's context before its model
             obj = getattr(self, name, None)
             if obj is not None:
                 obj.close()

@@ -20,14 +20,13 @@ from __future__ import annotations
 
 import logging
 import os
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
-from dflash_gguf.engine import Context, ContextOptions, DrafterInfo, Model, clamp_n_draft
+from dflash_gguf.engine import ContextOptions, Model
 from dflash_gguf.errors import InvalidArgumentError
+from dflash_gguf.runtime import DraftSettings, Runtime
 from dflash_gguf.sampling import SamplingParams
-from dflash_gguf.decoding.decoder import DFlashDecoder, SpecOptions
-from dflash_gguf.decoding.rollback import choose_for_memory, recurrent_state_bytes
 from dflash_gguf.decoding.sequence import Request
 from dflash_gguf.decoding.stats import GenerationStats
 
@@ -103,48 +102,23 @@ class BatchLlama:
         if n_parallel < 1:
             raise InvalidArgumentError(f"n_parallel must be >= 1, got {n_parallel}")
         opts = ContextOptions(n_ctx=n_ctx, n_batch=n_batch, n_ubatch=n_batch, n_threads=n_threads, n_seq=n_parallel,
-                              flash_attn=flash_attn, draft_window=draft_window)
+                              flash_attn=flash_attn)
+        draft = DraftSettings(n_max=draft_n_max, adaptive=draft_adaptive, window=draft_window,
+                              rollback_memory_mb=rollback_memory_mb)
         self._owned: list = []
         try:
             self.model = self._own(Model(model_path))
-            self.drafter = self.draft_model = None
+            self.draft_model = None
             if draft_model_path is not None:
                 self.draft_model = self._own(Model(draft_model_path))
-            n_rs_seq = self._snapshots(opts, draft_n_max, rollback_memory_mb)
-            self.target = self._own(Context(self.model, replace(opts, n_rs_seq=n_rs_seq)))
-            if self.draft_model is not None:
-                self.drafter = self._own(Context(self.draft_model, opts, other=self.target))
-            self.decoder = DFlashDecoder(self.target, self.drafter,
-                                         SpecOptions(n_draft=draft_n_max, adaptive=draft_adaptive,
-                                                     keep_history=True))
+            self.runtime = self._own(Runtime.open(self.model, self.draft_model, opts, draft))
         except BaseException:
             self.close()
             raise
+        self.target, self.drafter, self.decoder = self.runtime.target, self.runtime.drafter, self.runtime.decoder
         self.n_parallel = n_parallel
         log.info("batch: %d sequences of %d positions, drafter %s (n_draft %d)", n_parallel, self.target.n_ctx,
                  "none" if self.drafter is None else os.fspath(draft_model_path), self.decoder.n_draft)
-
-    def _snapshots(self, opts: ContextOptions, draft_n_max: int | None, cap_mb: float | None) -> int:
-        """Recurrent-state snapshots per sequence for a hybrid or recurrent target that drafts (0: none,
-        rollback by host checkpoints); under a cap, one sequence's state is measured on a small context
-        of its own (the batch's target is then made once, with its snapshots)."""
-        m = self.model
-        if self.draft_model is None or not (m.is_hybrid or m.is_recurrent):
-            return 0
-        per_seq = opts.n_batch // opts.n_seq      # the decoder verifies a block of every sequence in one batch
-        n_draft = clamp_n_draft(DrafterInfo.read(self.draft_model), draft_n_max, n_batch=per_seq,
-                                n_ubatch=per_seq, hybrid=True)
-        if n_draft == 0:
-            return 0
-        cap = None if cap_mb is None else int(cap_mb * 2**20)
-        state = 0
-        if cap is not None:
-            with Context(m, ContextOptions(n_ctx=256, n_batch=256, n_ubatch=256, n_threads=opts.n_threads)) as probe:
-                state = recurrent_state_bytes(probe)
-        kind = choose_for_memory(state, n_draft * opts.n_seq, cap)
-        log.info("batch: recurrent state %.1f MiB per copy, %d sequences x %d snapshots -> %s rollback",
-                 state / 2**20, opts.n_seq, n_draft, kind)
-        return n_draft if kind == "snapshot" else 0
 
     def _own(self, handle):
         self._owned.append(handle)
@@ -209,9 +183,7 @@ class BatchLlama:
 
     # ------------------------------------------------------------------ lifetime
     def close(self) -> None:
-        if getattr(self, "decoder", None) is not None:
-            self.decoder.closed = True
-        for h in reversed(getattr(self, "_owned", [])):
+        for h in reversed(getattr(self, "_owned", [])):   # the runtime (contexts) before the models
             h.close()
         self._owned = []
 

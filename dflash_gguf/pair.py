@@ -18,7 +18,7 @@ from dflash_gguf.errors import ManifestError
 from dflash_gguf.gguf_check import check_manifest
 
 if TYPE_CHECKING:
-    from dflash_gguf.engine import Context, ContextOptions, Model
+    from dflash_gguf.engine import ContextOptions, Model
     from dflash_gguf.decoding.decoder import DFlashDecoder, SpecOptions
     from dflash_gguf.decoding.proposer import Proposer
     from dflash_gguf.decoding.stats import GenerationStats
@@ -124,14 +124,16 @@ def pair_files(path: str | os.PathLike, *, verify: bool = False) -> tuple[Path, 
 
 # --------------------------------------------------------------------------- open pair
 class OpenPair:
-    """Both models and both contexts of a pair (the drafter's borrowing the target's); ``close()``
-    (or leaving the ``with`` block) frees them, drafter first. ``n_gpu_layers`` / ``draft_n_gpu_layers``:
-    layers offloaded to a GPU (the drafter's default: as the target's)."""
+    """Both models and both contexts of a pair (the drafter's borrowing the target's: a
+    :class:`dflash_gguf.runtime.Runtime` with the contexts as ``opts`` says); ``close()`` (or leaving the
+    ``with`` block) frees them, drafter first. ``n_gpu_layers`` / ``draft_n_gpu_layers``: layers offloaded
+    to a GPU (the drafter's default: as the target's)."""
 
     def __init__(self, target: str | os.PathLike, drafter: str | os.PathLike | None,
                  opts: "ContextOptions | None" = None, *, n_gpu_layers: int = 0,
                  draft_n_gpu_layers: int | None = None):
-        from dflash_gguf.engine import Context, ContextOptions, Model
+        from dflash_gguf.engine import ContextOptions, Model
+        from dflash_gguf.runtime import Runtime
 
         self.opts = opts or ContextOptions()
         self._owned: list = []
@@ -140,12 +142,14 @@ class OpenPair:
             self.target: Model = self._own(Model(target, n_gpu_layers=n_gpu_layers))
             self.drafter: Model | None = (self._own(Model(drafter, n_gpu_layers=ngld))
                                           if drafter is not None else None)
-            self.tctx: Context = self._own(Context(self.target, self.opts))
-            self.dctx: Context | None = (self._own(Context(self.drafter, self.opts, other=self.tctx))
-                                         if self.drafter is not None else None)
+            # the contexts as opts says (the caller's tests and tools choose the rollback), no gate yet
+            self.runtime = self._own(Runtime.open(self.target, self.drafter, self.opts, choose_rollback=False,
+                                                  make_decoder=False))
         except BaseException:
             self.close()
             raise
+        self.tctx = self.runtime.target
+        self.dctx = self.runtime.drafter
 
     def _own(self, handle):
         self._owned.append(handle)
@@ -153,15 +157,11 @@ class OpenPair:
 
     def decoder(self, spec: "SpecOptions | None" = None, proposer: "Proposer | None" = None) -> "DFlashDecoder":
         """A DFlash decoder on the pair (it clears both caches)."""
-        from dflash_gguf.decoding.decoder import DFlashDecoder
-
-        return DFlashDecoder(self.tctx, self.dctx, spec, proposer)
+        return self.runtime.decoder_with(spec, proposer)
 
     def plain(self) -> "DFlashDecoder":
         """The one-token-per-step reference decoder on the same target context."""
-        from dflash_gguf.decoding.decoder import DFlashDecoder
-
-        return DFlashDecoder(self.tctx, None)
+        return self.runtime.plain()
 
     def close(self) -> None:
         while self._owned:

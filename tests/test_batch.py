@@ -235,7 +235,7 @@ def test_batch_gates_start_from_a_prior_and_the_known_acceptance(models):
         reqs = [Request(prompts[i % len(prompts)], 8 + 5 * (i % 4), stop_tokens=[]) for i in range(14)]
         got = rig.dec.generate_batch(reqs)
         assert got == [rig.alone(r) for r in reqs]
-        gates = rig.dec._batch_gates
+        gates = rig.dec.policy.batch_gates
         assert set(gates) >= {2, 3, 4}, "the run had steps of several batch sizes"
         n_max = rig.dec.n_draft
         for b, g in gates.items():
@@ -254,23 +254,25 @@ def test_a_batch_probe_drafts_for_one_sequence(models):
     rig = BatchRig(pair, 4, proposer=lambda ctx, n: [(t + 1) % 512 for t in ctx[-n:]], adaptive=True)
     try:
         dec, probes = rig.dec, []
-        propose = dec._propose_all
+        plan = dec.policy.plan
 
-        def spy(seqs, ns):
-            gate = dec._prev_gate
-            if len(seqs) > 1 and gate is not None and gate.probing:
-                probes.append((len(seqs), [n for s, n in zip(seqs, ns) if s.gate is not None],
-                               [s.features.n for s in seqs]))
-            return propose(seqs, ns)
-        dec._propose_all = spy
+        def spy(seqs, n_ctx, padded):
+            p = plan(seqs, n_ctx, padded)
+            if len(seqs) > 1 and p.gate is not None and p.gate.probing:
+                # each gated sequence's length, whether it could draft (no prompt tail in this step, more
+                # than one token to go) and the rows it keeps on the host
+                probes.append((len(seqs), [(n, not len(s.head) and s.max_tokens - s.produced > 1, s.features.n)
+                                           for s, n in zip(seqs, p.lengths) if s.gate is not None]))
+            return p
+        dec.policy.plan = spy
         prompts = [rig.tm.tokenize(t) for t in TEXTS]
         reqs = [Request(prompts[i % len(prompts)], 12 + 7 * (i % 3), stop_tokens=[]) for i in range(12)]
         assert dec.generate_batch(reqs) == [rig.alone(r) for r in reqs]
         assert probes, "no batch step probed the drafter"
-        for b, ns, kept in probes:
-            drafting = [i for i, n in enumerate(ns) if n > 0]
-            assert len(drafting) == 1, (b, ns)
-            assert kept[drafting[0]] == min(kept), (ns, kept)
+        for b, seqs in probes:
+            drafting = [kept for n, _, kept in seqs if n > 0]
+            assert len(drafting) == 1, (b, seqs)
+            assert drafting[0] == min(kept for _, could, kept in seqs if could), seqs
     finally:
         rig.close()
 

@@ -164,7 +164,8 @@ def _set_prior(cache, plain: float, drafting: float) -> np.ndarray:
 def test_a_prior_measured_busy_is_dropped_once_plain_steps_show_it(pair, cache, monkeypatch):
     """A cached prior whose plain step costs far more than this machine's plain steps (as one measured
     during a build) is marked stale after a generation whose gate decoded plainly, and the next decoder
-    measures again; the output stays plain decoding's. A prior measured the second time is kept."""
+    measures again; the output stays plain decoding's. A prior measured the second time that still reads
+    too dear is rescaled to the plain steps the gate saw (the prior's shape kept), not measured again."""
     pair.decoder(SpecOptions(adaptive=True))
     prior = _set_prior(cache, 1.0, 100.0)        # a plain step of a second: no real one is that slow
     dec = pair.decoder(SpecOptions(adaptive=True))
@@ -181,12 +182,16 @@ def test_a_prior_measured_busy_is_dropped_once_plain_steps_show_it(pair, cache, 
     data = json.loads(f.read_text())
     assert measured and data["measured"] == 2 and not data.get("stale")
     np.testing.assert_allclose(again.gate.cost, data["costs"])
-    # a prior measured a second time is kept, even if it reads dear again (no re-measuring by every decoder)
+    # a prior measured a second time that reads dear again is rescaled, not measured by every decoder
     prior = _set_prior(cache, 1.0, 100.0)
     dec = pair.decoder(SpecOptions(adaptive=True))
     list(dec.generate(prompt, 96, stop_tokens=[]))
     assert calibration.prior_is_stale(prior, dec.gate)
-    np.testing.assert_allclose(json.loads(f.read_text())["costs"], prior)
+    kept = np.asarray(json.loads(f.read_text())["costs"])
+    np.testing.assert_allclose(kept, prior * dec.gate.cost[0] / prior[0])
+    assert len(measured) == 1
+    later = pair.decoder(SpecOptions(adaptive=True))
+    np.testing.assert_allclose(later.gate.cost, kept)
     assert len(measured) == 1
 
 

@@ -28,15 +28,15 @@ TOOLS = ("dflash_gguf.bench", "dflash_gguf.reliability")
 # what the decoding engine is built into: the front doors, what builds their runtimes and requests, and the
 # programs that run them
 FRONT_DOORS = ("dflash_gguf.api", "dflash_gguf.batch", "dflash_gguf.server", "dflash_gguf.pair",
-               "dflash_gguf.constructors", "dflash_gguf.calls", "dflash_gguf.fallback", "dflash_gguf.options",
-               "dflash_gguf.cli", "dflash_gguf.demo")
+               "dflash_gguf.constructors", "dflash_gguf.runtime", "dflash_gguf.calls", "dflash_gguf.fallback",
+               "dflash_gguf.options", "dflash_gguf.cli", "dflash_gguf.demo")
 # the native handles: the library's bindings and its models and contexts
 NATIVE = ("dflash_gguf._bindings", "dflash_gguf.engine")
 # the rules that load without the native build (their tests run under ``pytest --pure``)
 PURE = ("dflash_gguf.gate", "dflash_gguf.sampling", "dflash_gguf.constraints", "dflash_gguf.stopping",
         "dflash_gguf.fallback", "dflash_gguf.decoding.acceptance", "dflash_gguf.decoding.batch_costs",
         "dflash_gguf.decoding.stats", "dflash_gguf.decoding.confidence", "dflash_gguf.decoding.rollback",
-        "dflash_gguf.decoding.history")
+        "dflash_gguf.decoding.history", "dflash_gguf.decoding.policy")
 # what a pure module must not load: the patched llama.cpp, its bindings, the conversion stack
 NATIVE_LIBRARIES = ("llama_cpp", "cffi", "_cffi_backend", "torch", "transformers")
 

@@ -28,7 +28,8 @@ has to be right enough to start. A prior measured while the machine was busy (a 
 core) would start every later decoder wrong, though: :func:`check_prior` marks the cached file stale once
 a gate's own plain steps cost under ``STALE`` x the prior's plain step (real steps run at longer
 contexts, so they cost more than the calibration's, not less), and the pair's next decoder measures
-again - once: a prior measured a second time is kept.
+again - once: a prior measured a second time that still reads too dear is rescaled to the gate's plain
+steps rather than measured by every decoder.
 """
 from __future__ import annotations
 
@@ -257,10 +258,12 @@ def prior_is_stale(prior: np.ndarray, gate: DraftLength) -> bool:
 
 def check_prior(decoder: Measured, prior: np.ndarray, gate: DraftLength) -> bool:
     """After a generation: mark this pair's cached prior stale if ``gate`` shows it was measured on a
-    busier machine (:func:`prior_is_stale`); the next decoder measures again. A prior is dropped so once:
-    one measured again is kept whatever follows (a pair whose calibration always reads dearer than its
-    real steps would otherwise be measured by every decoder). Returns True once the check is done for
-    this decoder (dropped, or kept for good)."""
+    busier machine (:func:`prior_is_stale`); the next decoder measures again. A prior is measured again so
+    once (a pair whose calibration always reads dearer than its real steps would otherwise be measured by
+    every decoder): one measured again that still reads too dear is rescaled instead, every length's cost
+    by what the gate's own plain steps cost against the prior's plain step (the prior's shape, this
+    machine's scale: a second measurement on a busy machine must not plan short blocks for good). Returns
+    True once the check is done for this decoder."""
     if not prior_is_stale(prior, gate):
         return False
     f = cache_file(cache_key(decoder))
@@ -269,9 +272,15 @@ def check_prior(decoder: Measured, prior: np.ndarray, gate: DraftLength) -> bool
     except (OSError, ValueError):
         return True                         # not cached (unsteady, or dropped by another decoder)
     cached = np.asarray(data.get("costs", []), dtype=float)
-    if data.get("stale") or int(data.get("measured", 1)) > 1 or cached.shape != prior.shape \
-            or not np.allclose(cached, prior):
-        return True                         # measured again already, or not this decoder's prior
+    if data.get("stale") or cached.shape != prior.shape or not np.allclose(cached, prior):
+        return True                         # dropped or changed by another decoder: not this decoder's prior
+    if int(data.get("measured", 1)) > 1:
+        scale = gate.cost[0] / prior[0]
+        log.info("plain steps cost %.2f ms here, the prior measured again says %.2f ms: every length's cost "
+                 "scaled by %.2f", gate.cost[0] * 1e3, prior[0] * 1e3, scale)
+        paths.write_json(f, {**data, "costs": tidy(prior * scale).tolist(),
+                             "rescaled": int(data.get("rescaled", 0)) + 1})
+        return True
     log.info("plain steps cost %.2f ms here, the cached prior says %.2f ms (measured while the machine was "
              "busy?): the next decoder of this pair measures again", gate.cost[0] * 1e3, prior[0] * 1e3)
     paths.write_json(f, {"stale": True, "measured": int(data.get("measured", 1))})

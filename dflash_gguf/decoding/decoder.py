@@ -14,15 +14,16 @@ is its last chosen token, not yet decoded):
                  ``finally``, so a consumer that stops iterating leaves both caches exactly where plain
                  decoding would.
 
-A decoder serves ``target.n_seq`` sequences (slots; llama.cpp sequence ids). :meth:`DFlashDecoder.generate`
-runs one request on slot 0 as a generator (the single-sequence case: ``dflash_gguf.Llama``);
-:meth:`DFlashDecoder.run` (or :meth:`~DFlashDecoder.admit` and :meth:`~DFlashDecoder.step`, for a server)
-runs many requests on all slots, a request joining as soon as a slot is free. Both go through the same
-step (:meth:`DFlashDecoder._advance`, :meth:`DFlashDecoder._settle`); ``generate`` must not run while
-requests run on the slots.
+A decoder serves ``target.n_seq`` sequences (slots; llama.cpp sequence ids). Requests run through one
+path: :meth:`~DFlashDecoder.admit` starts one on a free slot, :meth:`~DFlashDecoder.step` takes one step of
+every running request and hands each its committed tokens (:meth:`DFlashDecoder.run`: many requests, a
+request joining as soon as a slot is free). :meth:`DFlashDecoder.generate` is that path's one-request case
+on slot 0, as a generator whose caller is the consumer, a token at a time (``dflash_gguf.Llama``); it must
+not run while other requests run on the slots.
 
-The phases live in their own modules: :mod:`.proposer` (draft), :mod:`.acceptance` (accept),
-:mod:`.rollback` (one object per memory kind), :mod:`.stats` (statistics); this module sequences them.
+The phases live in their own modules: :mod:`.policy` (how many tokens to draft and verify), :mod:`.proposer`
+(draft), :mod:`.acceptance` (accept), :mod:`.rollback` (one object per memory kind), :mod:`.stats`
+(statistics); this module sequences them.
 :mod:`.scheduling` holds the decoder's methods for many requests (admit, step, run), :mod:`.sequence`
 the records kept per request and slot.
 """
@@ -39,19 +40,18 @@ import numpy as np
 from dflash_gguf import _bindings as B
 from dflash_gguf.constraints import Constraints
 from dflash_gguf.engine import Context, DrafterInfo, clamp_n_draft
-from dflash_gguf.errors import ContextOverflowError, DecodeError, InvalidArgumentError
+from dflash_gguf.errors import BusyError, ContextOverflowError, InvalidArgumentError
 from dflash_gguf.gate import DraftLength
-from dflash_gguf.decoding.batch_costs import batch_prior
-from dflash_gguf.decoding import calibration, history
+from dflash_gguf.decoding import calibration
 from dflash_gguf.sampling import SamplingParams, TokenChooser
 from dflash_gguf.decoding.acceptance import cut_at_stop, greedy_accept, sampled_accept
-from dflash_gguf.decoding.confidence import Calibration, allocate, rows_cost
 from dflash_gguf.decoding.features import FeatureFeed
+from dflash_gguf.decoding.policy import DraftPolicy
 from dflash_gguf.decoding.prompts import TAP_ROWS, Prompts
 from dflash_gguf.decoding.proposer import DrafterProposer, LatticeProposer, MarkovProposer, Proposer
 from dflash_gguf.decoding.rollback import make_rollback
 from dflash_gguf.decoding.scheduling import Scheduling, common_prefix_len
-from dflash_gguf.decoding.sequence import NO_HEAD, Slot, Step
+from dflash_gguf.decoding.sequence import NO_HEAD, Request, Slot, Step
 from dflash_gguf.decoding.stats import GenerationStats
 
 log = logging.getLogger("dflash_gguf.decoding")
@@ -137,11 +137,10 @@ class DFlashDecoder(Prompts, Scheduling):
         self.seqs = [Slot(slot, make_rollback(target, self.n_draft, self.opts.rollback, seq=slot),
                           FeatureFeed(target, drafter, self.info, seq=slot) if drafter is not None else None)
                      for slot in range(self.n_seq)]
-        self._gated = self.opts.adaptive and self.n_draft > 0
-        self.gate = DraftLength(self.n_draft) if self._gated else None            # greedy requests
-        self.gate_sampled = DraftLength(self.n_draft) if self._gated else None    # sampled requests without a seed
-        self._batch_gates: dict[int, DraftLength] = {}                            # steps of b >= 2 gated sequences
-        self._prev_gate: DraftLength | None = None   # the gate of the last step (None: a prefill or a new call since)
+        gated = self.opts.adaptive and self.n_draft > 0
+        # a DSpark drafter's confidence in each drafted token, and what the target made of such scores
+        confident = self.info is not None and (self.info.has_confidence or self.proposer.confidence)
+        self.policy = DraftPolicy(self.n_draft, gated, confident)
         self._free: deque[Slot] = deque(self.seqs)   # slots without a request (run, admit, step)
         self._active: list[Slot] = []                # ... with a running one
         self._ended: list[Slot] = []                 # ... whose request ended at admission (reported by step)
@@ -150,32 +149,40 @@ class DFlashDecoder(Prompts, Scheduling):
         self._vocab = target.model.n_vocab
         bs = max(self.n_draft + 1, 1)
         self._draft = np.zeros((self.n_seq, bs), dtype=np.int32)
-        # a DSpark drafter's confidence in each drafted token, and what the target made of such scores
-        confident = self.info is not None and (self.info.has_confidence or self.proposer.confidence)
-        # (one calibration for greedy requests, one for sampled ones: a sampled token is kept less often)
-        self.confidence = {True: Calibration(), False: Calibration()} if confident else None
         self._conf = np.zeros((self.n_seq, bs), dtype=np.float32)
         # a step's rows: every sequence's block, and a joining request's prompt tail (_fusable)
         self._rows = np.zeros(max(self.n_seq * bs, self.tap_rows), dtype=np.int32)
         self._argmax = np.zeros(len(self._rows), dtype=np.int32)
         self.eog = frozenset(int(t) for t in target.model.eog_tokens)   # default stop tokens
         self.reset()   # the decoder owns both caches from here on
-        self._prior_checked = True   # the calibration's own generation checks nothing ...
-        self._keep = False           # ... and keeps no acceptance history (its gate is a fixed schedule)
-        costs = calibration.step_costs(self) if self._gated and self.opts.calibrate else None   # cached per pair and machine
-        self._costs = costs          # one sequence's step costs: the batch gates' priors come from them
-        self._prior_checked = costs is None   # whether the prior was found stale (or there is none to check)
-        if costs is not None:
-            self.gate = DraftLength(self.n_draft, costs)
-            self.gate_sampled = DraftLength(self.n_draft, costs)
+        if gated and self.opts.calibrate:   # this machine's step costs, cached per pair and machine
+            costs = calibration.step_costs(self)
+            self.policy.start_from(costs, lambda g: calibration.check_prior(self, costs, g))
         # (the drafter's own proposals only: a replay or an oracle is not the pair's acceptance)
-        self._keep = self.opts.keep_history and self._gated and type(self.proposer) is DrafterProposer
-        self._kept_draws = 0
-        if self._keep:
-            history.recall(self, {"greedy": self.gate, "sampled": self.gate_sampled})
-            self._kept_draws = self._draws()
+        if self.opts.keep_history and gated and type(self.proposer) is DrafterProposer:
+            self.policy.keep_history(self)
         log.debug("decoder ready: drafter=%s n_draft=%d rollback=%s sequences=%d", self.info, self.n_draft,
                   self.rollback, self.n_seq)
+
+    # ------------------------------------------------------------------ the draft policy's gates
+    @property
+    def gate(self) -> DraftLength | None:
+        """The speed gate of greedy requests drafting alone (None: not gated)."""
+        return self.policy.gate
+
+    @gate.setter
+    def gate(self, gate) -> None:   # calibration's fixed schedule stands in for it while it measures
+        self.policy.gate = gate
+
+    @property
+    def gate_sampled(self) -> DraftLength | None:
+        """The speed gate of sampled requests without a seed."""
+        return self.policy.gate_sampled
+
+    @property
+    def confidence(self):
+        """What the target made of the drafter's confidence scores (None: the drafter gives none)."""
+        return self.policy.confidence
 
     # ------------------------------------------------------------------ the one-sequence view (slot 0)
     @property
@@ -208,56 +215,6 @@ class DFlashDecoder(Prompts, Scheduling):
             self.drafter.clear_seq(s.slot)
             s.features.clear()
         s.cache = []
-
-    def _lengths(self, seqs: list[Slot]) -> tuple[list[int], DraftLength | None, int]:
-        """Tokens each sequence drafts this step, the gate that chose them (if any) and its choice."""
-        # a step with a prompt's tail in it (_fusable): alone, a prefill more than a step of any length (not the
-        # gate's); beside others, it costs a prefill's share more
-        fused = any(len(s.head) for s in seqs)
-        gated = [s for s in seqs if s.gate is not None] if not (fused and len(seqs) == 1) else []
-        gate = None
-        if len(gated) == 1 and len(seqs) == 1:
-            gate = gated[0].gate
-        elif gated:
-            # a step of several sequences: one gate per batch size, measured on such steps (the rows of a
-            # step, hence its cost and what drafting buys, grow with the sequences in it)
-            b = len(seqs)
-            gate = self._batch_gates.get(b)
-            if gate is None:
-                # its costs are this batch size's to measure, from a prior scaled by the rows of such a step
-                # (no warm-up of full blocks at every batch size); the drafter's acceptance is known already:
-                # from the gate that has seen the most of it
-                gate = self._batch_gates[b] = DraftLength(
-                    self.n_draft, batch_prior(self._costs, b) if self._costs is not None else None)
-                seen = [g for g in (self.gate, *self._batch_gates.values()) if g is not None and g is not gate]
-                if seen:
-                    gate.learn_acceptance(max(seen, key=lambda g: g.tries.sum()))
-        if gate is not None and gate is not self._prev_gate:
-            # the step before was not this gate's: after a prefill, a new call or a step of sequences that
-            # no gate drafts for, this step's cost is a switch's, not a settled one; after another batch
-            # size's step, the run goes on from that gate's (the same length in a row is as settled)
-            gate.new_run(self._prev_gate)
-        # the step after a fused one is a run's first (as after a prefill); it is not recorded (_record)
-        self._prev_gate = None if fused else gate
-        choice = gate.choose() if gate is not None else 0
-        # where blocks are padded to the longest (__init__), every sequence decodes that many rows: none may
-        # draft past the room the fullest context has left
-        room = min(self.n_ctx - len(s.cache) for s in seqs) if self._pad else self.n_ctx
-        ns = []
-        for s in seqs:
-            want = 0 if len(s.head) else choice if s.gate is not None else s.n_draft   # no features for a tail yet
-            ns.append(max(0, min(want, s.max_tokens - s.produced - 1, self.n_ctx - len(s.cache) - 1, room - 1)))
-        if gate is not None and gate.probing and len(seqs) > 1 and not self._pad:
-            # an acceptance probe asks whether the drafter is right again: one sequence's draft answers
-            # that at a fraction of the whole batch's cost (b + n verify rows instead of b (n + 1), one
-            # drafter row set, one sequence's kept rows injected: the one with the fewest); the other
-            # gated sequences decode plainly this step (not where blocks are padded to the longest: there
-            # the others' rows are verified anyway)
-            can = [i for i, s in enumerate(seqs) if s.gate is not None and ns[i] > 0]
-            if can:
-                probe = min(can, key=lambda i: seqs[i].features.n)
-                ns = [n if i == probe or seqs[i].gate is None else 0 for i, n in enumerate(ns)]
-        return ns, gate, choice
 
     def _propose_all(self, seqs: list[Slot], ns: list[int]) -> list:
         """Draft into ``self._draft[i]`` for every sequence with ns[i] > 0 (``ns`` becomes what each got):
@@ -317,7 +274,8 @@ class DFlashDecoder(Prompts, Scheduling):
 
     def _advance(self, seqs: list[Slot]) -> tuple[list[Step], DraftLength | None, int]:
         """One draft-verify step of every sequence in ``seqs``: what each committed (nothing kept yet)."""
-        ns, gate, choice = self._lengths(seqs)
+        plan = self.policy.plan(seqs, self.n_ctx, self._pad)
+        ns = plan.lengths
         qs = self._propose_all(seqs, ns) if any(ns) else [None] * len(seqs)
         for i, s in enumerate(seqs):
             c = s.chooser.constraints
@@ -325,9 +283,7 @@ class DFlashDecoder(Prompts, Scheduling):
                 # a drafted token the grammar forbids is a sure rejection: verify no row after it
                 ns[i] = c.allowed_prefix(self._draft[s.slot, :ns[i]])
         drafted = list(ns)
-        # (not while calibration's fixed schedule stands in for the gate: it measures whole lengths)
-        if self.confidence is not None and isinstance(gate, DraftLength) and not self._pad:
-            self._verify_by_confidence(seqs, ns, gate)
+        self.policy.verify_rows(seqs, plan, self._conf, self._pad)
         # verify: every sequence's [pending, d1..dn] in one target decode (padded to the longest block where
         # the target's memory splits a batch into equal rows per sequence: __init__), after a joining
         # request's prompt tail (its rows no outputs)
@@ -370,28 +326,15 @@ class DFlashDecoder(Prompts, Scheduling):
             else:
                 commit = sampled_accept(draft, lambda j, r=r: self.target.logits_row(r + j), s.chooser, qs[i])
             a = len(commit) - 1
-            if self.confidence is not None and drafted[i] and not s.lattice:
-                self.confidence[s.chooser.sp.greedy].observe(self._conf[s.slot, :drafted[i]], n, a)
+            if self.policy.confidence is not None and drafted[i] and not s.lattice:
+                self.policy.observe_scores(s, self._conf[s.slot, :drafted[i]], n, a)
                 s.stats.unverified += drafted[i] - n
             s.stats.observe_step(n, a)
             commit = cut_at_stop(commit, s.stop)
             self._sink_rows(s, len(s.cache) + h, r, len(commit))
             steps.append(Step(len(s.cache), n, a, commit, rows[row0[i]:row0[i] + lens[i]].copy(), int(row0[i]),
                               saved[i], h))
-        return steps, gate, choice
-
-    def _verify_by_confidence(self, seqs: list[Slot], ns: list[int], gate: DraftLength) -> None:
-        """Cut the gated sequences' drafted blocks to the rows worth verifying by the drafter's calibrated
-        confidence in them (:mod:`.confidence`), weighed with the gate's measured step costs; the
-        sequences the gate does not choose for (a seeded sampled request keeps its fixed blocks: its text
-        must not follow this machine's timings) and DFlash2 lattices keep theirs."""
-        cut = [i for i, s in enumerate(seqs) if ns[i] > 1 and s.gate is not None and not s.lattice]
-        if not cut:
-            return
-        rates = [self.confidence[seqs[i].chooser.sp.greedy].rates(self._conf[seqs[i].slot, :ns[i]]) for i in cut]
-        n_gated = sum(1 for s in seqs if s.gate is not None)
-        for i, k in zip(cut, allocate(rates, rows_cost(gate.step_cost(), n_gated))):
-            ns[i] = k
+        return steps, plan
 
     def _settle(self, done: list[tuple[Slot, Step, int]]) -> None:
         """Keep the first ``consumed`` tokens of each ``(slot, step, consumed)`` of one step in both caches,
@@ -422,19 +365,6 @@ class DFlashDecoder(Prompts, Scheduling):
                 s.cache.extend(st.commit[:consumed - 1])
                 s.pending = st.commit[consumed - 1]
 
-    @staticmethod
-    def _record(steps: list[tuple[Slot, Step]], gate: DraftLength | None, choice: int, seconds: float) -> None:
-        """Charge the gate a step's whole work (draft with any deferred feature injection, verify,
-        acceptance, sampling, keeping the rows and rolling back): what a step of that length costs."""
-        if gate is None or any(st.head for _, st in steps):
-            return   # no gate chose, or a prompt's tail made the step a prefill's share dearer (_lengths)
-        gated = [st for s, st in steps if s.gate is not None]
-        # an acceptance probe of a batch drafted for one sequence (_lengths): the others drew nothing
-        draws = [st for st in gated if st.n > 0] if gate.probing and len(steps) > 1 else gated
-        for i, st in enumerate(draws or gated[:1]):
-            gate.record(choice if len(steps) > 1 else st.n, st.accepted, seconds / len(gated), same_step=i > 0,
-                        batch=len(gated))
-
     # ------------------------------------------------------------------ requests
     def _check(self, prompt: Sequence[int]) -> list[int]:
         if len(prompt) == 0:
@@ -447,10 +377,10 @@ class DFlashDecoder(Prompts, Scheduling):
         return list(map(int, prompt))
 
     def _begin(self, s: Slot, prompt: list[int], max_tokens: int, sp: SamplingParams, stats: GenerationStats,
-               stop: set[int] | frozenset[int], use_draft: bool, index: int = -1, defer: bool = False,
+               stop: set[int] | frozenset[int], use_draft: bool, index: int = -1,
                constraints: Constraints | None = None, logits_sink=None, sink_from: int = 0) -> None:
-        """Start a request on slot ``s``: both caches to ``prompt[:-1]`` (reusing what they share); with
-        ``defer``, only the reuse: the rest of the prompt waits in ``s.todo`` (see :meth:`_prefill_chunk`).
+        """Start a request on slot ``s``: both caches keep what they share with ``prompt[:-1]``, the rest of
+        the prompt waits in ``s.todo`` for the steps to prefill (see :meth:`_prefill_chunk`).
         ``constraints``: the request's logits processors and grammar (closed when it ends); ``logits_sink``:
         see :class:`~dflash_gguf.decoding.sequence.Request`."""
         s.t_start = time.perf_counter()
@@ -463,9 +393,7 @@ class DFlashDecoder(Prompts, Scheduling):
         # the gate's choices follow measured timings, which changes how a sampled request consumes its
         # random numbers: a repeatable (seeded) request keeps fixed drafting (the same text every time),
         # any other is gated like a greedy one, with its own acceptance history (sampled acceptance is lower)
-        s.gate = None
-        if s.n_draft:
-            s.gate = self.gate if sp.greedy else (None if sp.is_repeatable else self.gate_sampled)
+        s.gate = self.policy.gate_for(sp) if s.n_draft else None
         # DFlash2, sampled: propose from the selector's distribution (the drafter's own proposer only)
         s.lattice = self.lattice is not None and not sp.greedy and type(self.proposer) is DrafterProposer
         # DSpark, sampled: proposals drawn through its Markov chain (the drafter's own proposer only)
@@ -474,24 +402,8 @@ class DFlashDecoder(Prompts, Scheduling):
         stats.n_prompt = len(prompt)
         n_keep = self.keep_prefix(common_prefix_len(s.cache, prompt[:len(prompt) - 1]), s.slot)
         stats.n_reused = n_keep
-        todo = np.asarray(prompt[n_keep:-1], dtype=np.int32)
-        s.prompt, s.todo, s.head = prompt, None, NO_HEAD
-        if len(todo) and defer:
-            s.todo = todo
-            s.cache = prompt[:n_keep]
-            return
-        # the prompt's tail goes with its last token into the first step (alone here: the step is this one's)
-        h = min(len(todo), self._fusable(s, []))
-        if len(todo) > h:
-            try:
-                self._prefill(s, todo[:len(todo) - h], n_keep, stats, end=len(prompt) - 1)
-            except BaseException:
-                self._reset_seq(s)   # a half-filled cache is worse than an empty one
-                s.done = True
-                raise
-        s.cache = prompt[:len(prompt) - 1 - h]
-        s.head = todo[len(todo) - h:]
-        s.pending = prompt[-1]
+        s.prompt, s.todo, s.head = prompt, np.asarray(prompt[n_keep:-1], dtype=np.int32), NO_HEAD
+        s.cache = prompt[:n_keep]
 
     def _finished(self, s: Slot, st: Step | None) -> bool:
         """Whether the request on ``s`` ends after step ``st`` (sets ``stats.finish``)."""
@@ -518,18 +430,8 @@ class DFlashDecoder(Prompts, Scheduling):
         # request's row collector, the consumer and its request, the sampler with its history)
         s.chooser = s.logits_sink = s.consumer = s.request = None
         s.stats.t_total += time.perf_counter() - s.t_start
-        if not self._prior_checked and not self.closed:
-            self._prior_checked = any(calibration.check_prior(self, self._costs, g)
-                                      for g in (self.gate, self.gate_sampled) if g is not None)
-        if self._keep and not self.closed and type(self.proposer) is DrafterProposer and self._draws() > self._kept_draws:
-            self._kept_draws = self._draws()
-            greedy = max((g for g in (self.gate, *self._batch_gates.values()) if g is not None),
-                         key=lambda g: g.tries[0])
-            history.keep(self, {"greedy": greedy, "sampled": self.gate_sampled})
-
-    def _draws(self) -> int:
-        """Steps the gates have chosen so far (what they know grows with them)."""
-        return sum(g.steps for g in (self.gate, self.gate_sampled, *self._batch_gates.values()) if g is not None)
+        if not self.closed:
+            self.policy.request_ended(self, own_proposals=type(self.proposer) is DrafterProposer)
 
     def _check_servers(self) -> None:
         """Raise RpcLostError if a model of this decoder lost an rpc-server (dflash_gguf.rpc)."""
@@ -542,48 +444,43 @@ class DFlashDecoder(Prompts, Scheduling):
                  stats: GenerationStats | None = None, stop_tokens: Sequence[int] | None = None,
                  use_draft: bool = True, constraints: Constraints | None = None,
                  logits_sink=None) -> Iterator[int]:
-        """Yield the target's tokens for ``prompt`` (exactly those plain decoding would give), on slot 0.
+        """Yield the target's tokens for ``prompt`` (exactly those plain decoding would give): the one-request
+        case of :meth:`admit` and :meth:`step`, with the caller as the consumer, a token at a time.
 
         Stops after an end-of-generation / stop token (which is yielded), after ``max_tokens``, or
         when the context is full. ``stats`` (optional) is filled in as it goes. ``constraints``: logits
         processors and a grammar, as llama_cpp applies them (the decoder closes it at the end);
         ``logits_sink(position, row)``: every prompt row's and committed token's logits (logits_all).
+        A bad prompt raises here; nothing runs until the first token is asked for; a caller that stops
+        iterating leaves both caches holding exactly what it took. No other request may run meanwhile.
         """
-        sp = sampling or SamplingParams()
-        stats = stats if stats is not None else GenerationStats()
-        prompt = self._check(prompt)
-        return self._run_one(prompt, max_tokens, sp, stats,
-                             self.eog if stop_tokens is None else set(map(int, stop_tokens)), use_draft, constraints,
-                             logits_sink)
-
-    def _run_one(self, prompt: list[int], max_tokens: int, sp: SamplingParams, stats: GenerationStats,
-                 stop: set[int] | frozenset[int], use_draft: bool, constraints: Constraints | None,
-                 logits_sink) -> Iterator[int]:
-        s = self.seqs[0]
-        self._begin(s, prompt, max_tokens, sp, stats, stop, use_draft, constraints=constraints,
+        r = Request(self._check(prompt), max_tokens, sampling, stop_tokens, use_draft,
+                    stats if stats is not None else GenerationStats(), constraints=constraints,
                     logits_sink=logits_sink)
-        self._prev_gate = None   # the caller's own work came between: the first step's cost is no settled one
+        return self._one(r)
+
+    def _one(self, r: Request) -> Iterator[int]:
+        if self.running:
+            raise BusyError("generate() needs the decoder to itself: requests are running on its slots")
+        self.admit(r, slot=0)    # the one-sequence view (cache, features) is slot 0's
+        self.policy.interrupt()   # the caller's own work came between: the first step's cost is no settled one
         try:
-            st = None
-            while not self._finished(s, st):
-                t_step = time.perf_counter()   # the gate is charged the step's work, not the consumer's time
-                try:
-                    (st,), gate, choice = self._advance([s])
-                except DecodeError:
-                    self._check_servers()   # a lost rpc-server explains a failed draft or verify: RpcLostError
-                    raise
-                t_work = time.perf_counter() - t_step
+            while self.running:
+                _, taken = self._take_step()
+                if taken is None:
+                    continue          # the prompt went in and the request ended there (or failed)
                 consumed = 0
+                commit = taken.steps[0].commit
                 try:
-                    for tok in st.commit:
+                    for tok in commit:
                         consumed += 1
-                        s.produced += 1
-                        stats.n_generated += 1
                         yield tok
                 finally:
-                    t_fin = time.perf_counter()
-                    self._settle([(s, st, consumed)])
-                    t_work += time.perf_counter() - t_fin
-                self._record([(s, st)], gate, choice, t_work)
+                    if consumed < len(commit):   # the caller stopped taking tokens (it says not why)
+                        taken.ended.add(taken.active[0].slot)
+                        taken.stop = False
+                    self._keep_step(taken, [consumed])
+            if r.error is not None:
+                raise r.error
         finally:
-            self._end(s)
+            self.abandon()

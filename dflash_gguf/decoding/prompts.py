@@ -66,7 +66,7 @@ class Prompts:
         """Decode ``tokens`` at ``pos0`` into both caches; ``end``: where the whole fill ends when this is
         one chunk of it (rows the drafter's window drops by then are not injected)."""
         t0 = time.perf_counter()
-        self._prev_gate = None   # the next step follows a prefill, not a step of its gate
+        self.policy.interrupt()   # the next step follows a prefill, not a step of its gate
         end = pos0 + len(tokens) if end is None else end
         feed = s.features
         # rows the drafter will attend to (its window's worth at the end) are decoded tap_rows at a
@@ -126,12 +126,13 @@ class Prompts:
         others_rows = sum(o.n_draft + 1 + len(o.head) for o in others)
         return max(min(self.tap_rows, self.PREFILL_CHUNK) - 1 - others_rows, 0)
 
-    def _prefill_chunk(self, s: Slot, leave: int = 0) -> bool:
-        """The next ``PREFILL_CHUNK`` tokens of a deferred prompt, short of its last ``leave`` (those go
-        with the first step); True when the prompt is all in (its tail, if any, in ``s.head``)."""
+    def _prefill_chunk(self, s: Slot, leave: int = 0, whole: bool = False) -> bool:
+        """The next ``PREFILL_CHUNK`` tokens of a deferred prompt (``whole``: all of it), short of its last
+        ``leave`` (those go with the first step); True when the prompt is all in (its tail, if any, in
+        ``s.head``)."""
         if len(s.todo) > leave:
             pos = len(s.cache)
-            n = min(self.PREFILL_CHUNK, len(s.todo) - leave)
+            n = len(s.todo) - leave if whole else min(self.PREFILL_CHUNK, len(s.todo) - leave)
             chunk, s.todo = s.todo[:n], s.todo[n:]
             try:
                 self._prefill(s, chunk, pos, s.stats, end=len(s.prompt) - 1)

@@ -13,8 +13,9 @@ from typing import Iterable, Iterator, Sequence
 
 import numpy as np
 
-from dflash_gguf.decoding.sequence import Request
+from dflash_gguf.decoding.sequence import Request, TakenStep
 from dflash_gguf.decoding.stats import GenerationStats
+from dflash_gguf.errors import DecodeError
 from dflash_gguf.sampling import SamplingParams
 
 log = logging.getLogger("dflash_gguf.decoding")
@@ -42,16 +43,17 @@ class Scheduling:
         """Requests admitted and not yet ended."""
         return len(self._active) + len(self._ended) + len(self._filling)
 
-    def admit(self, r: Request, index: int = -1) -> bool:
+    def admit(self, r: Request, index: int = -1, slot: int | None = None) -> bool:
         """Start request ``r`` on a free slot - the one whose caches share the longest prefix with its
-        prompt; False when every slot is taken. Its prompt is prefilled by the following steps, one
+        prompt, or ``slot``; False when every slot is taken (or ``slot`` is). Its prompt is prefilled by the following steps, one
         ``PREFILL_CHUNK`` per step beside the running requests' steps (so their next tokens wait for
         at most one chunk), then its tokens come from :meth:`step`, tagged with ``index``. Raises (and
         takes no slot) on a bad prompt."""
-        if not self._free:
+        free = self._free if slot is None else [q for q in self._free if q.slot == slot]
+        if not free:
             return False
         prompt = self._check(r.prompt)
-        s = max(self._free, key=lambda q: common_prefix_len(q.cache, prompt))
+        s = max(free, key=lambda q: common_prefix_len(q.cache, prompt))
         sp = r.sampling or SamplingParams()
         if r.stats is None:
             r.stats = GenerationStats()
@@ -60,7 +62,7 @@ class Scheduling:
         try:
             self._begin(s, prompt, r.max_tokens, sp, stats,
                         self.eog if r.stop_tokens is None else set(map(int, r.stop_tokens)), r.use_draft, index,
-                        defer=True, constraints=r.constraints, logits_sink=r.logits_sink,
+                        constraints=r.constraints, logits_sink=r.logits_sink,
                         sink_from=r.sink_from)
         except BaseException:
             self._free.append(s)
@@ -78,14 +80,32 @@ class Scheduling:
     def step(self) -> list[tuple[int, list[int], bool]]:
         """One draft-verify step of every running request, in one drafter and one target decode:
         ``(index, tokens, ended)`` for each (tokens: those kept this step; ended: its slot is free again)."""
+        out, taken = self._take_step()
+        if taken is None:
+            return out
+        kept = []
+        for s, st in zip(taken.active, taken.steps):
+            want = s.consumer(st.commit) if s.consumer is not None else None
+            # a number from the consumer ends the request
+            kept.append(len(st.commit) if want is None else max(0, min(int(want), len(st.commit))))
+            if want is not None:
+                taken.ended.add(s.slot)
+        return out + self._keep_step(taken, kept)
+
+    def _take_step(self) -> tuple[list[tuple[int, list[int], bool]], "TakenStep | None"]:
+        """The first half of :meth:`step`: requests that ended at admission and failed prefills reported, the
+        next prompt chunk prefilled, then the draft-verify step of every running request - what each
+        committed, nothing kept yet (None: no request runs). :meth:`_keep_step` keeps what the consumers
+        took. ``generate`` hands the tokens to its caller in between, one at a time."""
         out = [(s.index, [], True) for s in self._ended]
         self._free.extend(self._ended)
         self._ended = []
         if self._filling:
             s = self._filling[0]
             try:
-                # its last tokens (those that fit beside the running blocks) go with its first step
-                filled = self._prefill_chunk(s, self._fusable(s, self._active))
+                # alone, the whole prompt at once; beside running requests a chunk (their next token waits
+                # for it); its last tokens (those that fit beside the running blocks) go with its first step
+                filled = self._prefill_chunk(s, self._fusable(s, self._active), whole=not self._active)
             except Exception as e:   # this request fails (e.g. its context is full); the others go on
                 log.debug("prefill of request %d failed: %s", s.index, e)
                 self._filling.popleft()
@@ -105,21 +125,32 @@ class Scheduling:
                 else:
                     self._active.append(s)
         if not self._active:
-            return out
-        active, t_step = self._active, time.perf_counter()
-        steps, gate, choice = self._advance(active)
-        kept = []
-        for s, st in zip(active, steps):
-            want = s.consumer(st.commit) if s.consumer is not None else None
-            k = len(st.commit) if want is None else max(0, min(int(want), len(st.commit)))
+            return out, None
+        t0 = time.perf_counter()
+        try:
+            steps, plan = self._advance(self._active)
+        except DecodeError:
+            self._check_servers()   # a lost rpc-server explains a failed draft or verify: RpcLostError
+            raise
+        return out, TakenStep(list(self._active), steps, plan, time.perf_counter() - t0)
+
+    def _keep_step(self, taken: "TakenStep", kept: list[int]) -> list[tuple[int, list[int], bool]]:
+        """The second half of :meth:`step`: both caches keep the first ``kept[i]`` committed tokens of each
+        running request and roll the rest back, the gate is charged the step's work (not the consumers'
+        time), and requests that are done (``taken.ended``, end of generation, max_tokens, a full context)
+        leave their slots: ``(index, tokens, ended)`` for each."""
+        active, steps = taken.active, taken.steps
+        for s, k in zip(active, kept):
             s.produced += k
             s.stats.n_generated += k
-            kept.append((k, want is not None))   # a number from the consumer ends the request
-        self._settle([(s, st, k) for s, st, (k, _) in zip(active, steps, kept)])
-        self._record(list(zip(active, steps)), gate, choice, time.perf_counter() - t_step)
+        t0 = time.perf_counter()
+        self._settle([(s, st, k) for s, st, k in zip(active, steps, kept)])
+        self.policy.observe(list(zip(active, steps)), taken.plan, taken.seconds + time.perf_counter() - t0)
         self._active = []
-        for s, st, (k, ended) in zip(active, steps, kept):
-            if ended:
+        out = []
+        for s, st, k in zip(active, steps, kept):
+            ended = s.slot in taken.ended
+            if ended and taken.stop:
                 s.stats.finish = "stop"
             ended = ended or self._finished(s, st)
             if ended:

@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Callable, Sequence
+from typing import Any, Callable, Sequence
 
 import numpy as np
 
@@ -50,6 +50,20 @@ class Step:
     row0: int
     saved: bytes | None
     head: int = 0     # prompt rows decoded before ``pending`` (a prompt's tail fused into its first step)
+
+
+@dataclass
+class TakenStep:
+    """A step taken and not yet kept (:meth:`DFlashDecoder._take_step`): the running requests' slots, what
+    each committed, the draft policy's plan of it, the seconds the step's work took so far;
+    ``ended``: slots whose consumers end their requests with it (``stop``: as a stop string or token
+    does; a caller that stops iterating a generator does not say why)."""
+    active: list["Slot"]
+    steps: list[Step]
+    plan: Any
+    seconds: float
+    ended: set[int] = field(default_factory=set)
+    stop: bool = True
 
 
 @dataclass

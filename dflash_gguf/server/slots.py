@@ -18,7 +18,6 @@ import threading
 import time
 import uuid
 from collections import deque
-from dataclasses import replace
 from typing import Any
 
 from fastapi.responses import JSONResponse, StreamingResponse
@@ -27,10 +26,10 @@ from dflash_gguf.batch import StopStrings, formatted_prompt
 from dflash_gguf.calls import check_template_kwargs
 from dflash_gguf.constraints import request_constraints, tool_call_grammar
 from dflash_gguf.server.responses import POLL_S, error_body, error_response, usage_chunk
-from dflash_gguf.engine import Context, ContextOptions, Model
+from dflash_gguf.engine import ContextOptions, Model
+from dflash_gguf.runtime import Runtime
 from dflash_gguf.logprobs import Collector, CompletionLogprobs, chat_logprobs
 from dflash_gguf.sampling import SamplingParams
-from dflash_gguf.decoding.decoder import DFlashDecoder, SpecOptions
 from dflash_gguf.decoding.sequence import Request
 from dflash_gguf.decoding.stats import GenerationStats
 
@@ -98,26 +97,13 @@ class Slots:
         self.llm, self.n = llm, n
         # the Llama's attention kernel (a request served here or there gives the same logits)
         flash = getattr(llm.context_params, "flash_attn_type", None) == 1
-        # a hybrid target rolls back as the Llama's does: recurrent snapshots (each slot keeps its own,
-        # n x the Llama's memory for them) or host checkpoints where rollback_memory_mb chose those
-        dec = getattr(llm, "decoder", None)
-        n_rs_seq = dec.target.n_rs_seq if dec is not None and dec.rollback == "snapshot" else 0
         opts = ContextOptions(n_ctx=llm.n_ctx(), n_batch=llm.n_batch, n_ubatch=llm.context_params.n_ubatch,
-                              n_threads=llm.n_threads, n_seq=n, flash_attn=flash,
-                              draft_window=getattr(llm, "draft_window", None), n_rs_seq=n_rs_seq)
+                              n_threads=llm.n_threads, n_seq=n, flash_attn=flash)
+        # drafting as the Llama's (a hybrid target's rollback chosen for n sequences under the same cap)
+        draft = llm.draft_settings() if hasattr(llm, "draft_settings") else None
         self.model = Model.borrow(llm._model.model, llm.model_path)
-        self.target = Context(self.model, opts)
-        self.drafter = None
-        dm = getattr(llm, "_draft_model", None)
-        try:
-            if dm is not None:
-                self.drafter = Context(dm, replace(opts, n_rs_seq=0), other=self.target)
-            self.decoder = DFlashDecoder(self.target, self.drafter, SpecOptions(
-                n_draft=dec.n_draft if dec is not None else None, adaptive=getattr(llm, "draft_adaptive", True),
-                keep_history=True))
-        except BaseException:
-            self.close()
-            raise
+        self.runtime = Runtime.open(self.model, getattr(llm, "_draft_model", None), opts, draft)
+        self.target, self.drafter, self.decoder = self.runtime.target, self.runtime.drafter, self.runtime.decoder
         self._jobs: queue.SimpleQueue = queue.SimpleQueue()
         self.waiting: deque[Job] = deque()     # admitted to the server, not yet to a slot (engine thread)
         self.n_waiting = 0                      # ... as the event loop counts them
@@ -259,11 +245,8 @@ class Slots:
         if t is not None and t.is_alive():
             self._jobs.put(None)
             t.join(timeout=30)
-        if getattr(self, "decoder", None) is not None:
-            self.decoder.closed = True
-        for c in (getattr(self, "drafter", None), getattr(self, "target", None)):
-            if c is not None:
-                c.close()
+        if getattr(self, "runtime", None) is not None:
+            self.runtime.close()
 
 
 # ---------------------------------------------------------------------- requests and responses

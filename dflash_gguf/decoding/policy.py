@@ -1,0 +1,199 @@
+"""The draft policy: how many tokens each sequence of a step drafts, and how many of them the target verifies.
+
+The decoder calls it through one interface, every step:
+
+* :meth:`DraftPolicy.plan` - before drafting: each sequence's draft length;
+* :meth:`DraftPolicy.verify_rows` - after drafting, for drafters that score their tokens: each gated
+  sequence's block cut to the rows worth verifying;
+* :meth:`DraftPolicy.observe` - after the verify: what each sequence drafted, verified and had accepted,
+  and what the step's work cost;
+* :meth:`DraftPolicy.interrupt` - something else ran (a prefill, the caller's own work): the next step's
+  cost is a switch's, not a settled one;
+* :meth:`DraftPolicy.request_ended` - a request left its slot: what the policy learnt is kept.
+
+It has two inputs. The acceptance history (:class:`dflash_gguf.gate.DraftLength`, one per kind of request
+and batch size): the draft length with the most expected tokens per second from this machine's measured
+step costs (its prior measured by :mod:`.calibration`) and how often the drafter was right, kept per pair
+(:mod:`.history`). And, for drafters with a confidence head (DSpark), the per-token confidence calibrated
+online against what the target accepts (:mod:`.confidence`), which cuts each block to the rows whose
+expected tokens pay for their verify cost. Seeded sampled requests take no part: their text must not
+follow this machine's timings, so they draft fixed blocks.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Callable
+
+import numpy as np
+
+from dflash_gguf.decoding import history
+from dflash_gguf.decoding.batch_costs import batch_prior
+from dflash_gguf.decoding.confidence import Calibration, allocate, rows_cost
+from dflash_gguf.gate import DraftLength
+from dflash_gguf.sampling import SamplingParams
+
+if TYPE_CHECKING:
+    from dflash_gguf.decoding.sequence import Slot, Step
+
+
+@dataclass
+class Plan:
+    """A step's draft lengths (one per sequence, in step order), the gate that chose them (None: no
+    sequence of the step is gated) and its choice."""
+    lengths: list[int]
+    gate: DraftLength | None
+    choice: int
+
+
+class DraftPolicy:
+    """The draft lengths of a decoder of ``n_draft``-token blocks. ``gated``: the speed gate chooses them
+    (else every request drafts whole blocks); ``confident``: the drafter scores its tokens."""
+
+    def __init__(self, n_draft: int, gated: bool, confident: bool):
+        self.n_draft = n_draft
+        self.gated = gated
+        self.gate = DraftLength(n_draft) if gated else None            # greedy requests
+        self.gate_sampled = DraftLength(n_draft) if gated else None    # sampled requests without a seed
+        self.batch_gates: dict[int, DraftLength] = {}                  # steps of b >= 2 gated sequences
+        self.costs: np.ndarray | None = None   # one sequence's step costs: the batch gates' priors come from them
+        # what the target made of the drafter's scores (one calibration for greedy requests, one for sampled
+        # ones: a sampled token is kept less often)
+        self.confidence = {True: Calibration(), False: Calibration()} if confident else None
+        self._prev: DraftLength | None = None   # the gate of the last step (None: something else ran since)
+        self._prior_checked = True
+        self._stale: Callable[[DraftLength], bool] | None = None
+        self._keep = False
+        self._kept_draws = 0
+
+    # ------------------------------------------------------------------ what it starts from
+    def start_from(self, costs: np.ndarray | None, stale: Callable[[DraftLength], bool] | None = None) -> None:
+        """Gates that plan with this machine's measured step costs (:func:`.calibration.step_costs`);
+        ``stale(gate)``: whether what ``gate`` has seen shows the prior was measured on a busy machine (and
+        marks it so: :func:`.calibration.check_prior`), asked after each request until one says so."""
+        self.costs = costs
+        self._stale = stale
+        self._prior_checked = costs is None or stale is None   # found stale (or nothing to check)
+        if costs is not None:
+            self.gate = DraftLength(self.n_draft, costs)
+            self.gate_sampled = DraftLength(self.n_draft, costs)
+
+    def keep_history(self, pair: history.Pair) -> None:
+        """Start from the acceptance ``pair``'s earlier decoders kept, and keep this one's as it grows."""
+        self._keep = True
+        history.recall(pair, {"greedy": self.gate, "sampled": self.gate_sampled})
+        self._kept_draws = self.draws()
+
+    def gate_for(self, sp: SamplingParams) -> DraftLength | None:
+        """The gate that chooses for a request sampled with ``sp`` (None: fixed blocks)."""
+        if not self.gated:
+            return None
+        return self.gate if sp.greedy else (None if sp.is_repeatable else self.gate_sampled)
+
+    # ------------------------------------------------------------------ every step
+    def interrupt(self) -> None:
+        self._prev = None
+
+    def plan(self, seqs: list[Slot], n_ctx: int, padded: bool) -> Plan:
+        """Tokens each sequence of the step drafts (``padded``: every block is verified padded to the
+        longest, so none may draft past the room the fullest context has left)."""
+        # a step with a prompt's tail in it (the decoder fuses it into a request's first step): alone, a
+        # prefill more than a step of any length (not the gate's); beside others, a prefill's share more
+        fused = any(len(s.head) for s in seqs)
+        gated = [s for s in seqs if s.gate is not None] if not (fused and len(seqs) == 1) else []
+        gate = None
+        if len(gated) == 1 and len(seqs) == 1:
+            gate = gated[0].gate
+        elif gated:
+            gate = self._batch_gate(len(seqs))
+        if gate is not None and gate is not self._prev:
+            # the step before was not this gate's: after a prefill, a new call or a step of sequences that
+            # no gate drafts for, this step's cost is a switch's, not a settled one; after another batch
+            # size's step, the run goes on from that gate's (the same length in a row is as settled)
+            gate.new_run(self._prev)
+        # the step after a fused one is a run's first (as after a prefill); it is not recorded (observe)
+        self._prev = None if fused else gate
+        choice = gate.choose() if gate is not None else 0
+        room = min(n_ctx - len(s.cache) for s in seqs) if padded else n_ctx
+        ns = []
+        for s in seqs:
+            want = 0 if len(s.head) else choice if s.gate is not None else s.n_draft   # no features for a tail yet
+            ns.append(max(0, min(want, s.max_tokens - s.produced - 1, n_ctx - len(s.cache) - 1, room - 1)))
+        if gate is not None and gate.probing and len(seqs) > 1 and not padded:
+            # an acceptance probe asks whether the drafter is right again: one sequence's draft answers
+            # that at a fraction of the whole batch's cost (b + n verify rows instead of b (n + 1), one
+            # drafter row set, one sequence's kept rows injected: the one with the fewest); the other
+            # gated sequences decode plainly this step (not where blocks are padded to the longest: there
+            # the others' rows are verified anyway)
+            can = [i for i, s in enumerate(seqs) if s.gate is not None and ns[i] > 0]
+            if can:
+                probe = min(can, key=lambda i: seqs[i].features.n)
+                ns = [n if i == probe or seqs[i].gate is None else 0 for i, n in enumerate(ns)]
+        return Plan(ns, gate, choice)
+
+    def _batch_gate(self, b: int) -> DraftLength:
+        """The gate of steps of ``b`` sequences, measured on such steps (the rows of a step, hence its cost
+        and what drafting buys, grow with the sequences in it)."""
+        gate = self.batch_gates.get(b)
+        if gate is None:
+            # its costs are this batch size's to measure, from a prior scaled by the rows of such a step (no
+            # warm-up of full blocks at every batch size); the drafter's acceptance is known already: from
+            # the gate that has seen the most of it
+            gate = self.batch_gates[b] = DraftLength(
+                self.n_draft, batch_prior(self.costs, b) if self.costs is not None else None)
+            seen = [g for g in (self.gate, *self.batch_gates.values()) if g is not None and g is not gate]
+            if seen:
+                gate.learn_acceptance(max(seen, key=lambda g: g.tries.sum()))
+        return gate
+
+    def verify_rows(self, seqs: list[Slot], plan: Plan, scores: np.ndarray, padded: bool) -> None:
+        """Cut the gated sequences' drafted blocks (``plan.lengths``, what each got) to the rows worth verifying
+        by the drafter's calibrated confidence in them (``scores[slot, :n]``), weighed with the gate's
+        measured step costs. Sequences no gate chooses for and DFlash2 lattices keep theirs; so does a
+        step whose blocks are padded to the longest (every row is verified anyway) and calibration's
+        fixed schedule (it measures whole lengths)."""
+        if self.confidence is None or padded or not isinstance(plan.gate, DraftLength):
+            return
+        ns = plan.lengths
+        cut = [i for i, s in enumerate(seqs) if ns[i] > 1 and s.gate is not None and not s.lattice]
+        if not cut:
+            return
+        rates = [self.confidence[seqs[i].chooser.sp.greedy].rates(scores[seqs[i].slot, :ns[i]]) for i in cut]
+        n_gated = sum(1 for s in seqs if s.gate is not None)
+        for i, k in zip(cut, allocate(rates, rows_cost(plan.gate.step_cost(), n_gated))):
+            ns[i] = k
+
+    def observe_scores(self, s: Slot, scores: np.ndarray, verified: int, accepted: int) -> None:
+        """What the target made of the ``len(scores)`` tokens ``s`` drafted, of which ``verified`` were
+        verified and ``accepted`` kept (the confidence's calibration)."""
+        if self.confidence is not None and len(scores) and not s.lattice:
+            self.confidence[s.chooser.sp.greedy].observe(scores, verified, accepted)
+
+    def observe(self, steps: list[tuple[Slot, Step]], plan: Plan, seconds: float) -> None:
+        """Charge the gate a step's whole work (draft with any deferred feature injection, verify,
+        acceptance, sampling, keeping the rows and rolling back): what a step of that length costs."""
+        gate, choice = plan.gate, plan.choice
+        if gate is None or any(st.head for _, st in steps):
+            return   # no gate chose, or a prompt's tail made the step a prefill's share dearer (plan)
+        gated = [st for s, st in steps if s.gate is not None]
+        # an acceptance probe of a batch drafted for one sequence (plan): the others drew nothing
+        draws = [st for st in gated if st.n > 0] if gate.probing and len(steps) > 1 else gated
+        for i, st in enumerate(draws or gated[:1]):
+            gate.record(choice if len(steps) > 1 else st.n, st.accepted, seconds / len(gated), same_step=i > 0,
+                        batch=len(gated))
+
+    # ------------------------------------------------------------------ between requests
+    def request_ended(self, pair: history.Pair, own_proposals: bool = True) -> None:
+        """A request of ``pair``'s decoder ended: a step-cost prior its gates show was measured on a busy
+        machine is marked stale (once), and the acceptance history is kept when it grew (``own_proposals``:
+        the drafter's own, not a replay's or an oracle's, which are not the pair's acceptance)."""
+        if not self._prior_checked:
+            self._prior_checked = any(self._stale(g) for g in (self.gate, self.gate_sampled) if g is not None)
+        if self._keep and own_proposals and self.draws() > self._kept_draws:
+            self._kept_draws = self.draws()
+            greedy = max((g for g in (self.gate, *self.batch_gates.values()) if g is not None),
+                         key=lambda g: g.tries[0])
+            history.keep(pair, {"greedy": greedy, "sampled": self.gate_sampled})
+
+    def draws(self) -> int:
+        """Steps the gates have chosen so far (what they know grows with them)."""
+        return sum(g.steps for g in (self.gate, self.gate_sampled, *self.batch_gates.values()) if g is not None)
