@@ -45,9 +45,9 @@ class SamplingParams:
     mirostat_tau: float = 5.0
     mirostat_eta: float = 0.1
     seed: int | None = None
-    # the caller asked for a repeatable request (a seed of its own): the decoder then drafts fixed
-    # blocks, since the speed gate's timing-driven lengths change how the random numbers are used;
-    # None: repeatable exactly when a seed is given
+    # the caller asked for a repeatable request (a seed of its own): its drafts are then point masses (the
+    # drafter's tokens, not draws from its own distribution), so that its text is the same whatever is
+    # drafted (TokenChooser); None: repeatable exactly when a seed is given
     repeatable: bool | None = None
 
     @property
@@ -227,11 +227,22 @@ def distribution(logits: np.ndarray, sp: SamplingParams, allowed: Allowed | None
 
 class TokenChooser:
     """Picks target tokens for one generation call: greedy or sampled, with penalties, and with a
-    request's logits processors and grammar (``constraints``, a :class:`dflash_gguf.constraints.Constraints`)."""
+    request's logits processors and grammar (``constraints``, a :class:`dflash_gguf.constraints.Constraints`).
+
+    A sampled token is drawn with the random numbers of its own position in the generation (a stream of
+    the request's seed and the position): the token at a position is the target's draw from its
+    distribution there, whatever was drafted. A drafted token (a point-mass proposal) is kept when it is
+    that draw - with probability p(token), as rejection sampling keeps it - and the draw replaces it
+    otherwise, which is a sample of the residual. So a seeded request gives the same text with drafting
+    or without, at any draft length and in any batch. Proposals drawn from a drafter's own distribution
+    (``q``: a DFlash2 lattice, a DSpark Markov chain) are judged by min(1, p/q) with the request's one
+    stream (``rng``), which its proposer draws from too."""
 
     def __init__(self, sp: SamplingParams, constraints=None):
         self.sp = sp
         self.rng = np.random.default_rng(sp.seed)
+        # the key of each position's stream: the seed, or one drawn for this request
+        self._key = (int(sp.seed) if sp.seed is not None else int(self.rng.integers(2**63))) & (2**64 - 1)
         self.history: list[int] = []   # generated tokens (what llama.cpp's sampler has accepted)
         self.constraints = constraints if constraints else None
         # mirostat's state before each token of the step being decided: [0] after the accepted tokens,
@@ -270,7 +281,12 @@ class TokenChooser:
         if self.sp.greedy:
             return constrained_argmax(lg, self._allowed(extra))
         ids, p = self._distribution(lg, extra)
-        return self._decided(extra, ids, p, int(ids[self.rng.choice(len(ids), p=p)]))
+        return self._decided(extra, ids, p, self._draw(ids, p, extra))
+
+    def _draw(self, ids: np.ndarray, p: np.ndarray, extra: list[int]) -> int:
+        """The target's draw at the position after ``extra``, from that position's own stream."""
+        at = np.random.default_rng([self._key, len(self.history) + len(extra)])
+        return int(ids[at.choice(len(ids), p=p)])
 
     def verify(self, logits: np.ndarray, draft: int, extra: list[int],
                q: tuple[np.ndarray, np.ndarray] | None = None) -> tuple[bool, int]:
@@ -283,31 +299,27 @@ class TokenChooser:
             best = constrained_argmax(lg, self._allowed(extra))
             return best == draft, best
         ids, p = self._distribution(lg, extra)
+        if q is None:
+            tok = self._draw(ids, p, extra)
+            return tok == draft, self._decided(extra, ids, p, tok)
         ok, tok = self._verify(ids, p, draft, q)
         return ok, self._decided(extra, ids, p, tok)
 
     def _verify(self, ids: np.ndarray, p: np.ndarray, draft: int, q) -> tuple[bool, int]:
+        """``draft`` drawn from ``q``: kept with probability min(1, p/q), else a draw of the residual."""
         hit = np.nonzero(ids == draft)[0]
         p_d = float(p[hit[0]]) if len(hit) else 0.0
-        if q is not None:
-            order = np.argsort(q[0])
-            q_ids, q_p = q[0][order], q[1][order]
-            q_d = float(q_p[np.searchsorted(q_ids, draft)])           # draft was drawn from q: it is there
-            if self.rng.random() * q_d < p_d:                         # probability min(1, p_d / q_d)
-                return True, draft
-            at = np.searchsorted(q_ids, ids).clip(max=len(q_ids) - 1)
-            q_on_p = np.where(q_ids[at] == ids, q_p[at], 0.0)
-            r = np.maximum(p - q_on_p, 0.0)
-            if r.sum() <= 0.0:
-                r = p
-            return False, int(ids[self.rng.choice(len(ids), p=r / r.sum())])
-        if p_d > 0.0 and self.rng.random() < p_d:
+        order = np.argsort(q[0])
+        q_ids, q_p = q[0][order], q[1][order]
+        q_d = float(q_p[np.searchsorted(q_ids, draft)])           # draft was drawn from q: it is there
+        if self.rng.random() * q_d < p_d:                         # probability min(1, p_d / q_d)
             return True, draft
-        if len(hit):
-            p = p.copy()
-            p[hit[0]] = 0.0
-            p /= p.sum()
-        return False, int(ids[self.rng.choice(len(ids), p=p)])
+        at = np.searchsorted(q_ids, ids).clip(max=len(q_ids) - 1)
+        q_on_p = np.where(q_ids[at] == ids, q_p[at], 0.0)
+        r = np.maximum(p - q_on_p, 0.0)
+        if r.sum() <= 0.0:
+            r = p
+        return False, int(ids[self.rng.choice(len(ids), p=r / r.sum())])
 
     def accept(self, tokens) -> None:
         """The request kept ``tokens`` (the grammar advances by them)."""

@@ -225,11 +225,11 @@ def test_sampling_is_seeded(fast):
     assert_served(t1["dflash"])
 
 
-def test_sampled_requests_are_gated_unless_the_user_chose_a_seed():
-    """With the speed gate on (the default), a sampled request is gated unless the user chose a seed:
-    per call (completion or chat), for the instance (``Llama(seed=...)``) or with ``set_seed``; those
-    draft fixed blocks and repeat their text. llama_cpp's own per-call seeds (each derived from the
-    last) do not count as the user's. Shipped demo target with its trained DFlash2 drafter."""
+def test_sampled_requests_are_gated_and_a_users_seed_repeats_the_text():
+    """With the speed gate on (the default), sampled requests are gated, those with a seed the user chose
+    too: per call (completion or chat), for the instance (``Llama(seed=...)``) or with ``set_seed``, the
+    text repeats whatever the gate drafts. llama_cpp's own per-call seeds (each derived from the last) do
+    not count as the user's. Shipped demo target with its trained DFlash2 drafter."""
     from dflash_gguf.demo import DEMO_DIR
 
     target, drafter = str(DEMO_DIR / "target.gguf"), str(DEMO_DIR.parent / "demo-dflash2" / "drafter.gguf")
@@ -255,13 +255,13 @@ def test_sampled_requests_are_gated_unless_the_user_chose_a_seed():
         first = text()
         llm.set_seed(9)
         assert text() == first
-        assert gate.steps == steps                                   # none of the seeded requests was gated
+        assert gate.steps > steps                                    # the seeded requests were gated too
     finally:
         llm.close()
     llm = Llama(target, draft_model_path=drafter, n_ctx=512, verbose=False, seed=7)
     try:
         llm.create_completion("def main(", **kw)
-        assert llm._decoder.gate_sampled.steps == 0 and llm.last_dflash_stats.steps > 0   # drafted, not gated
+        assert llm._decoder.gate_sampled.steps > 0 and llm.last_dflash_stats.steps > 0   # gated
     finally:
         llm.close()
 

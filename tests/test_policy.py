@@ -123,20 +123,16 @@ def test_confidence_does_at_least_as_well_as_every_fixed_length_and_the_history_
     assert ours >= history, (ours, history)
 
 
-def test_a_seeded_sampled_request_drafts_fixed_blocks():
-    """A seeded sampled request is not gated (its text must not follow this machine's timings): whole
-    blocks every step, whatever the drafter's record, and the confidence cuts none of them."""
-    policy = DraftPolicy(N, gated=True, confident=True)
-    policy.start_from(prior())
-    seqs = slots(policy, 1, SEEDED)
-    assert seqs[0].gate is None
-    lengths = []
-    for _ in range(50):
-        plan = policy.plan(seqs, 10**9, False)
-        policy.verify_rows(seqs, plan, np.full((1, N), 0.01, np.float32), False)
-        lengths.append(plan.lengths[0])
-        policy.observe([(seqs[0], SimpleNamespace(head=0, n=plan.lengths[0], accepted=0))], plan, step_cost(plan.lengths))
-    assert lengths == [N] * 50
+def test_sampled_requests_have_a_gate_of_their_own_seeded_or_not():
+    """Sampled requests (seeded ones too: their text does not depend on what is drafted) are gated with an
+    acceptance history of their own (a sampled token is kept less often than a greedy one); without the
+    gate every request drafts fixed blocks."""
+    policy = DraftPolicy(N, gated=True, confident=False)
+    assert policy.gate_for(GREEDY) is policy.gate
+    assert policy.gate_for(SEEDED) is policy.gate_for(SamplingParams(temperature=0.8)) is policy.gate_sampled
+    assert policy.gate_sampled is not policy.gate
+    fixed = DraftPolicy(N, gated=False, confident=False)
+    assert fixed.gate_for(GREEDY) is None and fixed.gate_for(SEEDED) is None
 
 
 def test_a_batch_probe_drafts_for_one_sequence_and_within_each_context():

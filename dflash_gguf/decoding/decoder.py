@@ -390,14 +390,15 @@ class DFlashDecoder(Prompts, Scheduling):
         # greedy rows read the target's argmax ids; penalties, processors and grammars judge the logits
         s.greedy = sp.greedy and not sp.has_penalties and s.chooser.constraints is None
         s.n_draft = self.n_draft if (use_draft and self.drafter is not None) else 0
-        # the gate's choices follow measured timings, which changes how a sampled request consumes its
-        # random numbers: a repeatable (seeded) request keeps fixed drafting (the same text every time),
-        # any other is gated like a greedy one, with its own acceptance history (sampled acceptance is lower)
+        # gated, sampled requests with an acceptance history of their own (sampled acceptance is lower)
         s.gate = self.policy.gate_for(sp) if s.n_draft else None
-        # DFlash2, sampled: propose from the selector's distribution (the drafter's own proposer only)
-        s.lattice = self.lattice is not None and not sp.greedy and type(self.proposer) is DrafterProposer
-        # DSpark, sampled: proposals drawn through its Markov chain (the drafter's own proposer only)
-        s.markov = self.markov is not None and not sp.greedy and type(self.proposer) is DrafterProposer
+        # sampled requests whose text may follow what is drafted (not seeded ones: their text is the same
+        # whatever the drafts, which point-mass proposals keep: sampling.TokenChooser) propose from the
+        # drafter's own distribution, with the drafter's own proposer: DFlash2 from its selector's lattice,
+        # DSpark through its Markov chain
+        own = not sp.greedy and not sp.is_repeatable and type(self.proposer) is DrafterProposer
+        s.lattice = self.lattice is not None and own
+        s.markov = self.markov is not None and own
         s.done = False
         stats.n_prompt = len(prompt)
         n_keep = self.keep_prefix(common_prefix_len(s.cache, prompt[:len(prompt) - 1]), s.slot)

@@ -16,8 +16,9 @@ and batch size): the draft length with the most expected tokens per second from 
 step costs (its prior measured by :mod:`.calibration`) and how often the drafter was right, kept per pair
 (:mod:`.history`). And, for drafters with a confidence head (DSpark), the per-token confidence calibrated
 online against what the target accepts (:mod:`.confidence`), which cuts each block to the rows whose
-expected tokens pay for their verify cost. Seeded sampled requests take no part: their text must not
-follow this machine's timings, so they draft fixed blocks.
+expected tokens pay for their verify cost. Every request takes part, seeded sampled ones too: their
+text does not depend on what is drafted (:class:`dflash_gguf.sampling.TokenChooser`), so neither on this
+machine's timings.
 """
 from __future__ import annotations
 
@@ -85,9 +86,7 @@ class DraftPolicy:
 
     def gate_for(self, sp: SamplingParams) -> DraftLength | None:
         """The gate that chooses for a request sampled with ``sp`` (None: fixed blocks)."""
-        if not self.gated:
-            return None
-        return self.gate if sp.greedy else (None if sp.is_repeatable else self.gate_sampled)
+        return self.gate if sp.greedy else self.gate_sampled
 
     # ------------------------------------------------------------------ every step
     def interrupt(self) -> None:

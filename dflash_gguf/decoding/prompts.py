@@ -114,14 +114,10 @@ class Prompts:
         way), which at short requests is several percent of the time. Its rows are kept whole or rolled
         back to the prompt, so the rollback must keep any prefix (seq_rm; a recurrent state keeps the last
         rows' snapshots only); not where every block is padded to the longest (the tail would pad them
-        all), where the logits sink wants the tail's rows, where nothing is generated, or for a seeded
-        sampled request (its draws follow its steps' blocks: the same text whether the prompt was cached
-        or not). Within the taps' row cap beside the others' blocks (every row's features are kept), and
-        a prefill chunk."""
-        sp = s.chooser.sp
+        all), where the logits sink wants the tail's rows, or where nothing is generated. Within the taps'
+        row cap beside the others' blocks (every row's features are kept), and a prefill chunk."""
         if (self._pad or s.max_tokens <= 0 or s.rollback.name != "seq_rm"
-                or (s.logits_sink is not None and s.sink_from < len(s.prompt) - 1)
-                or (not sp.greedy and sp.is_repeatable)):
+                or (s.logits_sink is not None and s.sink_from < len(s.prompt) - 1)):
             return 0
         others_rows = sum(o.n_draft + 1 + len(o.head) for o in others)
         return max(min(self.tap_rows, self.PREFILL_CHUNK) - 1 - others_rows, 0)
