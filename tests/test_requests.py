@@ -15,7 +15,7 @@ from dflash_gguf.decoding.stats import GenerationStats
 from dflash_gguf.requests.defaults import CHAT, COMPLETION, GREEDY, for_endpoint, sampling
 from dflash_gguf.requests.responses import (chunk, completion_body, dflash_object, finish_reason, text_chunk_frame,
                                             tool_message, usage, usage_chunk)
-from dflash_gguf.requests.served import SERVED, asked, slots_serve
+from dflash_gguf.requests.served import SERVED, asked, slots_plain_reason, slots_serve
 from dflash_gguf.requests.stops import StopStrings, stop_list
 from dflash_gguf.sampling import SamplingParams
 
@@ -91,6 +91,15 @@ def test_the_slots_serve_a_request_iff_every_field_it_asks_for_is_served(kw, ser
     """None and False ask for nothing (0 and "" do); an echoed prompt's log-probabilities go to the Llama."""
     assert slots_serve(kw) is served
     assert asked(kw) == {k for k, v in kw.items() if v is not None and v is not False}
+
+
+@pytest.mark.parametrize("want, default, reason", [
+    (None, True, None), (True, True, None), (True, False, None),
+    (False, True, "dflash=false in the request"), (False, False, "dflash=false in the request"),
+    (None, False, "dflash=False"),
+])
+def test_the_slots_decode_plainly_only_where_the_request_or_the_server_says_so(want, default, reason):
+    assert slots_plain_reason(want, default) == reason
 
 
 def test_every_sampling_field_is_served():

@@ -6,7 +6,8 @@ are applied on every verify row (:mod:`dflash_gguf.constraints`), and with ``log
 prompt's and every kept token's logits rows fill llama_cpp's scores (its logprobs read them).
 Everything else falls back to the plain path, and the reason is reported (the ``"dflash"`` object of
 a response, ``Llama.last_dflash_stats``): :func:`plain_reason`, for every generation of a
-``dflash_gguf.Llama`` (the server's one-at-a-time route included).
+``dflash_gguf.Llama`` (the server's one-at-a-time route included); :func:`slots_plain_reason` in the
+server's slots, where a request's or the server's ``dflash`` setting is the only reason.
 
 The server's ``--parallel`` slots (one batched engine) serve a request whose fields are all in
 :data:`SERVED` (:func:`slots_serve`); the others go to the server's ``Llama``, which then applies
@@ -46,6 +47,14 @@ def slots_serve(kw: Mapping) -> bool:
     and not the log-probabilities of an echoed prompt."""
     fields = asked(kw)
     return fields <= SERVED and not {"echo", "logprobs"} <= fields
+
+
+def slots_plain_reason(want: bool | None, default: bool) -> str | None:
+    """Why the slots decode a request plainly (None when DFlash serves it): ``want`` is the request's own
+    ``dflash`` field (None: not given), ``default`` the server's (``--no-dflash``: False)."""
+    if want is None:
+        return None if default else "dflash=False"
+    return None if want else "dflash=false in the request"
 
 
 @dataclass(frozen=True)

@@ -30,7 +30,7 @@ from dflash_gguf.logprobs import Collector, CompletionLogprobs
 from dflash_gguf.requests.defaults import sampling
 from dflash_gguf.requests.responses import (chunk, completion_body, dflash_object, finish_reason, text_chunk_frame,
                                             usage, usage_chunk)
-from dflash_gguf.requests.served import slots_serve
+from dflash_gguf.requests.served import slots_plain_reason, slots_serve
 from dflash_gguf.requests.stops import StopStrings
 from dflash_gguf.sampling import SamplingParams
 from dflash_gguf.decoding.decoder import DFlashDecoder, SpecOptions
@@ -277,7 +277,7 @@ class Slots:
                 c.close()
 
 
-# ---------------------------------------------------------------------- requests and responses
+# ---------------------------------------------------------------------- a request's job
 def make_job(slots: Slots, loop, prompt_ids: list[int], kw: dict, stops: list[str], chat: bool,
              offset0: int = 0) -> Job:
     """A job for ``prompt_ids`` (``offset0``: ``len(prompt)`` of the request's prompt as given, the first
@@ -293,12 +293,11 @@ def make_job(slots: Slots, loop, prompt_ids: list[int], kw: dict, stops: list[st
         grammar, fmt = tool[1], None
     limits = request_constraints(slots.llm, prompt_ids, grammar, kw.get("logit_bias"),
                                  fmt if isinstance(fmt, dict) else None)
-    want = kw.get("dflash")     # the request's own say, else the server's (--no-dflash)
-    use = bool(getattr(slots.llm, "dflash", True) if want is None else want)
+    why_plain = slots_plain_reason(kw.get("dflash"), bool(getattr(slots.llm, "dflash", True)))
     request = Request(prompt_ids, min(max_tokens, room), SamplingParams(**sampling(kw, chat)),
-                      use_draft=use, stats=GenerationStats(), constraints=limits)
+                      use_draft=why_plain is None, stats=GenerationStats(), constraints=limits)
     job = Job(loop, request, StopStrings(slots.model.token_bytes, stops, slots.decoder.eog))
-    job.why_plain = None if use else "dflash=false in the request" if want is False else "dflash=False"
+    job.why_plain = why_plain
     job.tool = None if tool is None else tool[0]
     if chat and kw.get("logprobs"):                      # chat: logprobs=true, top_logprobs=k
         job.want_logprobs(int(kw.get("top_logprobs") or 0), slots.decoder.eog, offset0)
