@@ -8,7 +8,7 @@ from typing import Callable, Sequence
 
 
 class StopStrings:
-    """A request's consumer (see :class:`dflash_gguf.decoding.decoder.Request`): keeps tokens until the text
+    """A request's consumer (see :class:`dflash_gguf.decoding.sequence.Request`): keeps tokens until the text
     holds one of ``stops``, then ends the request after the token that completed it. ``silent``: tokens
     that add no text (end-of-generation tokens: llama_cpp ends on one without its text, which for some
     vocabularies is an ordinary byte)."""
