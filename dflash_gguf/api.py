@@ -40,9 +40,11 @@ from dflash_gguf.constructors import PairConstructors
 from dflash_gguf.engine import Context, ContextOptions, DrafterInfo, Model
 from dflash_gguf.pair import pair_files
 from dflash_gguf.errors import BusyError, ModelFileError, ModelNotFoundError
-from dflash_gguf.fallback import Call, plain_reason
 from dflash_gguf.gguf_check import check_gguf
 from dflash_gguf.memory import LOW_MEMORY_DRAFT_CACHE, low_memory_settings
+from dflash_gguf.requests.defaults import COMPLETION as _D
+from dflash_gguf.requests.responses import dflash_object
+from dflash_gguf.requests.served import Call, plain_reason
 from dflash_gguf.rpc import RpcTarget
 from dflash_gguf.sampling import SamplingParams
 from dflash_gguf.decoding.decoder import DFlashDecoder, common_prefix_len
@@ -346,15 +348,13 @@ class Llama(PairConstructors, RpcTarget, llama_cpp.Llama):
         served it."""
         if req is None or self._decoder is None:
             return None
-        if req.served and req.stats is not None:
-            return {"enabled": True, **req.stats.as_dict()}
-        return {"enabled": False, "reason": req.reason or "plain decoding"}
+        return dflash_object(req.stats if req.served else None, req.reason or "plain decoding")
 
     # ------------------------------------------------------------------ generation
     def dflash_unsupported(self, *, sampling: SamplingParams, reset: bool = True,
                            stopping_criteria=None, request: Request | None = None) -> str | None:
         """Why a generation must use the plain path (None when DFlash serves it exactly):
-        :func:`dflash_gguf.fallback.plain_reason`."""
+        :func:`dflash_gguf.requests.served.plain_reason`."""
         want = self.dflash if request is None or request.dflash is None else request.dflash
         return plain_reason(Call(
             sampling=sampling, drafter=self._decoder is not None, want=bool(want), default=bool(self.dflash),
@@ -389,11 +389,13 @@ class Llama(PairConstructors, RpcTarget, llama_cpp.Llama):
     def _guarded(gen):
         return (yield from gen)
 
-    def _generate(self, tokens: Sequence[int], top_k: int = 40, top_p: float = 0.95, min_p: float = 0.05,
-                 typical_p: float = 1.0, temp: float = 0.80, repeat_penalty: float = 1.0, reset: bool = True,
-                 frequency_penalty: float = 0.0, presence_penalty: float = 0.0, tfs_z: float = 1.0,
-                 mirostat_mode: int = 0, mirostat_tau: float = 5.0, mirostat_eta: float = 0.1,
-                 penalize_nl: bool = True, logits_processor=None, stopping_criteria=None, grammar=None):
+    def _generate(self, tokens: Sequence[int], top_k: int = _D["top_k"], top_p: float = _D["top_p"],
+                  min_p: float = _D["min_p"], typical_p: float = _D["typical_p"], temp: float = _D["temperature"],
+                  repeat_penalty: float = _D["repeat_penalty"], reset: bool = True,
+                  frequency_penalty: float = _D["frequency_penalty"], presence_penalty: float = _D["presence_penalty"],
+                  tfs_z: float = 1.0, mirostat_mode: int = _D["mirostat_mode"], mirostat_tau: float = _D["mirostat_tau"],
+                  mirostat_eta: float = _D["mirostat_eta"], penalize_nl: bool = True, logits_processor=None,
+                  stopping_criteria=None, grammar=None):
         """Token generator (``llama_cpp.Llama.generate``'s signature), through DFlash when possible.
 
         Yields exactly the tokens the plain path would (greedy: the same ids; sampling: the same

@@ -21,11 +21,15 @@ from __future__ import annotations
 import logging
 import os
 from dataclasses import dataclass, field
-from typing import Callable, Sequence
+from typing import Sequence
 
 from dflash_gguf.engine import ContextOptions, Model
 from dflash_gguf.errors import InvalidArgumentError
 from dflash_gguf.runtime import DraftSettings, Runtime
+from dflash_gguf.requests.defaults import COMPLETION, GREEDY
+from dflash_gguf.requests.prompts import formatted_prompt
+from dflash_gguf.requests.responses import finish_reason
+from dflash_gguf.requests.stops import StopStrings
 from dflash_gguf.sampling import SamplingParams
 from dflash_gguf.decoding.sequence import Request
 from dflash_gguf.decoding.stats import GenerationStats
@@ -35,56 +39,14 @@ log = logging.getLogger("dflash_gguf.batch")
 
 @dataclass
 class Completion:
-    """One prompt's result. ``finish_reason``: "stop" (end of generation, a stop token or string),
-    "length" (max_tokens) or "context" (the context is full)."""
+    """One prompt's result. ``finish_reason`` (:func:`dflash_gguf.requests.responses.finish_reason`, the
+    decoder's ends by their own names): "stop" (end of generation, a stop token or string), "length"
+    (max_tokens) or "context" (the context is full)."""
     text: str
     tokens: list[int]
     finish_reason: str
     prompt_tokens: int
     stats: GenerationStats = field(repr=False, default_factory=GenerationStats)
-
-
-class StopStrings:
-    """A request's consumer (see :class:`dflash_gguf.decoding.decoder.Request`): keeps tokens until the text
-    holds one of ``stops``, then ends the request after the token that completed it. ``silent``: tokens
-    that add no text (end-of-generation tokens: llama_cpp ends on one without its text, which for some
-    vocabularies is an ordinary byte)."""
-
-    def __init__(self, piece: Callable[[int], bytes], stops: Sequence[str], silent: frozenset = frozenset()):
-        self.piece, self.stops, self.silent = piece, [s for s in stops if s], silent
-        self.longest = max((len(s) for s in self.stops), default=0)
-        self.raw = b""
-        self.seen = 0                  # characters of text already searched (less a stop string's length)
-        self.cut: int | None = None    # character offset of the first stop string found
-
-    def text(self) -> str:
-        """The completion's text: bytes that are not UTF-8 left out, as llama_cpp does."""
-        text = self.raw.decode("utf-8", "ignore")
-        return text if self.cut is None else text[:self.cut]
-
-    def __call__(self, tokens: list[int]) -> int | None:
-        for j, tok in enumerate(tokens):
-            if tok in self.silent:
-                continue
-            self.raw += self.piece(tok)
-            if self.stops:
-                text = self.raw.decode("utf-8", "ignore")
-                start = max(0, self.seen - self.longest)
-                hits = [i for i in (text.find(s, start) for s in self.stops) if i >= 0]
-                self.seen = len(text)
-                if hits:
-                    self.cut = min(hits)
-                    return j + 1
-        return None
-
-
-def formatted_prompt(fmt, messages: Sequence[dict], tokenize, **extra) -> tuple[list[int], list[str]]:
-    """The prompt ids and stop strings of a llama_cpp chat formatter for ``messages``, tokenized as
-    llama_cpp's chat handler does it (``tokenize``: a ``tokenize(text, add_bos=, special=)``; ``extra``:
-    what the handler passes on to the formatter: ``tools``, ``tool_choice``, template variables)."""
-    r = fmt(messages=list(messages), **extra)
-    ids = tokenize(r.prompt.encode("utf-8"), add_bos=not r.added_special, special=True)
-    return ids, [r.stop] if isinstance(r.stop, str) else list(r.stop or [])
 
 
 class BatchLlama:
@@ -125,10 +87,10 @@ class BatchLlama:
         return handle
 
     # ------------------------------------------------------------------ generation
-    def generate(self, prompts: Sequence[str | Sequence[int]], *, max_tokens: int = 128, temperature: float = 0.0,
-                 top_k: int = 40, top_p: float = 0.95, min_p: float = 0.05, repeat_penalty: float = 1.0,
-                 seed: int | None = None, stop: Sequence[str] | None = None, add_bos: bool = True,
-                 dflash: bool = True) -> list[Completion]:
+    def generate(self, prompts: Sequence[str | Sequence[int]], *, max_tokens: int = 128, temperature: float = GREEDY,
+                 top_k: int = COMPLETION["top_k"], top_p: float = COMPLETION["top_p"], min_p: float = COMPLETION["min_p"],
+                 repeat_penalty: float = COMPLETION["repeat_penalty"], seed: int | None = None,
+                 stop: Sequence[str] | None = None, add_bos: bool = True, dflash: bool = True) -> list[Completion]:
         """Complete every prompt (text, or token ids as they are); results in prompt order.
 
         A sampled batch with a ``seed`` gives prompt ``i`` the seed ``seed + i``: the same batch on a fresh
@@ -177,8 +139,7 @@ class BatchLlama:
         tokens = self.decoder.generate_batch(reqs)
         out = []
         for p, r, toks, c in zip(ids, reqs, tokens, cuts):
-            out.append(Completion(c.text(), toks, "stop" if r.stats.finish == "stop" else r.stats.finish or "length",
-                                  len(p), r.stats))
+            out.append(Completion(c.text(), toks, finish_reason(r.stats.finish, exact=True), len(p), r.stats))
         return out
 
     # ------------------------------------------------------------------ lifetime

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 import llama_cpp
 
 from dflash_gguf.decoding.stats import GenerationStats
+from dflash_gguf.requests.responses import usage
 
 
 @dataclass
@@ -24,8 +25,7 @@ class Request:
     n_completion: int = 0              # tokens llama_cpp took as completion (consumed, not end-of-generation)
 
     def usage(self) -> dict:
-        return {"prompt_tokens": self.n_prompt, "completion_tokens": self.n_completion,
-                "total_tokens": self.n_prompt + self.n_completion}
+        return usage(self.n_prompt, self.n_completion)
 
 
 @dataclass

@@ -17,6 +17,7 @@ import sys
 import time
 
 from dflash_gguf.options import PROG, add_flag, add_model_args, load_llama, setup_logging
+from dflash_gguf.requests.defaults import COMPLETION, GREEDY
 
 EPILOG = """\
 model selection (generate, chat, serve):
@@ -58,12 +59,12 @@ def stats_line(stats, n_tokens: int, seconds: float) -> str:
 def _sampling_args(ap: argparse.ArgumentParser, max_tokens: int) -> None:
     g = ap.add_argument_group("sampling")
     add_flag(g, "n_predict", default=max_tokens)
-    g.add_argument("--temperature", "--temp", type=float, default=0.0,
+    g.add_argument("--temperature", "--temp", type=float, default=GREEDY,
                    help="0 (default): greedy; > 0 samples (DFlash stays lossless: same distribution)")
-    g.add_argument("--top-k", type=int, default=40)
-    g.add_argument("--top-p", type=float, default=0.95)
-    g.add_argument("--min-p", type=float, default=0.05)
-    g.add_argument("--repeat-penalty", type=float, default=1.0)
+    g.add_argument("--top-k", type=int, default=COMPLETION["top_k"])
+    g.add_argument("--top-p", type=float, default=COMPLETION["top_p"])
+    g.add_argument("--min-p", type=float, default=COMPLETION["min_p"])
+    g.add_argument("--repeat-penalty", type=float, default=COMPLETION["repeat_penalty"])
     g.add_argument("--seed", type=int, default=None, help="sampling seed (reproducible output at temperature > 0)")
     g.add_argument("--stop", action="append", default=None, metavar="TEXT", help="stop string (repeatable)")
     g.add_argument("--no-think", action="store_true",

@@ -20,6 +20,8 @@ from typing import Callable
 
 import numpy as np
 
+from dflash_gguf.requests.defaults import COMPLETION as _D, GREEDY
+
 Allowed = Callable[[np.ndarray], np.ndarray]   # a grammar's test: which of these ids may come next
 
 # candidates a grammar is asked about at once, best first, before it judges the whole vocabulary
@@ -32,19 +34,21 @@ class NoTokenAllowed(ValueError):
 
 @dataclass(frozen=True)
 class SamplingParams:
-    temperature: float = 0.0
-    top_k: int = 40
-    top_p: float = 0.95
-    min_p: float = 0.05
-    typical_p: float = 1.0
-    repeat_penalty: float = 1.0
-    frequency_penalty: float = 0.0
-    presence_penalty: float = 0.0
-    penalty_last_n: int = 64
-    mirostat_mode: int = 0          # 1, 2: llama.cpp's mirostat samplers (at temperature > 0)
-    mirostat_tau: float = 5.0
-    mirostat_eta: float = 0.1
-    seed: int | None = None
+    """One request's sampling; each field left out is llama_cpp's default (:mod:`dflash_gguf.requests.defaults`),
+    greedy."""
+    temperature: float = GREEDY
+    top_k: int = _D["top_k"]
+    top_p: float = _D["top_p"]
+    min_p: float = _D["min_p"]
+    typical_p: float = _D["typical_p"]
+    repeat_penalty: float = _D["repeat_penalty"]
+    frequency_penalty: float = _D["frequency_penalty"]
+    presence_penalty: float = _D["presence_penalty"]
+    penalty_last_n: int = 64        # llama_cpp.Llama's last_n_tokens_size
+    mirostat_mode: int = _D["mirostat_mode"]    # 1, 2: llama.cpp's mirostat samplers (at temperature > 0)
+    mirostat_tau: float = _D["mirostat_tau"]
+    mirostat_eta: float = _D["mirostat_eta"]
+    seed: int | None = _D["seed"]
     # the caller asked for a repeatable request (a seed of its own): its drafts are then point masses (the
     # drafter's tokens, not draws from its own distribution), so that its text is the same whatever is
     # drafted (TokenChooser); None: repeatable exactly when a seed is given
@@ -285,8 +289,11 @@ class TokenChooser:
 
     def _draw(self, ids: np.ndarray, p: np.ndarray, extra: list[int]) -> int:
         """The target's draw at the position after ``extra``, from that position's own stream."""
-        at = np.random.default_rng([self._key, len(self.history) + len(extra)])
-        return int(ids[at.choice(len(ids), p=p)])
+        return int(ids[self.stream(len(self.history) + len(extra)).choice(len(ids), p=p)])
+
+    def stream(self, position: int) -> np.random.Generator:
+        """The random numbers of the generation's ``position``-th token (from 0)."""
+        return np.random.default_rng([self._key, position])
 
     def verify(self, logits: np.ndarray, draft: int, extra: list[int],
                q: tuple[np.ndarray, np.ndarray] | None = None) -> tuple[bool, int]:

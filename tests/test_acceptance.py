@@ -1,6 +1,8 @@
 """Acceptance and statistics as pure functions on arrays (no model needed)."""
 from __future__ import annotations
 
+from dataclasses import replace
+
 import numpy as np
 import pytest
 
@@ -64,14 +66,19 @@ def _assert_follows(counts: np.ndarray, p: np.ndarray) -> None:
 
 
 def test_sampled_accept_first_token_has_the_target_distribution():
-    """Rejection sampling with a fixed (one-hot) proposal: the first committed token ~ p exactly."""
+    """A fixed (one-hot) proposal, kept when it is the position's draw: the first committed token ~ p
+    exactly, and the draft is kept with probability p(draft), as rejection sampling keeps it."""
     logits, sp, p = _twelve_tokens(1, 123)
-    draft = np.array([int(np.argsort(p)[-2]), 0], np.int32)   # a plausible but not the best token
-    chooser = TokenChooser(sp)
-    counts = np.zeros(12)
-    for _ in range(6000):
-        counts[sampled_accept(draft, lambda i: logits, chooser)[0]] += 1
+    d = int(np.argsort(p)[-2])                                 # a plausible but not the best token
+    draft = np.array([d, 0], np.int32)
+    counts, kept = np.zeros(12), 0
+    for seed in range(6000):
+        chooser = TokenChooser(replace(sp, seed=seed))
+        got = sampled_accept(draft, lambda i: logits, chooser)
+        counts[got[0]] += 1
+        kept += len(got) > 1
     _assert_follows(counts, p)
+    assert abs(kept / 6000 - p[d]) < 4 * np.sqrt(p[d] * (1 - p[d]) / 6000), (kept / 6000, p[d])
 
 
 @pytest.mark.parametrize("q_case", ["overlap", "disjoint", "equal"])

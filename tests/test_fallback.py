@@ -1,4 +1,4 @@
-"""The rule for which generations DFlash serves (dflash_gguf.fallback): every reason to fall back,
+"""The rule for which generations DFlash serves (dflash_gguf.requests.served): every reason to fall back,
 exactly, in its order; and everything else served by DFlash. (tests/test_api.py checks that Llama
 reports these reasons on real calls.)"""
 from __future__ import annotations
@@ -7,7 +7,7 @@ from dataclasses import replace
 
 import pytest
 
-from dflash_gguf.fallback import Call, plain_reason
+from dflash_gguf.requests.served import Call, plain_reason
 from dflash_gguf.sampling import SamplingParams
 from dflash_gguf.stopping import StopOnTokens
 

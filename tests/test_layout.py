@@ -25,16 +25,22 @@ SOURCE = Path(__file__).resolve().parents[1]
 ENGINE = ("dflash_gguf.decoding", "dflash_gguf.engine", "dflash_gguf.api", "dflash_gguf.batch", "dflash_gguf.server")
 # tools: they drive the engine from outside and are never part of it
 TOOLS = ("dflash_gguf.bench", "dflash_gguf.reliability")
+# the request surface the front doors share (dflash_gguf.requests), but its defaults table: a leaf that the
+# engine's SamplingParams reads too
+REQUESTS = ("dflash_gguf.requests.served", "dflash_gguf.requests.stops", "dflash_gguf.requests.prompts",
+            "dflash_gguf.requests.responses")
+DEFAULTS = "dflash_gguf.requests.defaults"
 # what the decoding engine is built into: the front doors, what builds their runtimes and requests, and the
 # programs that run them
 FRONT_DOORS = ("dflash_gguf.api", "dflash_gguf.batch", "dflash_gguf.server", "dflash_gguf.pair",
-               "dflash_gguf.constructors", "dflash_gguf.runtime", "dflash_gguf.calls", "dflash_gguf.fallback",
-               "dflash_gguf.options", "dflash_gguf.cli", "dflash_gguf.demo")
+               "dflash_gguf.constructors", "dflash_gguf.runtime", "dflash_gguf.calls", "dflash_gguf.options",
+               "dflash_gguf.cli", "dflash_gguf.demo") + REQUESTS
 # the native handles: the library's bindings and its models and contexts
 NATIVE = ("dflash_gguf._bindings", "dflash_gguf.engine")
 # the rules that load without the native build (their tests run under ``pytest --pure``)
 PURE = ("dflash_gguf.gate", "dflash_gguf.sampling", "dflash_gguf.constraints", "dflash_gguf.stopping",
-        "dflash_gguf.fallback", "dflash_gguf.decoding.acceptance", "dflash_gguf.decoding.batch_costs",
+        DEFAULTS, "dflash_gguf.requests.served", "dflash_gguf.requests.stops", "dflash_gguf.requests.responses",
+        "dflash_gguf.decoding.acceptance", "dflash_gguf.decoding.batch_costs",
         "dflash_gguf.decoding.stats", "dflash_gguf.decoding.confidence", "dflash_gguf.decoding.rollback",
         "dflash_gguf.decoding.history", "dflash_gguf.decoding.policy")
 # what a pure module must not load: the patched llama.cpp, its bindings, the conversion stack
@@ -228,6 +234,15 @@ def test_the_pure_rules_load_without_the_native_build():
     bad = [" -> ".join(chains[m] + [i.target]) for m in sorted(chains) for i in found[m]
            if not i.deferred and (i.target in NATIVE_LIBRARIES or _in(i.target, NATIVE))]
     assert not bad, "a pure rule loads the native build:\n  " + "\n  ".join(bad)
+
+
+def test_the_request_surface_is_one_folder_of_front_door_parts_and_a_leaf_table():
+    """Every module of dflash_gguf.requests is placed above (a new one too), and the defaults table loads
+    nothing of the package: the engine reads it without loading what is built on the engine."""
+    found = imports()
+    surface = {m for m in found if _in(m, ("dflash_gguf.requests",))} - {"dflash_gguf.requests"}
+    assert surface == set(REQUESTS) | {DEFAULTS}, surface ^ (set(REQUESTS) | {DEFAULTS})
+    assert not [i.target for i in found[DEFAULTS] if _in(i.target, (PACKAGE,))]
 
 
 # ---------------------------------------------------------------------------- the reader itself

@@ -3,6 +3,8 @@ expectations (tests/test_sampling.py checks the distributions end to end against
 decodes; these pin each rule down for ``make mutate``)."""
 from __future__ import annotations
 
+from dataclasses import replace
+
 import numpy as np
 import pytest
 
@@ -195,11 +197,19 @@ def test_ties_keep_the_lower_id_first_and_top_k_finds_the_best_k():
         assert ids.tolist() == np.argsort(-real, kind="stable")[:k].tolist()
 
 
-def test_the_same_seed_draws_the_same_tokens():
+def test_the_same_seed_draws_the_same_tokens_at_each_position():
+    """A token is drawn from its position's own stream: the same seed, the same draw at every position,
+    however it is asked for (a pick, or the verify of any draft) and however often."""
     sp = SamplingParams(temperature=1.0, top_k=0, top_p=1.0, min_p=0.0, seed=11)
     a, b = TokenChooser(sp), TokenChooser(sp)
-    seq = [a.pick(LOGITS, []) for _ in range(40)]
-    assert seq == [b.pick(LOGITS, []) for _ in range(40)] and len(set(seq)) > 1
+    seq = [a.pick(LOGITS, [0] * i) for i in range(40)]
+    assert seq == [b.pick(LOGITS, [0] * i) for i in range(40)] and len(set(seq)) > 1
+    assert [b.verify(LOGITS, 4, [0] * i)[1] for i in range(40)] == seq
+    assert [a.pick(LOGITS, [0] * 7) for _ in range(5)] == [seq[7]] * 5
+    a.accept([0] * 3)                                   # three tokens kept: position i is now extra i - 3
+    assert a.pick(LOGITS, [0] * 4) == seq[7]
+    other = TokenChooser(SamplingParams(temperature=1.0, top_k=0, top_p=1.0, min_p=0.0, seed=12))
+    assert [other.pick(LOGITS, [0] * i) for i in range(40)] != seq
 
 
 def test_min_p_keeps_tokens_within_its_ratio_of_the_best():
@@ -245,8 +255,10 @@ class Rng:
 
 
 def chooser(sp, u=0.5, history=()):
+    """A chooser whose random numbers are ``Rng(u)``'s (every position's stream too)."""
     c = TokenChooser(sp)
     c.rng = Rng(u)
+    c.stream = lambda position: c.rng
     c.accept(history)
     return c
 
@@ -273,18 +285,28 @@ SP = SamplingParams(temperature=1.0, top_k=3, top_p=1.0, min_p=0.0)
 P = softmax(LOGITS[[3, 0, 5]])                         # ids 3, 0, 5
 
 
-@pytest.mark.parametrize("u, accepted", [(P[1] - 1e-6, True), (P[1] + 1e-6, False)])
-def test_a_deterministic_proposal_is_accepted_with_its_target_probability(u, accepted):
-    c = chooser(SP, u)
-    ok, tok = c.verify(LOGITS, 0, [])
-    assert ok is accepted
-    if accepted:
-        assert tok == 0 and not c.rng.seen
-    else:                                              # resampled from p without the draft
-        want = P.copy()
-        want[1] = 0.0
-        np.testing.assert_allclose(c.rng.seen[0], want / want.sum())
-        assert tok == 3
+@pytest.mark.parametrize("draft, accepted", [(3, True), (0, False), (5, False)])
+def test_a_deterministic_proposal_is_kept_exactly_when_it_is_the_positions_draw(draft, accepted):
+    """The target draws its token from p (here the stand-in's draw is p's likeliest, id 3): a drafted
+    token equal to it is kept, any other is replaced by it."""
+    c = chooser(SP)
+    assert c.verify(LOGITS, draft, []) == (accepted, 3)
+    np.testing.assert_allclose(c.rng.seen[0], P)
+
+
+def test_a_deterministic_proposal_is_kept_with_its_target_probability():
+    """Over many seeds a drafted token is kept with probability p(token), and what replaces it follows
+    p without it (the residual of a one-hot proposal)."""
+    kept, instead = 0, np.zeros(3)
+    for seed in range(20000):
+        ok, tok = TokenChooser(replace(SP, seed=seed)).verify(LOGITS, 0, [])
+        kept += ok
+        if not ok:
+            instead[[3, 0, 5].index(tok)] += 1
+    assert abs(kept / 20000 - P[1]) < 4 * np.sqrt(P[1] * (1 - P[1]) / 20000)
+    assert instead[1] == 0
+    residual = P[[0, 2]] / P[[0, 2]].sum()
+    assert abs(instead[0] / instead.sum() - residual[0]) < 0.02
 
 
 def test_a_proposal_outside_the_targets_candidates_is_rejected_and_p_kept():
@@ -500,11 +522,12 @@ def test_the_chooser_judges_each_row_under_its_own_grammar_state():
     greedy.accept([1, 2, 0])
     assert c.kept == [[1, 2, 0]] and greedy.history == [1, 2, 0]
     c2 = _FakeConstraints(masks)
-    sampled = TokenChooser(SamplingParams(temperature=1.0, top_k=2, top_p=1.0, min_p=0.0, seed=3), c2)
-    picks = {sampled.pick(logits, [5]) for _ in range(40)}
+    sampled = [TokenChooser(SamplingParams(temperature=1.0, top_k=2, top_p=1.0, min_p=0.0, seed=s), c2)
+               for s in range(40)]
+    picks = {ch.pick(logits, [5]) for ch in sampled}
     assert picks == {2, 3} and c2.asked[0] == [5]                   # the two best the grammar allows
-    for _ in range(30):                                              # a forbidden draft is always replaced
-        ok, tok = sampled.verify(logits, 0, [])
+    for ch in sampled:                                               # a forbidden draft is always replaced
+        ok, tok = ch.verify(logits, 0, [])
         assert not ok and tok in (1, 2)
     assert TokenChooser(SamplingParams(), None).constraints is None
     assert TokenChooser(SamplingParams(), Constraints()).constraints is None, "nothing to constrain: the fast path"

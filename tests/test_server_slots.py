@@ -368,7 +368,7 @@ def test_ignore_eos_masks_end_of_generation_tokens(server, plain):
 def test_a_streams_text_chunk_is_the_json_of_its_chunk(chat):
     """The streamed text chunks are written from a frame made once per stream: byte for byte the JSON of
     the chunk (quotes, escapes, control characters and non-ASCII text included)."""
-    from dflash_gguf.server.slots import chunk, text_chunk_frame
+    from dflash_gguf.requests.responses import chunk, text_chunk_frame
 
     head, tail = text_chunk_frame("cmpl-1", 'a "model"\\', chat, 1700000000)
     for text in ["", "x", 'say "hi"\n', "tab\there\\", "\x00\x1f\x7f", "é 漢字 🙂", "end"]:
@@ -408,12 +408,12 @@ def test_a_request_without_sampling_fields_gets_the_llamas_defaults_for_its_endp
     endpoint (create_completion's or create_chat_completion's: temperature 0.8 and 0.2), which is what the
     server without --parallel hands the Llama: a seeded request without temperature gives what the same
     request with the endpoint's default temperature gives, not what the other endpoint's gives."""
-    from dflash_gguf.server.slots import sampling
+    from dflash_gguf.requests.defaults import sampling
 
     fn = llama_cpp.Llama.create_chat_completion if chat else llama_cpp.Llama.create_completion
     defaults = {k: v.default for k, v in inspect.signature(fn).parameters.items()}
     sp = sampling({}, chat)
-    assert {f: getattr(sp, f) for f in SAMPLING_FIELDS} == {f: defaults[f] for f in SAMPLING_FIELDS}
+    assert {f: sp[f] for f in SAMPLING_FIELDS} == {f: defaults[f] for f in SAMPLING_FIELDS}
 
     url, srv = server
     other = inspect.signature(llama_cpp.Llama.create_completion if chat else
@@ -472,7 +472,7 @@ def test_a_dropped_or_timed_out_request_stops_within_a_few_steps():
 def test_a_failure_handing_out_a_steps_tokens_fails_that_request_and_the_server_serves_on(monkeypatch):
     """An exception in the engine thread's handling of a step's results (here: reading a request's text,
     once) ends that request with a 500 at once; the request beside it and later ones are served as usual."""
-    from dflash_gguf.batch import StopStrings
+    from dflash_gguf.requests.stops import StopStrings
 
     text, calls = StopStrings.text, [0]
 

@@ -72,9 +72,11 @@ from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from dflash_gguf import __version__
+from dflash_gguf.requests.responses import usage_chunk
+from dflash_gguf.requests.stops import stop_list
 from dflash_gguf.server.metrics import Metrics
 from dflash_gguf.server.responses import (POLL_S, BadRequest, ServingError, error_body, error_response, plain_json,
-                                          usage_chunk, validation_message)
+                                          validation_message)
 from dflash_gguf.server.schemas import ChatRequest, CompletionRequest
 from dflash_gguf.threads import SerialWorker
 
@@ -461,14 +463,13 @@ def create_app(llm, model_id: str | None = None, *, max_queue: int | None = None
                                  "prompt with its logprobs", "echo")
             echo = llm.detokenize(list(prompt)).decode("utf-8", errors="ignore")
             kw["echo"] = False
-        if srv.slots is not None and (body.logprobs is None or not body.echo) \
-                and srv.slots.eligible(_set(kw)):
+        if srv.slots is not None and srv.slots.eligible(kw):
             from dflash_gguf.server import slots as S
 
             # as llama_cpp's create_completion tokenizes it
             ids = list(prompt) if not isinstance(prompt, str) else \
                 llm.tokenize(prompt.encode("utf-8"), special=True) if prompt else [llm.token_bos()]
-            job = S.make_job(srv.slots, asyncio.get_running_loop(), ids, kw, _stops(kw.get("stop")), chat=False,
+            job = S.make_job(srv.slots, asyncio.get_running_loop(), ids, kw, stop_list(kw.get("stop")), chat=False,
                              offset0=len(prompt))
             if echo is not None and not body.stream:
                 job.echo = echo      # llama_cpp: text = prompt + completion; its streams leave the prompt out
@@ -495,14 +496,15 @@ def create_app(llm, model_id: str | None = None, *, max_queue: int | None = None
             if not hasattr(llm, "dflash_info"):
                 raise BadRequest("chat_template_kwargs needs a dflash_gguf.Llama", "chat_template_kwargs")
             kw["chat_template_kwargs"] = body.chat_template_kwargs
-        if srv.slots is not None and srv.slots.eligible(_set(kw)):
+        if srv.slots is not None and srv.slots.eligible(kw):
+            from dflash_gguf.requests.prompts import chat_prompt
             from dflash_gguf.server import slots as S
 
-            formatted = S.chat_prompt(llm, messages, body.tools, body.tool_choice, body.chat_template_kwargs)
+            formatted = chat_prompt(llm, messages, body.tools, body.tool_choice, body.chat_template_kwargs)
             if formatted is not None:
                 ids, fmt_stops = formatted
                 job = S.make_job(srv.slots, asyncio.get_running_loop(), ids, kw,
-                                 _stops(kw.get("stop")) + fmt_stops, chat=True)
+                                 stop_list(kw.get("stop")) + fmt_stops, chat=True)
                 return await S.serve(srv, request, endpoint, job, body.stream, body.include_usage(), True)
         return await srv.generate(request, endpoint, lambda: llm.create_chat_completion(messages, **kw),
                                   body.stream, body.include_usage())
@@ -541,15 +543,6 @@ def _echoed(completion: dict, text: str) -> dict:
     """A non-streamed completion whose text starts with ``text`` (echo of a token-id prompt)."""
     completion["choices"][0]["text"] = text + completion["choices"][0]["text"]
     return completion
-
-
-def _set(kw: dict) -> dict:
-    """The request's fields that ask for something (None and False ask for nothing)."""
-    return {k: v for k, v in kw.items() if v is not None and v is not False}
-
-
-def _stops(stop) -> list[str]:
-    return [] if stop is None else [stop] if isinstance(stop, str) else list(stop)
 
 
 def _dflash_info(llm) -> dict | None:

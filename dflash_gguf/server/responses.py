@@ -1,8 +1,8 @@
 """What the server's routes share besides the model: the errors they refuse with and the shape those
-take (OpenAI's ``{"error": {...}}``), the last chunk of a stream that asked for its usage, and how often a
-running request looks for a gone client. The one-at-a-time route (:mod:`.app`), the slots
-(:mod:`.slots`), the other APIs (:mod:`.translate`) and the extras (:mod:`.extras`) all answer in these
-shapes; kept apart from :mod:`.app` so that none of them needs the app that routes to them.
+take (OpenAI's ``{"error": {...}}``), and how often a running request looks for a gone client. The
+one-at-a-time route (:mod:`.app`), the slots (:mod:`.slots`), the other APIs (:mod:`.translate`) and the
+extras (:mod:`.extras`) all refuse in these shapes (their answers' shapes: :mod:`dflash_gguf.requests.responses`);
+kept apart from :mod:`.app` so that none of them needs the app that routes to them.
 """
 from __future__ import annotations
 
@@ -69,12 +69,3 @@ def validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
             msg = "unknown field (not supported by this server)"
         parts.append(f"{where}: {msg}" if where else msg)
     return "; ".join(parts) or "invalid request", param
-
-
-def usage_chunk(finish_chunk: dict, usage: dict | None) -> dict:
-    """The chunk OpenAI sends last with ``stream_options.include_usage``: no choices, the usage."""
-    out = {k: finish_chunk[k] for k in ("id", "object", "created", "model") if k in finish_chunk}
-    out.update(choices=[], usage=usage)
-    if "dflash" in finish_chunk:
-        out["dflash"] = finish_chunk["dflash"]
-    return out

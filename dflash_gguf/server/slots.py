@@ -22,32 +22,21 @@ from typing import Any
 
 from fastapi.responses import JSONResponse, StreamingResponse
 
-from dflash_gguf.batch import StopStrings, formatted_prompt
-from dflash_gguf.calls import check_template_kwargs
 from dflash_gguf.constraints import request_constraints, tool_call_grammar
-from dflash_gguf.server.responses import POLL_S, error_body, error_response, usage_chunk
+from dflash_gguf.server.responses import POLL_S, error_body, error_response
 from dflash_gguf.engine import ContextOptions, Model
 from dflash_gguf.runtime import Runtime
-from dflash_gguf.logprobs import Collector, CompletionLogprobs, chat_logprobs
+from dflash_gguf.logprobs import Collector, CompletionLogprobs
+from dflash_gguf.requests.defaults import sampling
+from dflash_gguf.requests.responses import (chunk, completion_body, dflash_object, finish_reason, text_chunk_frame,
+                                            usage, usage_chunk)
+from dflash_gguf.requests.served import slots_plain_reason, slots_serve
+from dflash_gguf.requests.stops import StopStrings
 from dflash_gguf.sampling import SamplingParams
 from dflash_gguf.decoding.sequence import Request
 from dflash_gguf.decoding.stats import GenerationStats
 
 log = logging.getLogger("dflash_gguf.server")
-
-# request fields the batched engine serves (every sampling field llama_cpp has; a field added to the
-# schema and not here goes to the Llama). tools,
-# tool_choice and chat_template_kwargs: into the chat template, a named tool_choice's grammar on the
-# reply, the reply a tool call (as llama_cpp's chat handlers do; a chat_handler of the Llama's own: the
-# Llama serves the request). echo: as llama_cpp (the non-streamed text starts with the prompt;
-# a stream leaves it out; a token-id prompt's text detokenized); the logprobs of an echoed prompt (its rows)
-# go to the Llama. logprobs / top_logprobs: the generated tokens' (dflash_gguf.logprobs), with
-# or without --logits-all
-SERVED = frozenset({"temperature", "top_p", "top_k", "min_p", "typical_p", "repeat_penalty", "frequency_penalty",
-                    "presence_penalty", "seed", "stop", "dflash", "max_tokens", "stream", "model", "grammar",
-                    "logit_bias", "response_format", "echo", "logprobs", "top_logprobs", "tools", "tool_choice",
-                    "chat_template_kwargs", "mirostat_mode", "mirostat_tau", "mirostat_eta"})
-
 
 class Job:
     """One request on its way through the slots; tokens come back to the event loop in ``queue``."""
@@ -86,6 +75,28 @@ class Job:
             return None
         return CompletionLogprobs(lambda t: llm.detokenize([t]), self.logprobs_offset, llm.token_bos())
 
+    # ------------------------------------------------------------------ its answer's parts (dflash_gguf.requests.responses)
+    def finish_reason(self) -> str:
+        return finish_reason(self.request.stats.finish, self.tool)
+
+    def usage(self) -> dict:
+        return usage(len(self.request.prompt), self.n_tokens)
+
+    def dflash_object(self, drafting: bool) -> dict | None:
+        """The answer's ``dflash`` object (None: the server has no drafter)."""
+        if not drafting:
+            return None
+        return dflash_object(self.request.stats if self.request.use_draft else None, self.why_plain)
+
+    def body(self, model_id: str, text: str, chat: bool, drafting: bool, llm) -> dict:
+        """The whole response, ``text`` its reply."""
+        fmt = self.logprobs_format(llm)
+        lp = None if fmt is None else fmt.take(self.logprobs.entries)
+        if fmt is not None and lp is None:
+            lp = {"tokens": [], "text_offset": [], "token_logprobs": [], "top_logprobs": []}
+        return completion_body(model_id, text, chat, self.finish_reason(), self.usage(), self.dflash_object(drafting),
+                               logprobs=lp, tool=self.tool, echo=self.echo)
+
     def put(self, item: Any) -> None:
         self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
 
@@ -118,9 +129,9 @@ class Slots:
 
     # ------------------------------------------------------------------ the event loop's side
     @staticmethod
-    def eligible(fields: dict) -> bool:
-        """Whether a request with these set fields can run in the slots."""
-        return set(fields) <= SERVED
+    def eligible(kw: dict) -> bool:
+        """Whether a request with these keyword arguments runs in the slots (:func:`dflash_gguf.requests.served.slots_serve`)."""
+        return slots_serve(kw)
 
     def submit(self, job: Job) -> None:
         self.n_waiting += 1
@@ -249,51 +260,7 @@ class Slots:
             self.runtime.close()
 
 
-# ---------------------------------------------------------------------- requests and responses
-def sampling(kw: dict, chat: bool) -> SamplingParams:
-    """llama_cpp's create_completion / create_chat_completion defaults, overridden by the request."""
-    return SamplingParams(temperature=float(kw.get("temperature", 0.2 if chat else 0.8)),
-                          top_k=int(kw.get("top_k", 40)), top_p=float(kw.get("top_p", 0.95)),
-                          min_p=float(kw.get("min_p", 0.05)), typical_p=float(kw.get("typical_p", 1.0)),
-                          repeat_penalty=float(kw.get("repeat_penalty", 1.0)),
-                          frequency_penalty=float(kw.get("frequency_penalty", 0.0)),
-                          presence_penalty=float(kw.get("presence_penalty", 0.0)),
-                          mirostat_mode=int(kw.get("mirostat_mode", 0)), mirostat_tau=float(kw.get("mirostat_tau", 5.0)),
-                          mirostat_eta=float(kw.get("mirostat_eta", 0.1)), seed=kw.get("seed"))
-
-
-def chat_prompt(llm, messages: list[dict], tools: list | None = None, tool_choice=None,
-                template_kwargs: dict | None = None) -> tuple[list[int], list[str]] | None:
-    """The prompt ids and stop strings llama_cpp's chat handler would use for ``messages`` (the GGUF's
-    template, or a named format with a formatter; ``tools``, ``tool_choice`` and ``template_kwargs``
-    passed on to it, as the handler does), or None when it cannot say."""
-    import llama_cpp.llama_chat_format as F
-
-    name = llm.chat_format
-    fmt = None
-    if llm.chat_handler is not None:
-        return None
-    if name and name.startswith("chat_template."):
-        template = llm.metadata.get("tokenizer." + name) if name != "chat_template.default" \
-            else llm.metadata.get("tokenizer.chat_template")
-        if not template:
-            return None
-        eos, bos = llm.token_eos(), llm.token_bos()
-        text = lambda t: llm._model.token_get_text(t) if t != -1 else ""  # noqa: E731
-        fmt = F.Jinja2ChatFormatter(template=template, eos_token=text(eos), bos_token=text(bos),
-                                    stop_token_ids=[eos])
-    elif name:
-        for cand in (name, name.replace("-", "_"), name.replace("-", "")):
-            fmt = getattr(F, f"format_{cand}", None)
-            if fmt is not None:
-                break
-    if fmt is None:
-        return None
-    extra = dict(template_kwargs or {})
-    check_template_kwargs(extra)
-    return formatted_prompt(fmt, messages, llm.tokenize, tools=tools, tool_choice=tool_choice, **extra)
-
-
+# ---------------------------------------------------------------------- a request's job
 def make_job(slots: Slots, loop, prompt_ids: list[int], kw: dict, stops: list[str], chat: bool,
              offset0: int = 0) -> Job:
     """A job for ``prompt_ids`` (``offset0``: ``len(prompt)`` of the request's prompt as given, the first
@@ -309,95 +276,17 @@ def make_job(slots: Slots, loop, prompt_ids: list[int], kw: dict, stops: list[st
         grammar, fmt = tool[1], None
     limits = request_constraints(slots.llm, prompt_ids, grammar, kw.get("logit_bias"),
                                  fmt if isinstance(fmt, dict) else None)
-    want = kw.get("dflash")     # the request's own say, else the server's (--no-dflash)
-    use = bool(getattr(slots.llm, "dflash", True) if want is None else want)
-    request = Request(prompt_ids, min(max_tokens, room), sampling(kw, chat),
-                      use_draft=use, stats=GenerationStats(), constraints=limits)
+    why_plain = slots_plain_reason(kw.get("dflash"), bool(getattr(slots.llm, "dflash", True)))
+    request = Request(prompt_ids, min(max_tokens, room), SamplingParams(**sampling(kw, chat)),
+                      use_draft=why_plain is None, stats=GenerationStats(), constraints=limits)
     job = Job(loop, request, StopStrings(slots.model.token_bytes, stops, slots.decoder.eog))
-    job.why_plain = None if use else "dflash=false in the request" if want is False else "dflash=False"
+    job.why_plain = why_plain
     job.tool = None if tool is None else tool[0]
     if chat and kw.get("logprobs"):                      # chat: logprobs=true, top_logprobs=k
         job.want_logprobs(int(kw.get("top_logprobs") or 0), slots.decoder.eog, offset0)
     elif not chat and kw.get("logprobs") is not None:    # completions: logprobs=k
         job.want_logprobs(int(kw["logprobs"]), slots.decoder.eog, offset0)
     return job
-
-
-def finish_reason(job: Job) -> str:
-    if job.tool is not None:         # llama_cpp's tool reply, however it ended
-        return "tool_calls"
-    return "stop" if job.request.stats.finish == "stop" else "length"
-
-
-def tool_call_id(job: Job, response_id: str) -> str:
-    return f"call__0_{job.tool}_{response_id}"        # llama_cpp's form
-
-
-def tool_message(job: Job, response_id: str, arguments: str | None, stream: bool) -> dict:
-    """A chat reply (``stream``: a chunk's delta) that calls ``job.tool`` with ``arguments``, in the shape
-    llama_cpp's chat handlers give it (``function_call`` beside ``tool_calls``)."""
-    call: dict = {"id": tool_call_id(job, response_id), "type": "function",
-                  "function": {"name": job.tool, "arguments": arguments}}
-    if stream:
-        call = {"index": 0, **call}
-    return {"role": None if stream else "assistant", "content": None,
-            "function_call": {"name": job.tool, "arguments": arguments}, "tool_calls": [call]}
-
-
-def dflash_object(job: Job, drafting: bool) -> dict | None:
-    if not drafting:
-        return None
-    if job.request.use_draft:
-        return {"enabled": True, **job.request.stats.as_dict()}
-    return {"enabled": False, "reason": job.why_plain}
-
-
-def usage(job: Job) -> dict:
-    n_prompt = len(job.request.prompt)
-    return {"prompt_tokens": n_prompt, "completion_tokens": job.n_tokens, "total_tokens": n_prompt + job.n_tokens}
-
-
-def completion_body(job: Job, model_id: str, text: str, chat: bool, drafting: bool, llm=None) -> dict:
-    now = int(time.time())
-    fmt = job.logprobs_format(llm) if llm is not None else None
-    lp = None if fmt is None else fmt.take(job.logprobs.entries)
-    if fmt is not None and lp is None:
-        lp = {"tokens": [], "text_offset": [], "token_logprobs": [], "top_logprobs": []}
-    if chat:
-        rid = f"chatcmpl-{uuid.uuid4()}"
-        message = {"role": "assistant", "content": text} if job.tool is None else tool_message(job, rid, text, False)
-        body = {"id": rid, "object": "chat.completion", "created": now, "model": model_id,
-                "choices": [{"index": 0, "message": message,
-                             "logprobs": chat_logprobs(lp), "finish_reason": finish_reason(job)}]}
-    else:
-        body = {"id": f"cmpl-{uuid.uuid4()}", "object": "text_completion", "created": now, "model": model_id,
-                "choices": [{"text": job.echo + text, "index": 0, "logprobs": lp,
-                             "finish_reason": finish_reason(job)}]}
-    body["usage"] = usage(job)
-    info = dflash_object(job, drafting)
-    if info is not None:
-        body["dflash"] = info
-    return body
-
-
-def chunk(job_id: str, model_id: str, text: str | None, finish: str | None, chat: bool, first: bool = False,
-          logprobs: dict | None = None, job: Job | None = None, created: int | None = None) -> dict:
-    """A streamed chunk; ``logprobs``: a completion's for the tokens whose text it completes; ``job``: a
-    chat reply's, for its tool call (deltas as llama_cpp streams them: the call's id and name in each);
-    ``created``: the stream's time (every chunk of a stream carries the same, as OpenAI's do)."""
-    now = int(time.time()) if created is None else created
-    if chat and job is not None and job.tool is not None:
-        none = {"role": None, "content": None, "function_call": None, "tool_calls": None}
-        delta = {**none, "role": "assistant"} if first else none if text is None else \
-            tool_message(job, job_id, text, True)
-        return {"id": job_id, "object": "chat.completion.chunk", "created": now, "model": model_id,
-                "choices": [{"index": 0, "delta": delta, "logprobs": chat_logprobs(logprobs), "finish_reason": finish}]}
-    if chat:
-        delta: dict = {"role": "assistant"} if first else ({} if text is None else {"content": text})
-        return {"id": job_id, "object": "chat.completion.chunk", "created": now, "model": model_id,
-                "choices": [{"index": 0, "delta": delta, "logprobs": chat_logprobs(logprobs), "finish_reason": finish}]}
-    return {"id": job_id, "object": "text_completion", "created": now, "model": model_id,
-            "choices": [{"text": text or "", "index": 0, "logprobs": logprobs, "finish_reason": finish}]}
 
 
 # ---------------------------------------------------------------------- serving a job (the event loop)
@@ -454,7 +343,7 @@ async def serve(srv, request, endpoint: str, job: Job, stream: bool, include_usa
         kind, text = item
         if kind == "error":
             raise text
-        body = completion_body(job, srv.model_id, text, chat, drafting, srv.llm)
+        body = job.body(srv.model_id, text, chat, drafting, srv.llm)
         srv.metrics.generation(body.get("dflash"), body["usage"])
         srv.metrics.request(endpoint, 200)
         return JSONResponse(body)
@@ -463,20 +352,6 @@ async def serve(srv, request, endpoint: str, job: Job, stream: bool, include_usa
     finally:
         if not streaming:
             srv.metrics.in_flight -= 1
-
-
-_MARK = "\x00text\x00"
-
-
-def text_chunk_frame(job_id: str, model_id: str, chat: bool, created: int) -> tuple[str, str] | None:
-    """The JSON of a text chunk (no logprobs, no tool call) around its text: ``head + json.dumps(text) +
-    tail`` is ``json.dumps(chunk(...))`` of that text, built once per stream rather than per token (None
-    where another string of the chunk is the marker it is cut at: a model id that is)."""
-    whole, mark = json.dumps(chunk(job_id, model_id, _MARK, None, chat, created=created)), json.dumps(_MARK)
-    if whole.count(mark) != 1:
-        return None
-    head, _, tail = whole.partition(mark)
-    return head, tail
 
 
 async def _events(srv, request, job: Job, deadline: float | None, include_usage: bool, chat: bool, drafting: bool):
@@ -490,7 +365,8 @@ async def _events(srv, request, job: Job, deadline: float | None, include_usage:
     watch = asyncio.ensure_future(_watch(job, request, deadline))
     try:
         if chat:
-            yield f"data: {json.dumps(chunk(jid, srv.model_id, None, None, chat, first=True, job=job, created=created))}\n\n"
+            first = chunk(jid, srv.model_id, None, None, chat, first=True, tool=job.tool, created=created)
+            yield f"data: {json.dumps(first)}\n\n"
         while True:
             item, why = await _next(job)
             if why is not None:
@@ -515,13 +391,14 @@ async def _events(srv, request, job: Job, deadline: float | None, include_usage:
                 if frame is not None:
                     yield f"data: {frame[0]}{json.dumps(val[sent:upto])}{frame[1]}\n\n"
                 else:
-                    data = chunk(jid, srv.model_id, val[sent:upto], None, chat, logprobs=lp, job=job, created=created)
+                    data = chunk(jid, srv.model_id, val[sent:upto], None, chat, logprobs=lp, tool=job.tool,
+                                 created=created)
                     yield f"data: {json.dumps(data)}\n\n"
                 sent = upto
             if kind == "end":
                 break
-        fin = chunk(jid, srv.model_id, None, finish_reason(job), chat, job=job, created=created)
-        info, used = dflash_object(job, drafting), usage(job)
+        fin = chunk(jid, srv.model_id, None, job.finish_reason(), chat, tool=job.tool, created=created)
+        info, used = job.dflash_object(drafting), job.usage()
         if info is not None:
             fin["dflash"] = info
         srv.metrics.generation(info, used)

@@ -720,7 +720,7 @@ def add_routes(app: FastAPI, srv, serve_chat: Callable) -> None:
 
 def prompt_tokens(llm, chat: ChatRequest) -> int | None:
     """How many tokens the chat route's prompt for ``chat`` has (None: the chat format cannot say)."""
-    from dflash_gguf.server.slots import chat_prompt
+    from dflash_gguf.requests.prompts import chat_prompt
 
     formatted = chat_prompt(llm, [m.as_dict() for m in chat.messages], chat.tools, chat.tool_choice,
                             chat.chat_template_kwargs)
