@@ -47,6 +47,7 @@ from dflash_gguf.sampling import SamplingParams, TokenChooser
 from dflash_gguf.decoding.acceptance import cut_at_stop, greedy_accept, sampled_accept
 from dflash_gguf.decoding.confidence import Calibration, allocate, rows_cost
 from dflash_gguf.decoding.features import FeatureFeed
+from dflash_gguf.decoding.ngram import NgramIndex, NgramOptions, Rates, StepCosts, best_length
 from dflash_gguf.decoding.prompts import TAP_ROWS, Prompts
 from dflash_gguf.decoding.proposer import DrafterProposer, LatticeProposer, MarkovProposer, Proposer
 from dflash_gguf.decoding.rollback import make_rollback
@@ -70,6 +71,9 @@ class SpecOptions:
     # the gate starts from the acceptance history earlier decoders of this pair kept, and keeps its own
     # (decoding.history; the front doors' decoders: a user's first call plans from the first step)
     keep_history: bool = False
+    # prompt lookup: also propose tokens copied from the prompt and the text so far (decoding.ngram), with no
+    # drafter at all or, per step, instead of the drafter's block where a copy is expected to pay more
+    ngram: NgramOptions | None = None
 
 
 class DFlashDecoder(Prompts, Scheduling):
@@ -125,6 +129,13 @@ class DFlashDecoder(Prompts, Scheduling):
             block_rows = drafter.n_ubatch // self.n_seq + (1 if self.info.sample_from_anchor else 0)
             self.n_draft = clamp_n_draft(self.info, self.opts.n_draft, n_batch=self.tap_rows // self.n_seq,
                                          n_ubatch=block_rows)
+        # prompt lookup: tokens copied per step at most (beside a drafter: no more than it drafts, so that the
+        # taps, the rollback and the buffers sized for its blocks serve a copy too)
+        self.n_copy = 0
+        if self.opts.ngram is not None:
+            cap = self.n_draft if drafter is not None else self.tap_rows // self.n_seq - 1
+            self.n_copy = max(0, min(self.opts.ngram.n_pred, cap))
+        self.copy_costs = StepCosts()   # seconds of a step by its verify rows (copying with no drafter)
         self.lattice: LatticeProposer | None = None
         if self.info is not None and self.info.kind == "dflash2" and self.opts.sample_lattice and self.info.selector_top_k:
             self.lattice = LatticeProposer(self.info.selector_top_k, self.n_draft)
@@ -134,7 +145,7 @@ class DFlashDecoder(Prompts, Scheduling):
                 self.markov = MarkovProposer(drafter.model.path, target.model.n_vocab)
             else:
                 log.info("no gguf package: sampled DSpark blocks are the Markov head's greedy chain")
-        self.seqs = [Slot(slot, make_rollback(target, self.n_draft, self.opts.rollback, seq=slot),
+        self.seqs = [Slot(slot, make_rollback(target, max(self.n_draft, self.n_copy), self.opts.rollback, seq=slot),
                           FeatureFeed(target, drafter, self.info, seq=slot) if drafter is not None else None)
                      for slot in range(self.n_seq)]
         self._gated = self.opts.adaptive and self.n_draft > 0
@@ -148,7 +159,7 @@ class DFlashDecoder(Prompts, Scheduling):
         self._filling: deque[Slot] = deque()         # ... whose prompt is still being prefilled, a chunk per step
         self.closed = False            # set when the contexts are freed: a late generator cleanup then does nothing
         self._vocab = target.model.n_vocab
-        bs = max(self.n_draft + 1, 1)
+        bs = max(self.n_draft, self.n_copy) + 1
         self._draft = np.zeros((self.n_seq, bs), dtype=np.int32)
         # a DSpark drafter's confidence in each drafted token, and what the target made of such scores
         confident = self.info is not None and (self.info.has_confidence or self.proposer.confidence)
@@ -257,16 +268,58 @@ class DFlashDecoder(Prompts, Scheduling):
             if can:
                 probe = min(can, key=lambda i: seqs[i].features.n)
                 ns = [n if i == probe or seqs[i].gate is None else 0 for i, n in enumerate(ns)]
+        for i, s in enumerate(seqs):
+            s.copied = []
+            if s.copy is not None and not len(s.head):
+                limit = min(self.n_copy, s.max_tokens - s.produced - 1, self.n_ctx - len(s.cache) - 1, room - 1)
+                match = s.copy.propose(limit)
+                k = self._copy_length(s, len(match), ns[i], gate, len(seqs)) if match else 0
+                if k:
+                    s.copied, ns[i] = match[:k], k
         return ns, gate, choice
+
+    COPY_PROBE = 8   # matches declined in a row (the copies did not pay) before two tokens are copied anyway
+
+    def _copy_length(self, s: Slot, m: int, n_drafter: int, gate: DraftLength | None, b: int) -> int:
+        """How many of a prompt-lookup match's ``m`` tokens ``s`` verifies this step (0: the drafter's
+        ``n_drafter`` tokens, or a plain step, are expected to give more tokens per second). With no
+        drafter: by the copies' acceptance and the measured cost of a step by its rows (the step's other
+        ``b - 1`` sequences counted as plain ones); beside a gated drafter: against the gate's expectation
+        of its own choice at the gate's step costs (a copy's step costs no more than a drafting one of as
+        many rows); beside a fixed-length drafter: the one expected to give more tokens. Without the speed
+        gate (``adaptive=False``) and no drafter: the whole match, every step."""
+        if s.n_draft == 0 and not self.opts.adaptive:
+            return m
+        if s.n_draft == 0:
+            e = s.copy_rates.expected(m)
+            k = best_length([b - 1 + x for x in e], [self.copy_costs(b + j) for j in range(len(e))])
+        elif s.gate is not None and gate is not None:
+            e, c = gate.expected_tokens(), gate.step_cost()
+            mine = s.copy_rates.expected(min(m, gate.n_max))
+            rates = [x / c[j] for j, x in enumerate(mine)]
+            k = max(range(len(rates)), key=rates.__getitem__)
+            if rates[k] <= e[n_drafter] / c[n_drafter]:
+                k = 0
+        else:
+            mine = s.copy_rates.expected(min(m, max(n_drafter, 1)))
+            k = len(mine) - 1 if mine[-1] > s.draft_rates.expected(n_drafter)[-1] else 0
+        if k == 0:
+            s.copy_declined += 1
+            if s.copy_declined % self.COPY_PROBE == 0:
+                k = min(m, 2)     # is the text copying again? a short copy asks at little cost
+        return k
 
     def _propose_all(self, seqs: list[Slot], ns: list[int]) -> list:
         """Draft into ``self._draft[i]`` for every sequence with ns[i] > 0 (``ns`` becomes what each got):
         one drafter decode for those the drafter proposes to, one per sequence drawing from a DFlash2
         lattice. Returns, per sequence, the lattice distributions (or None)."""
         qs: list = [None] * len(seqs)
-        batch = [i for i, s in enumerate(seqs) if ns[i] > 0 and not s.lattice]
         for i, s in enumerate(seqs):
-            if ns[i] > 0:
+            if s.copied:
+                self._draft[s.slot, :ns[i]] = s.copied
+        batch = [i for i, s in enumerate(seqs) if ns[i] > 0 and not s.lattice and not s.copied]
+        for i, s in enumerate(seqs):
+            if ns[i] > 0 and not s.copied:
                 t0 = time.perf_counter()
                 s.features.flush()          # rows kept on the host during plain steps
                 s.stats.t_inject += time.perf_counter() - t0
@@ -305,13 +358,13 @@ class DFlashDecoder(Prompts, Scheduling):
                 if conf is not None:
                     self._conf[seqs[i].slot, :ns[i]] = conf[j, :ns[i]]
         for i, s in enumerate(seqs):
-            if ns[i] > 0 and s.lattice:
+            if ns[i] > 0 and s.lattice and not s.copied:
                 ns[i], qs[i] = self.lattice.propose(self.drafter, s.slot, len(s.cache), s.pending, ns[i],
                                                     self._draft[s.slot], s.chooser.rng, s.chooser.sp.temperature,
                                                     s.chooser.constraints)
-        dt = (time.perf_counter() - t0) / max(sum(1 for n in ns if n > 0), 1)
+        dt = (time.perf_counter() - t0) / max(sum(1 for i, n in enumerate(ns) if n > 0 and not seqs[i].copied), 1)
         for i, s in enumerate(seqs):
-            if ns[i] > 0:
+            if ns[i] > 0 and not s.copied:
                 s.stats.t_draft += dt
         return qs
 
@@ -370,14 +423,20 @@ class DFlashDecoder(Prompts, Scheduling):
             else:
                 commit = sampled_accept(draft, lambda j, r=r: self.target.logits_row(r + j), s.chooser, qs[i])
             a = len(commit) - 1
-            if self.confidence is not None and drafted[i] and not s.lattice:
+            copied = bool(s.copied)
+            if self.confidence is not None and drafted[i] and not s.lattice and not copied:
                 self.confidence[s.chooser.sp.greedy].observe(self._conf[s.slot, :drafted[i]], n, a)
                 s.stats.unverified += drafted[i] - n
             s.stats.observe_step(n, a)
+            if copied:
+                s.stats.observe_copy(n, a)
+                s.copy_rates.record(n, a)
+            elif n and s.copy is not None:
+                s.draft_rates.record(n, a)
             commit = cut_at_stop(commit, s.stop)
             self._sink_rows(s, len(s.cache) + h, r, len(commit))
             steps.append(Step(len(s.cache), n, a, commit, rows[row0[i]:row0[i] + lens[i]].copy(), int(row0[i]),
-                              saved[i], h))
+                              saved[i], h, copied))
         return steps, gate, choice
 
     def _verify_by_confidence(self, seqs: list[Slot], ns: list[int], gate: DraftLength) -> None:
@@ -385,7 +444,7 @@ class DFlashDecoder(Prompts, Scheduling):
         confidence in them (:mod:`.confidence`), weighed with the gate's measured step costs; the
         sequences the gate does not choose for (a seeded sampled request keeps its fixed blocks: its text
         must not follow this machine's timings) and DFlash2 lattices keep theirs."""
-        cut = [i for i, s in enumerate(seqs) if ns[i] > 1 and s.gate is not None and not s.lattice]
+        cut = [i for i, s in enumerate(seqs) if ns[i] > 1 and s.gate is not None and not s.lattice and not s.copied]
         if not cut:
             return
         rates = [self.confidence[seqs[i].chooser.sp.greedy].rates(self._conf[seqs[i].slot, :ns[i]]) for i in cut]
@@ -403,8 +462,9 @@ class DFlashDecoder(Prompts, Scheduling):
             if s.features is None:
                 continue
             t0 = time.perf_counter()
-            if st.n == 0:
-                s.features.keep(st.pos, st.head + consumed, st.row0)   # a plain step's rows: on the host
+            if st.n == 0 or st.copied:
+                # a plain or a copied step's rows (no draft ran: the drafter's cache is where it was): on the host
+                s.features.keep(st.pos, st.head + consumed, st.row0)
             else:
                 s.features.inject(st.pos, consumed, "injecting verified features into the drafter", row0=st.row0)
             s.stats.t_inject += time.perf_counter() - t0
@@ -417,17 +477,23 @@ class DFlashDecoder(Prompts, Scheduling):
                 s.cache.extend(int(t) for t in s.head)
                 s.head = NO_HEAD
             if consumed:
+                if s.copy is not None:
+                    s.copy.extend(st.commit[:consumed])
                 s.chooser.accept(st.commit[:consumed])
                 s.cache.append(s.pending)
                 s.cache.extend(st.commit[:consumed - 1])
                 s.pending = st.commit[consumed - 1]
 
-    @staticmethod
-    def _record(steps: list[tuple[Slot, Step]], gate: DraftLength | None, choice: int, seconds: float) -> None:
+    def _record(self, steps: list[tuple[Slot, Step]], gate: DraftLength | None, choice: int, seconds: float) -> None:
         """Charge the gate a step's whole work (draft with any deferred feature injection, verify,
-        acceptance, sampling, keeping the rows and rolling back): what a step of that length costs."""
-        if gate is None or any(st.head for _, st in steps):
-            return   # no gate chose, or a prompt's tail made the step a prefill's share dearer (_lengths)
+        acceptance, sampling, keeping the rows and rolling back): what a step of that length costs.
+        A step with a copied block is no step of the drafter's (prompt lookup: its own costs, by rows)."""
+        if any(st.head for _, st in steps):
+            return   # a prompt's tail made the step a prefill's share dearer (_lengths)
+        if self.n_copy and self.drafter is None:
+            self.copy_costs.record(sum(st.n + 1 for _, st in steps), seconds)
+        if gate is None or any(st.copied for _, st in steps):
+            return   # no gate chose, or a copy replaced a block the gate chose
         gated = [st for s, st in steps if s.gate is not None]
         # an acceptance probe of a batch drafted for one sequence (_lengths): the others drew nothing
         draws = [st for st in gated if st.n > 0] if gate.probing and len(steps) > 1 else gated
@@ -470,6 +536,13 @@ class DFlashDecoder(Prompts, Scheduling):
         s.lattice = self.lattice is not None and not sp.greedy and type(self.proposer) is DrafterProposer
         # DSpark, sampled: proposals drawn through its Markov chain (the drafter's own proposer only)
         s.markov = self.markov is not None and not sp.greedy and type(self.proposer) is DrafterProposer
+        # prompt lookup: the prompt's n-grams, the request's own acceptance of copies (and of drafted blocks)
+        s.copy = None
+        if use_draft and self.n_copy:
+            o = self.opts.ngram
+            s.copy = NgramIndex(o.max_ngram, o.min_ngram, prompt)
+            s.copy_rates, s.draft_rates, s.copy_declined = Rates(self.n_copy), Rates(max(self.n_draft, 1)), 0
+        s.copied = []
         s.done = False
         stats.n_prompt = len(prompt)
         n_keep = self.keep_prefix(common_prefix_len(s.cache, prompt[:len(prompt) - 1]), s.slot)
