@@ -272,7 +272,7 @@ class DFlashDecoder(Prompts, Scheduling):
             s.copied = []
             if s.copy is not None and not len(s.head):
                 limit = min(self.n_copy, s.max_tokens - s.produced - 1, self.n_ctx - len(s.cache) - 1, room - 1)
-                match = s.copy.propose(limit)
+                match = s.copy.propose(limit) if limit > 0 else []
                 k = self._copy_length(s, len(match), ns[i], gate, len(seqs)) if match else 0
                 if k:
                     s.copied, ns[i] = match[:k], k
@@ -288,6 +288,8 @@ class DFlashDecoder(Prompts, Scheduling):
         of its own choice at the gate's step costs (a copy's step costs no more than a drafting one of as
         many rows); beside a fixed-length drafter: the one expected to give more tokens. Without the speed
         gate (``adaptive=False``) and no drafter: the whole match, every step."""
+        if gate is not None and not isinstance(gate, DraftLength):
+            return 0          # calibration's fixed schedule measures the drafter's steps
         if s.n_draft == 0 and not self.opts.adaptive:
             return m
         if s.n_draft == 0:
