@@ -27,6 +27,7 @@ from dflash_gguf.engine import Context, ContextOptions, DrafterInfo, Model, clam
 from dflash_gguf.errors import InvalidArgumentError
 from dflash_gguf.sampling import SamplingParams
 from dflash_gguf.decoding.decoder import DFlashDecoder, SpecOptions
+from dflash_gguf.decoding.ngram import NgramOptions
 from dflash_gguf.decoding.rollback import choose_for_memory, recurrent_state_bytes
 from dflash_gguf.decoding.sequence import Request
 from dflash_gguf.decoding.stats import GenerationStats
@@ -94,12 +95,15 @@ class BatchLlama:
     def __init__(self, model_path: str | os.PathLike, draft_model_path: str | os.PathLike | None = None, *,
                  n_parallel: int = 4, n_ctx: int = 2048, n_batch: int = 512, n_threads: int | None = None,
                  draft_adaptive: bool = True, draft_n_max: int | None = None, draft_window: int | None = None,
-                 flash_attn: bool | None = None, rollback_memory_mb: float | None = None):
+                 flash_attn: bool | None = None, rollback_memory_mb: float | None = None,
+                 prompt_lookup: bool = False, prompt_lookup_num_pred_tokens: int = 10,
+                 prompt_lookup_max_ngram_size: int = 2):
         """``rollback_memory_mb`` (hybrid and recurrent targets): the most memory the recurrent-state
         rollback of all ``n_parallel`` sequences together may take. Within it (or with None) every
         sequence keeps a snapshot of its state per drafted token inside llama.cpp (the fastest); past
         it, one host copy per sequence that a rejection restores and replays (``Llama``'s option, for
-        the whole batch)."""
+        the whole batch). ``prompt_lookup``: also draft by copying from each prompt and its text so far, as
+        ``Llama``'s option (with no drafter: the only proposer)."""
         if n_parallel < 1:
             raise InvalidArgumentError(f"n_parallel must be >= 1, got {n_parallel}")
         opts = ContextOptions(n_ctx=n_ctx, n_batch=n_batch, n_ubatch=n_batch, n_threads=n_threads, n_seq=n_parallel,
@@ -116,7 +120,10 @@ class BatchLlama:
                 self.drafter = self._own(Context(self.draft_model, opts, other=self.target))
             self.decoder = DFlashDecoder(self.target, self.drafter,
                                          SpecOptions(n_draft=draft_n_max, adaptive=draft_adaptive,
-                                                     keep_history=True))
+                                                     keep_history=True,
+                                                     ngram=NgramOptions(max_ngram=prompt_lookup_max_ngram_size,
+                                                                        n_pred=prompt_lookup_num_pred_tokens)
+                                                     if prompt_lookup else None))
         except BaseException:
             self.close()
             raise

@@ -19,6 +19,7 @@ from dflash_gguf.engine import Context, ContextOptions, Model
 from dflash_gguf.sampling import SamplingParams
 from dflash_gguf.decoding import DFlashDecoder, GenerationStats, Request, SpecOptions
 from dflash_gguf.decoding.ngram import NgramIndex, NgramOptions
+from support import llama_cpp_greedy
 from test_sampling import ALPHA, K_TOKENS, SP, chi2_pvalue, exact_distribution
 
 TEXTS = [b"def main(argv):\n    parser = argparse.ArgumentParser(",
@@ -258,3 +259,85 @@ def test_beside_a_drafter_copies_and_drafted_blocks_stay_exact_and_the_drafter_s
             c.close()
         dm.close()
         tm.close()
+
+
+# ---------------------------------------------------------------------------- front doors
+def _oracle_on(llm, oracle, prompts, n=60):
+    """The oracle copying each prompt's plain continuation, as a plain llama_cpp.Llama gives it."""
+    fulls = []
+    for p in prompts:
+        ids = llm.tokenize(p.encode())
+        fulls.append(ids + llama_cpp_greedy(llm.model_path, ids, n))
+    oracle(fulls)
+
+
+def test_llama_prompt_lookup_and_llama_cpps_draft_model_are_served_by_the_engine(models, oracle):
+    """``Llama(prompt_lookup=True)`` with no drafter, and llama_cpp's own
+    ``draft_model=LlamaPromptLookupDecoding(...)`` (its settings taken), give llama_cpp's completions with
+    stop strings and max_tokens mid-copy, and report the copies in the response's dflash object."""
+    import llama_cpp
+    from llama_cpp.llama_speculative import LlamaPromptLookupDecoding
+
+    from dflash_gguf import Llama
+    from support import KW
+
+    target = str(models.target("qwen3")[1])
+    ref = llama_cpp.Llama(target, **{**KW, "flash_attn": True})
+    prompts = ["def main(", "import os\n"]
+    for llm in (Llama(target, prompt_lookup=True, prompt_lookup_num_pred_tokens=6, draft_adaptive=False, **KW),
+                Llama(target, draft_model=LlamaPromptLookupDecoding(max_ngram_size=3, num_pred_tokens=5),
+                      draft_adaptive=False, **KW)):
+        try:
+            d = llm.decoder
+            assert d is not None and d.drafter is None and d.opts.ngram.max_ngram in (2, 3)
+            assert llm.dflash_info["kind"] == "ngram" and llm.dflash_info["n_draft"] in (5, 6)
+            _oracle_on(llm, oracle, prompts)
+            copied = 0
+            for p in prompts:
+                want = ref(p, max_tokens=30, temperature=0)["choices"][0]["text"]
+                got = llm(p, max_tokens=30, temperature=0)
+                assert got["choices"][0]["text"] == want
+                assert got["dflash"]["enabled"] is True
+                copied += got["dflash"]["copy_accepted"]
+                for cut in (3, 11):
+                    assert llm(p, max_tokens=cut, temperature=0)["choices"][0]["text"] == \
+                        ref(p, max_tokens=cut, temperature=0)["choices"][0]["text"]
+                stop = want[7:10]
+                if stop.strip():
+                    assert llm(p, max_tokens=30, temperature=0, stop=[stop])["choices"][0]["text"] == \
+                        ref(p, max_tokens=30, temperature=0, stop=[stop])["choices"][0]["text"]
+            assert copied > 0
+        finally:
+            llm.close()
+    ref.close()
+
+
+def test_batch_llama_with_prompt_lookup_gives_each_prompt_what_it_gives_alone(models, oracle):
+    from dflash_gguf.batch import BatchLlama
+
+    target = models.target("qwen3")[1]
+    with BatchLlama(target, n_parallel=2, n_ctx=256, n_batch=64, n_threads=1, prompt_lookup=True,
+                    prompt_lookup_num_pred_tokens=6, draft_adaptive=False) as b:
+        assert b.decoder.n_copy == 6
+        ps = [b.model.tokenize(t) for t in TEXTS]
+        fulls = [p + llama_cpp_greedy(target, p, 40) for p in ps]
+        oracle(fulls)
+        got = b.generate(ps, max_tokens=30)
+        assert [c.tokens for c in got] == [f[len(p):len(p) + 30] for p, f in zip(ps, fulls)]
+        assert sum(c.stats.copy_accepted for c in got) > 0
+
+
+def test_the_command_line_takes_llama_servers_ngram_flags():
+    import argparse
+
+    from dflash_gguf.options import add_model_args, spec_kwargs
+
+    ap = argparse.ArgumentParser()
+    add_model_args(ap)
+    args = ap.parse_args(["-m", "t.gguf", "--spec-type", "ngram-simple", "--spec-ngram-simple-size-n", "3",
+                          "--spec-ngram-simple-size-m", "8"])
+    assert spec_kwargs(args) == dict(prompt_lookup=True, prompt_lookup_max_ngram_size=3,
+                                     prompt_lookup_num_pred_tokens=8)
+    assert spec_kwargs(ap.parse_args(["-m", "t.gguf"])) == {}
+    with pytest.raises(SystemExit):
+        spec_kwargs(ap.parse_args(["-m", "t.gguf", "--spec-type", "ngram-mod"]))

@@ -114,7 +114,7 @@ class Slots:
                 self.drafter = Context(dm, replace(opts, n_rs_seq=0), other=self.target)
             self.decoder = DFlashDecoder(self.target, self.drafter, SpecOptions(
                 n_draft=dec.n_draft if dec is not None else None, adaptive=getattr(llm, "draft_adaptive", True),
-                keep_history=True))
+                keep_history=True, ngram=dec.opts.ngram if dec is not None else None))   # prompt lookup: the Llama's
         except BaseException:
             self.close()
             raise
