@@ -414,7 +414,8 @@ class Llama(PairConstructors, RpcTarget, llama_cpp.Llama):
         want = self.dflash if request is None or request.dflash is None else request.dflash
         return plain_reason(Call(
             sampling=sampling, drafter=self._decoder is not None, want=bool(want), default=bool(self.dflash),
-            draft_model=self.draft_model is not None and not self._lookup_draft_model, reset=reset, stopping_criteria=stopping_criteria))
+            draft_model=self.draft_model is not None and not self._lookup_draft_model, reset=reset,
+            stopping_criteria=stopping_criteria))
 
     def _check_free(self) -> None:
         """Raise BusyError when another thread has a generation in flight on this Llama."""

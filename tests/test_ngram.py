@@ -341,3 +341,47 @@ def test_the_command_line_takes_llama_servers_ngram_flags():
     assert spec_kwargs(ap.parse_args(["-m", "t.gguf"])) == {}
     with pytest.raises(SystemExit):
         spec_kwargs(ap.parse_args(["-m", "t.gguf", "--spec-type", "ngram-mod"]))
+
+
+@pytest.mark.parametrize("parallel", [None, 2], ids=["one-at-a-time", "slots"])
+def test_the_server_copies_on_the_trained_target_and_answers_as_llama_cpp(parallel):
+    """The demo target (a small trained code model) with prompt lookup and no drafter, served one request at
+    a time (the Llama) and in --parallel slots: input-grounded prompts (an edit of a given function, a
+    class restated) get copies right, and every answer is llama_cpp's alone, stop strings included."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    import httpx
+    import llama_cpp
+
+    from dflash_gguf import Llama
+    from dflash_gguf.bench.ngram import PROMPTS
+    from dflash_gguf.demo import DEMO_DIR
+    from dflash_gguf.server import create_app
+    from support import serve
+
+    kw = dict(n_ctx=512, n_threads=2, seed=0, verbose=False, chat_format="chatml")
+    plain = llama_cpp.Llama(str(DEMO_DIR / "target.gguf"), **kw)
+    llm = Llama(str(DEMO_DIR / "target.gguf"), prompt_lookup=True, draft_adaptive=False, **kw)
+    app = create_app(llm, "demo", parallel=parallel)
+    try:
+        with serve(app) as url:
+            def complete(p, **extra):
+                r = httpx.post(f"{url}/v1/completions", json={"prompt": p, "temperature": 0, "max_tokens": 48, **extra},
+                               timeout=120)
+                assert r.status_code == 200, r.text
+                return r.json()
+            want = [plain.create_completion(p, max_tokens=48, temperature=0)["choices"][0] for p in PROMPTS]
+            with ThreadPoolExecutor(3) as pool:
+                got = list(pool.map(complete, PROMPTS))
+            for w, g in zip(want, got):
+                assert (g["choices"][0]["text"], g["choices"][0]["finish_reason"]) == (w["text"], w["finish_reason"])
+                assert g["dflash"]["enabled"] is True
+            assert sum(g["dflash"]["copy_accepted"] for g in got) > 10
+            stop = want[0]["text"][20:23]
+            ref = plain.create_completion(PROMPTS[0], max_tokens=48, temperature=0, stop=[stop])["choices"][0]
+            assert complete(PROMPTS[0], stop=[stop])["choices"][0]["text"] == ref["text"]
+    finally:
+        if parallel:
+            app.state.server.slots.close()
+        llm.close()
+        plain.close()
