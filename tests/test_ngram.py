@@ -47,10 +47,11 @@ def prompts_and_fulls(tm, plain, n=60) -> tuple[list[list[int]], list[list[int]]
 @pytest.fixture
 def oracle(monkeypatch):
     """``oracle(fulls)``: the lookup proposes the plain continuation of whichever of ``fulls`` the context
-    is on, one token wrong in every third proposal; off them (a sampled text), what the lookup finds."""
+    is on, one token wrong in every third proposal (``miss``: and no match at every ``miss``-th); off them
+    (a sampled text), what the lookup finds."""
     lookup = NgramIndex.propose
 
-    def install(fulls):
+    def install(fulls, miss=None):
         calls = [0]
 
         def propose(self, n):
@@ -58,6 +59,8 @@ def oracle(monkeypatch):
             for full in fulls:
                 if len(full) > len(toks) and full[:len(toks)] == toks:
                     calls[0] += 1
+                    if miss and calls[0] % miss == 0:
+                        return []
                     out = full[len(toks):len(toks) + n]
                     if calls[0] % 3 == 0:
                         j = calls[0] % len(out)
@@ -236,7 +239,7 @@ def test_beside_a_drafter_copies_and_drafted_blocks_stay_exact_and_the_drafter_s
         assert dec.n_copy == min(10, dec.n_draft) == 7
         total = GenerationStats()
         ps, fulls = prompts_and_fulls(tm, plain)
-        oracle(fulls)
+        oracle(fulls, miss=4)          # where a match is missing the drafter proposes
         for prompt in ps:
             ref, _ = run(plain, prompt, 40, stop_tokens=[])
             for n in (40, 13):

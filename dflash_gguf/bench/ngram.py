@@ -7,10 +7,11 @@ Without paths it uses the shipped demo target (a small code model) and its DFlas
 ask for text that restates its input (a function given, then edited; a docstring that quotes the code).
 Columns, each greedy and token for token the same text (checked): ``plain`` (our decoder, no drafter),
 ``ngram`` (prompt lookup alone, every match copied whole), ``ngram+gate`` (the speed gate decides per
-step), ``dflash`` (the drafter alone, gated), ``dflash+ngram`` (both, gated: per step the one expected to
-pay more), and llama-cpp-python's own ``Llama`` plain and with ``draft_model=LlamaPromptLookupDecoding``.
-For ours: target passes, tokens per target pass, copied / kept tokens; for every column decode tokens/s
-and its ratio to plain measured in the same run (counts are exact on any machine, times only on a quiet one).
+step), ``dflash`` (the drafter alone, whole blocks), ``dflash+ngram`` (both: per step the one expected to
+give more tokens), the same two with the speed gate (``+gate``), and llama-cpp-python's own ``Llama``
+plain and with ``draft_model=LlamaPromptLookupDecoding``. For ours: target passes, tokens per target
+pass, copied / kept tokens; for every column decode tokens/s and its ratio to plain measured in the same
+run (counts are exact on any machine, times only on a quiet one).
 """
 from __future__ import annotations
 
@@ -50,7 +51,9 @@ def _ours(target: str, drafter: str | None, prompts: list[list[int]], n: int, ng
         ng = NgramOptions(max_ngram=ngram[0], n_pred=ngram[1])
         modes = {"plain": (False, {}), "ngram": (False, dict(ngram=ng)), "ngram+gate": (False, dict(ngram=ng, adaptive=True))}
         if dm is not None:
-            modes.update({"dflash": (True, dict(adaptive=True)), "dflash+ngram": (True, dict(adaptive=True, ngram=ng))})
+            modes.update({"dflash": (True, {}), "dflash+ngram": (True, dict(ngram=ng)),
+                          "dflash+gate": (True, dict(adaptive=True)),
+                          "dflash+ngram+gate": (True, dict(adaptive=True, ngram=ng))})
         try:
             for mode, (pair, spec) in modes.items():
                 with Context(tm, opts) as tc:

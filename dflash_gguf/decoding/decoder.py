@@ -285,9 +285,11 @@ class DFlashDecoder(Prompts, Scheduling):
         ``n_drafter`` tokens, or a plain step, are expected to give more tokens per second). With no
         drafter: by the copies' acceptance and the measured cost of a step by its rows (the step's other
         ``b - 1`` sequences counted as plain ones); beside a gated drafter: against the gate's expectation
-        of its own choice at the gate's step costs (a copy's step costs no more than a drafting one of as
-        many rows); beside a fixed-length drafter: the one expected to give more tokens. Without the speed
-        gate (``adaptive=False``) and no drafter: the whole match, every step."""
+        of its own choice at the gate's step costs (a copy at the cost of steps that ran no draft, where
+        measured, else of a drafting step of as many rows), never in place of a step the gate's schedule
+        takes (warm-up, acceptance and cost probes); beside a fixed-length drafter: the one expected to
+        give more tokens. Without the speed gate (``adaptive=False``) and no drafter: the whole match,
+        every step."""
         if gate is not None and not isinstance(gate, DraftLength):
             return 0          # calibration's fixed schedule measures the drafter's steps
         if s.n_draft == 0 and not self.opts.adaptive:
@@ -296,15 +298,20 @@ class DFlashDecoder(Prompts, Scheduling):
             e = s.copy_rates.expected(m)
             k = best_length([b - 1 + x for x in e], [self.copy_costs(b + j) for j in range(len(e))])
         elif s.gate is not None and gate is not None:
+            if gate.scheduled:
+                return 0      # a warm-up step or a probe: a copy in its place would leave the gate without its answer
             e, c = gate.expected_tokens(), gate.step_cost()
             mine = s.copy_rates.expected(min(m, gate.n_max))
-            rates = [x / c[j] for j, x in enumerate(mine)]
+            # a copy's step as steps without a draft measured it (else as a drafting one of as many rows)
+            own = [self.copy_costs(b + j) for j in range(len(mine))]
+            rates = [x / (o if o == o else c[j]) for j, (x, o) in enumerate(zip(mine, own))]
             k = max(range(len(rates)), key=rates.__getitem__)
             if rates[k] <= e[n_drafter] / c[n_drafter]:
                 k = 0
         else:
             mine = s.copy_rates.expected(min(m, max(n_drafter, 1)))
-            k = len(mine) - 1 if mine[-1] > s.draft_rates.expected(n_drafter)[-1] else 0
+            # (a tie goes to the copy: its step runs no draft)
+            k = len(mine) - 1 if mine[-1] >= s.draft_rates.expected(n_drafter)[-1] else 0
         if k == 0:
             s.copy_declined += 1
             if s.copy_declined % self.COPY_PROBE == 0:
@@ -492,7 +499,7 @@ class DFlashDecoder(Prompts, Scheduling):
         A step with a copied block is no step of the drafter's (prompt lookup: its own costs, by rows)."""
         if any(st.head for _, st in steps):
             return   # a prompt's tail made the step a prefill's share dearer (_lengths)
-        if self.n_copy and self.drafter is None:
+        if self.n_copy and all(st.n == 0 or st.copied for _, st in steps):    # no draft ran
             self.copy_costs.record(sum(st.n + 1 for _, st in steps), seconds)
         if gate is None or any(st.copied for _, st in steps):
             return   # no gate chose, or a copy replaced a block the gate chose
