@@ -162,6 +162,52 @@ def test_without_the_speed_gate_copies_whole_matches_and_with_it_stays_exact(qwe
         gated.target.close()
 
 
+def test_a_seeded_sampled_request_copies_whatever_the_costs(qwen3, oracle, monkeypatch):
+    """Its draws follow its steps' blocks, which must not follow this machine's timings: with the gate and
+    costs at which copying never pays it copies as without the gate - the same text for the same seed."""
+    from dflash_gguf.decoding.ngram import StepCosts
+
+    tm, plain, dec = qwen3
+    ps, fulls = prompts_and_fulls(tm, plain)
+    monkeypatch.setattr(StepCosts, "record", lambda self, rows, seconds: None)
+    gated = DFlashDecoder(Context(tm, opts()), None, SpecOptions(ngram=NGRAM, adaptive=True))
+    gated.copy_costs.cost = {1: 1.0, 7: 50.0}
+    try:
+        for seed in range(3):
+            sp = SamplingParams(**{**SP.__dict__, "seed": seed})
+            texts, stats = [], []
+            for d in (gated, dec):
+                oracle(fulls)             # the same proposals for both (the oracle counts its calls)
+                out, st = run(d, ps[0], 30, sampling=sp, stop_tokens=[])
+                texts.append(out)
+                stats.append(st.copied)
+            assert texts[0] == texts[1] and stats[0] == stats[1] > 0
+        # greedy, the gate at these costs copies only a short probe now and then
+        assert run(gated, ps[0], 30, stop_tokens=[])[1].copied <= 2 * (30 // DFlashDecoder.COPY_PROBE)
+    finally:
+        gated.target.close()
+
+
+def test_the_speed_gate_stops_verifying_copies_that_are_never_right(qwen3, oracle, monkeypatch):
+    """At fixed step costs (a row adds a tenth of a plain step), copies the target keeps refusing stop being
+    verified after a few, but for a short copy every few declined matches (is the text copying again?)."""
+    from dflash_gguf.decoding.ngram import StepCosts
+
+    tm, plain, _ = qwen3
+    ps, fulls = prompts_and_fulls(tm, plain)
+    oracle([f[:len(p)] + [(t + 1) % 256 for t in f[len(p):]] for p, f in zip(ps, fulls)])   # every token wrong
+    monkeypatch.setattr(StepCosts, "record", lambda self, rows, seconds: None)
+    gated = DFlashDecoder(Context(tm, opts()), None, SpecOptions(ngram=NGRAM, adaptive=True))
+    gated.copy_costs.cost = {1: 1.0, 7: 1.6}
+    try:
+        ref, _ = run(plain, ps[0], 60, stop_tokens=[])
+        out, st = run(gated, ps[0], 60, stop_tokens=[])
+        assert out == ref and st.copy_accepted == 0
+        assert 0 < st.copy_steps <= 3 + 60 // DFlashDecoder.COPY_PROBE and st.copied < 3 * 6 + 60 // 4
+    finally:
+        gated.target.close()
+
+
 def test_sampled_copies_keep_the_target_distribution(qwen3, oracle):
     """A copy is a point-mass proposal: kept with probability p(token), else the residual is drawn."""
     tm, plain, dec = qwen3

@@ -289,10 +289,12 @@ class DFlashDecoder(Prompts, Scheduling):
         measured, else of a drafting step of as many rows), never in place of a step the gate's schedule
         takes (warm-up, acceptance and cost probes); beside a fixed-length drafter: the one expected to
         give more tokens. Without the speed gate (``adaptive=False``) and no drafter: the whole match,
-        every step."""
+        every step; so for a seeded sampled request (its draws follow its steps' blocks, which must not
+        follow this machine's timings: the same text every time)."""
         if gate is not None and not isinstance(gate, DraftLength):
             return 0          # calibration's fixed schedule measures the drafter's steps
-        if s.n_draft == 0 and not self.opts.adaptive:
+        sp = s.chooser.sp
+        if s.n_draft == 0 and (not self.opts.adaptive or (not sp.greedy and sp.is_repeatable)):
             return m
         if s.n_draft == 0:
             e = s.copy_rates.expected(m)
