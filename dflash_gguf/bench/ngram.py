@@ -92,21 +92,29 @@ def _llama_cpp(target: str, prompts: list[list[int]], n: int, ngram, threads) ->
         if draft:
             kw["draft_model"] = LlamaPromptLookupDecoding(max_ngram_size=draft[0], num_pred_tokens=draft[1])
         llm = llama_cpp.Llama(target, **kw)
-        texts, secs = [], 0.0
+        texts, secs, passes = [], 0.0, [0]
+        evaluate = llm.eval
+
+        def counted(tokens, evaluate=evaluate, passes=passes):
+            passes[0] += 1              # one target pass (llama_cpp evaluates a draft with its token at once)
+            return evaluate(tokens)
         try:
             for p in prompts:
                 llm.reset()
-                llm.eval(p[:-1])           # the prompt outside the timed part (generate reuses it), as t_decode
+                evaluate(p[:-1])           # the prompt outside the timed part (generate reuses it), as t_decode
+                llm.eval = counted
                 toks, t0 = [], time.perf_counter()
                 for t in llm.generate(p, temp=0.0, top_k=1, top_p=1.0, min_p=0.0, repeat_penalty=1.0):
                     toks.append(int(t))
                     if len(toks) == n:
                         break
                 secs += time.perf_counter() - t0
+                llm.eval = evaluate
                 texts.append(toks)
         finally:
             llm.close()
-        out[mode] = dict(texts=texts, generated=sum(map(len, texts)), seconds=secs)
+        # (its generator evaluates each token it yields before it hands over the next: the last one too)
+        out[mode] = dict(texts=texts, generated=sum(map(len, texts)), seconds=secs, passes=passes[0])
     return out
 
 

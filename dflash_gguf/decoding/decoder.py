@@ -21,6 +21,12 @@ runs many requests on all slots, a request joining as soon as a slot is free. Bo
 step (:meth:`DFlashDecoder._advance`, :meth:`DFlashDecoder._settle`); ``generate`` must not run while
 requests run on the slots.
 
+A step's block may instead be copied by prompt lookup (:mod:`.ngram`, ``SpecOptions.ngram``): with no drafter
+at all (any target: no taps, no features, only the verify of copied blocks), or beside one, per sequence and
+step, where the copy is expected to give more tokens per second (:meth:`DFlashDecoder._copy_length`). A
+copied step runs no draft: for the drafter it is a plain step, whose committed rows' features are kept on
+the host and injected before its next draft (:mod:`.features`).
+
 The phases live in their own modules: :mod:`.proposer` (draft), :mod:`.acceptance` (accept),
 :mod:`.rollback` (one object per memory kind), :mod:`.stats` (statistics); this module sequences them.
 :mod:`.scheduling` holds the decoder's methods for many requests (admit, step, run), :mod:`.sequence`

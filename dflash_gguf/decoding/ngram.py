@@ -133,10 +133,12 @@ class StepCosts:
 
     def __init__(self):
         self.cost: dict[int, float] = {}
+        self._line: tuple[float, float, float] | None = None    # (xm, ym, slope) of the counts measured
 
     def record(self, rows: int, seconds: float) -> None:
         c = self.cost.get(rows)
         self.cost[rows] = seconds if c is None else (1 - self.EMA) * c + self.EMA * min(seconds, self.OUTLIER * c)
+        self._line = None
 
     def __call__(self, rows: int) -> float:
         c = self.cost.get(rows)
@@ -144,12 +146,16 @@ class StepCosts:
             return c
         if not self.cost:
             return math.nan
-        xs = sorted(self.cost)
-        if len(xs) == 1:
-            return self.cost[xs[0]] * (1 + self.ROW * max(rows - xs[0], 0))
-        xm = sum(xs) / len(xs)
-        ym = sum(self.cost[x] for x in xs) / len(xs)
-        slope = max(sum((x - xm) * (self.cost[x] - ym) for x in xs) / sum((x - xm) ** 2 for x in xs), 0.0)
+        if len(self.cost) == 1:
+            (x, c), = self.cost.items()
+            return c * (1 + self.ROW * max(rows - x, 0))
+        if self._line is None:
+            xs = list(self.cost)
+            xm = sum(xs) / len(xs)
+            ym = sum(self.cost.values()) / len(xs)
+            slope = max(sum((x - xm) * (self.cost[x] - ym) for x in xs) / sum((x - xm) ** 2 for x in xs), 0.0)
+            self._line = (xm, ym, slope)
+        xm, ym, slope = self._line
         return max(ym + slope * (rows - xm), min(self.cost.values()))
 
 
