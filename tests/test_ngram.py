@@ -361,6 +361,31 @@ def test_llama_prompt_lookup_and_llama_cpps_draft_model_are_served_by_the_engine
     ref.close()
 
 
+def test_llama_prompt_lookup_on_a_hybrid_target(models, oracle):
+    """A hybrid target with no drafter (llama_cpp's context: no recurrent snapshots, host checkpoints)."""
+    import llama_cpp
+
+    from dflash_gguf import Llama
+    from support import KW
+
+    target = str(models.target("qwen35")[1])
+    ref = llama_cpp.Llama(target, **{**KW, "flash_attn": True})
+    llm = Llama(target, prompt_lookup=True, prompt_lookup_num_pred_tokens=6, draft_adaptive=False,
+                **{**KW, "flash_attn": True})
+    try:
+        assert llm.decoder.rollback == "checkpoint"
+        _oracle_on(llm, oracle, ["def main(", "import os\n"])
+        kept = 0
+        for p in ("def main(", "import os\n"):
+            got = llm(p, max_tokens=24, temperature=0)
+            assert got["choices"][0]["text"] == ref(p, max_tokens=24, temperature=0)["choices"][0]["text"]
+            kept += got["dflash"]["copy_accepted"]
+        assert kept > 0
+    finally:
+        llm.close()
+        ref.close()
+
+
 def test_batch_llama_with_prompt_lookup_gives_each_prompt_what_it_gives_alone(models, oracle):
     from dflash_gguf.batch import BatchLlama
 
