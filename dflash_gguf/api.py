@@ -103,7 +103,8 @@ class Llama(PairConstructors, RpcTarget, llama_cpp.Llama):
 
     After each generation ``self.last_dflash_stats`` holds its :class:`GenerationStats` (``None``
     after a plain fallback) and responses carry the same numbers as a top-level ``"dflash"`` object
-    (and a stream's last chunk its ``usage``). Without a drafter responses are llama_cpp's, key for key.
+    (and a stream's last chunk its ``usage``). Without a drafter and without prompt lookup responses
+    are llama_cpp's, key for key.
     """
 
     last_usage: dict | None = None   # the last completion's usage (streams without a drafter carry none)
@@ -341,7 +342,7 @@ class Llama(PairConstructors, RpcTarget, llama_cpp.Llama):
                 result = super().create_chat_completion(*args, **kwargs)
             req, self._call.created = self._call.created, None
         if isinstance(result, dict):
-            if self._decoder is not None:   # without a drafter the answer is llama_cpp's, key for key
+            if self._decoder is not None:   # no engine (no drafter, no prompt lookup): llama_cpp's answer as it is
                 result["dflash"] = self._stats_dict(req)
             return result
         return self._chat_stream(result, req)
