@@ -225,6 +225,36 @@ def test_sampled_copies_keep_the_target_distribution(qwen3, oracle):
     assert p > ALPHA, f"copied samples do not follow the target distribution (p={p:.2e}): {counts} vs {exact}"
 
 
+def test_sampled_copies_beside_a_lattice_drafter_keep_the_target_distribution(models, oracle):
+    """Beside a DFlash2 drafter drawing its blocks from its lattice (q: the lattice's distribution), a
+    copied block is a point-mass proposal: either way the target's distribution."""
+    pair = models.pair("qwen3", "dflash2", 8)
+    tm, dm = Model(pair.target), Model(pair.drafter)
+    o = ContextOptions(n_ctx=256, n_batch=64, n_ubatch=64)
+    pc, tc = Context(tm, o), Context(tm, o)
+    dc = Context(dm, o, other=tc)
+    try:
+        plain = DFlashDecoder(pc, None)
+        dec = DFlashDecoder(tc, dc, SpecOptions(ngram=NGRAM))
+        assert dec.lattice is not None
+        ps, fulls = prompts_and_fulls(tm, plain, 4)
+        oracle(fulls, miss=2)             # every other step the drafter's lattice proposes
+        prompt = ps[0]
+        exact = exact_distribution(pc, prompt, SP)
+        counts, st = Counter(), GenerationStats()
+        for seed in range(1500):
+            sp = SamplingParams(**{**SP.__dict__, "seed": seed})
+            counts[tuple(dec.generate(prompt, K_TOKENS, sampling=sp, stats=st, stop_tokens=[]))] += 1
+        assert copied_both_ways(st) and st.steps > st.copy_steps, st.as_dict()
+        p = chi2_pvalue(counts, exact)
+        assert p > ALPHA, f"samples do not follow the target distribution (p={p:.2e}): {counts} vs {exact}"
+    finally:
+        for c in (dc, pc, tc):
+            c.close()
+        dm.close()
+        tm.close()
+
+
 @pytest.mark.parametrize("arch,n_rs_seq", [("qwen3", 0), ("qwen35", 0), ("qwen35", 6)])
 def test_every_sequence_of_a_batch_equals_itself_alone(models, oracle, arch, n_rs_seq):
     """Copied blocks of several sequences in one verify (a hybrid's padded to the longest), beside plain
