@@ -49,6 +49,7 @@ from dflash_gguf.rpc import RpcTarget
 from dflash_gguf.sampling import SamplingParams
 from dflash_gguf.decoding.decoder import DFlashDecoder, common_prefix_len
 from dflash_gguf.runtime import DraftSettings, Runtime, snapshots
+from dflash_gguf.decoding.ngram import NgramOptions
 from dflash_gguf.decoding.stats import GenerationStats
 from dflash_gguf.stopping import stop_token_ids
 
@@ -94,10 +95,18 @@ class Llama(PairConstructors, RpcTarget, llama_cpp.Llama):
             Arguments given explicitly win over the preset.
         rpc_servers, draft_rpc_servers: ``["host:port", ...]`` of llama.cpp ``rpc-server`` processes for the
             target's layers (with ``tensor_split``), or the drafter's (default: local); see dflash_gguf.rpc.
+        prompt_lookup: also draft by prompt lookup (dflash_gguf.decoding.ngram): copy up to
+            ``prompt_lookup_num_pred_tokens`` tokens that followed the last ``prompt_lookup_max_ngram_size``
+            tokens' latest earlier occurrence in the prompt and the text so far. Without a drafter it is the
+            only proposer (any GGUF llama.cpp decodes); beside one, a step copies where that is expected to
+            give more tokens per second than the drafter's block (draft_adaptive: through the speed gate).
+            llama_cpp's ``draft_model=LlamaPromptLookupDecoding(max_ngram_size=..., num_pred_tokens=...)``
+            turns it on with those settings (served by the engine, not llama_cpp's Python loop).
 
     After each generation ``self.last_dflash_stats`` holds its :class:`GenerationStats` (``None``
     after a plain fallback) and responses carry the same numbers as a top-level ``"dflash"`` object
-    (and a stream's last chunk its ``usage``). Without a drafter responses are llama_cpp's, key for key.
+    (and a stream's last chunk its ``usage``). Without a drafter and without prompt lookup responses
+    are llama_cpp's, key for key.
     """
 
     last_usage: dict | None = None   # the last completion's usage (streams without a drafter carry none)
@@ -106,7 +115,9 @@ class Llama(PairConstructors, RpcTarget, llama_cpp.Llama):
                  draft_n_max: int | None = None, draft_adaptive: bool = True, dflash: bool = True,
                  draft_n_gpu_layers: int | None = None, draft_use_mmap: bool = False,
                  draft_window: int | None = None, low_memory: bool = False,
-                 rollback_memory_mb: float | None = None, rpc_servers=None, draft_rpc_servers=None, **kwargs):
+                 rollback_memory_mb: float | None = None, rpc_servers=None, draft_rpc_servers=None,
+                 prompt_lookup: bool = False, prompt_lookup_num_pred_tokens: int = 10,
+                 prompt_lookup_max_ngram_size: int = 2, **kwargs):
         # checked before anything loads (the runtime takes them as DraftSettings)
         DraftSettings(n_max=draft_n_max, window=draft_window, rollback_memory_mb=rollback_memory_mb)
         self._runtime: Runtime | None = None
@@ -124,6 +135,19 @@ class Llama(PairConstructors, RpcTarget, llama_cpp.Llama):
         self.draft_n_gpu_layers = draft_n_gpu_layers
         self.draft_use_mmap = draft_use_mmap
         self.rollback_memory_mb = rollback_memory_mb
+        # llama_cpp's prompt lookup draft model: the engine's, with its settings (llama_cpp keeps the object
+        # for the generations the engine leaves to its plain path)
+        lookup = kwargs.get("draft_model")
+        self._lookup_draft_model = isinstance(lookup, llama_cpp.llama_speculative.LlamaPromptLookupDecoding)
+        if self._lookup_draft_model:
+            prompt_lookup = True
+            prompt_lookup_num_pred_tokens = lookup.num_pred_tokens
+            prompt_lookup_max_ngram_size = lookup.max_ngram_size
+        self.prompt_lookup = prompt_lookup
+        self.prompt_lookup_num_pred_tokens = prompt_lookup_num_pred_tokens
+        self.prompt_lookup_max_ngram_size = prompt_lookup_max_ngram_size
+        self._ngram = NgramOptions(max_ngram=prompt_lookup_max_ngram_size,
+                                   n_pred=prompt_lookup_num_pred_tokens) if prompt_lookup else None
         self._owner_lock = threading.RLock()
         self._owner: tuple[int, weakref.ref] | None = None   # (thread, generation) in flight
         # llama.cpp aborts the process on some inconsistent files: check both before it loads either
@@ -148,6 +172,9 @@ class Llama(PairConstructors, RpcTarget, llama_cpp.Llama):
         if self.draft_model_path:
             self._stack.callback(self._close_dflash)   # LIFO: freed before the target context
             self._open_drafter()
+        elif self._ngram is not None:
+            self._stack.callback(self._close_dflash)
+            self._open_lookup()
         elif kwargs.get("draft_model") is None:
             log.info("no draft_model_path: %s decodes plainly", Path(model_path).name)
 
@@ -157,7 +184,7 @@ class Llama(PairConstructors, RpcTarget, llama_cpp.Llama):
         if window is None and self.low_memory and getattr(self, "_draft_model", None) is not None:
             window = max(LOW_MEMORY_DRAFT_CACHE - DrafterInfo.read(self._draft_model).block_size, 1)
         return DraftSettings(n_max=self.draft_n_max, adaptive=self.draft_adaptive, window=window,
-                             rollback_memory_mb=self.rollback_memory_mb)
+                             rollback_memory_mb=self.rollback_memory_mb, ngram=self._ngram)
 
     def _open_drafter(self) -> None:
         self._draft_model = Model(self.draft_model_path, use_mmap=self.draft_use_mmap, **self._draft_devices())
@@ -181,6 +208,17 @@ class Llama(PairConstructors, RpcTarget, llama_cpp.Llama):
         log.info("DFlash ready: %s drafter %s, block %d, %d drafted per step, rollback %s",
                  self._decoder.info.kind, Path(self.draft_model_path).name, self._decoder.info.block_size,
                  self._decoder.n_draft, self._decoder.rollback)
+
+    def _open_lookup(self) -> None:
+        """Prompt lookup with no drafter: the engine on the target's own context alone."""
+        model = Model.borrow(self._model.model, self.model_path, self._rpc_hook)
+        opts = ContextOptions(n_ctx=self._n_ctx, n_batch=self.n_batch, n_ubatch=self.context_params.n_ubatch,
+                              n_threads=self.n_threads)
+        self._runtime = Runtime(Context.borrow(model, self._ctx.ctx, opts), None, self.draft_settings())
+        self._decoder = self._runtime.decoder
+        self.n_tokens = 0   # the decoder cleared the target memory
+        log.info("prompt lookup ready: up to %d tokens copied per step (n-grams of up to %d), rollback %s",
+                 self._decoder.n_copy, self._ngram.max_ngram, self._decoder.rollback)
 
     def _recreate_context(self, n_rs_seq: int) -> None:
         """Rebuild the target context with ``n_rs_seq`` recurrent snapshots (hybrid targets).
@@ -214,7 +252,10 @@ class Llama(PairConstructors, RpcTarget, llama_cpp.Llama):
         state.update(draft_model_path=self.draft_model_path, draft_n_max=self.draft_n_max, dflash=self.dflash,
                      draft_n_gpu_layers=self.draft_n_gpu_layers, draft_adaptive=self.draft_adaptive,
                      draft_use_mmap=self.draft_use_mmap, draft_window=self.draft_window,
-                     rollback_memory_mb=self.rollback_memory_mb, low_memory=self.low_memory)
+                     rollback_memory_mb=self.rollback_memory_mb, low_memory=self.low_memory,
+                     prompt_lookup=self.prompt_lookup and not self._lookup_draft_model,
+                     prompt_lookup_num_pred_tokens=self.prompt_lookup_num_pred_tokens,
+                     prompt_lookup_max_ngram_size=self.prompt_lookup_max_ngram_size)
         return state
 
     # ------------------------------------------------------------------ introspection
@@ -229,8 +270,12 @@ class Llama(PairConstructors, RpcTarget, llama_cpp.Llama):
         d = self._decoder
         if d is None:
             return None
+        if d.info is None:    # prompt lookup alone
+            return {"kind": "ngram", "block_size": d.n_copy + 1, "n_draft": d.n_copy, "rollback": d.rollback,
+                    "drafter": None, "enabled": self.dflash}
         return {"kind": d.info.kind, "block_size": d.info.block_size, "n_draft": d.n_draft,
-                "rollback": d.rollback, "drafter": self.draft_model_path, "enabled": self.dflash}
+                "rollback": d.rollback, "drafter": self.draft_model_path, "enabled": self.dflash,
+                **({"n_copy": d.n_copy} if d.n_copy else {})}
 
     # ------------------------------------------------------------------ per-call options
     def interrupt(self) -> None:
@@ -287,7 +332,7 @@ class Llama(PairConstructors, RpcTarget, llama_cpp.Llama):
                 result = super().create_chat_completion(*args, **kwargs)
             req, self._call.created = self._call.created, None
         if isinstance(result, dict):
-            if self._decoder is not None:   # without a drafter the answer is llama_cpp's, key for key
+            if self._decoder is not None:   # no engine (no drafter, no prompt lookup): llama_cpp's answer as it is
                 result["dflash"] = self._stats_dict(req)
             return result
         return self._chat_stream(result, req)
@@ -358,7 +403,8 @@ class Llama(PairConstructors, RpcTarget, llama_cpp.Llama):
         want = self.dflash if request is None or request.dflash is None else request.dflash
         return plain_reason(Call(
             sampling=sampling, drafter=self._decoder is not None, want=bool(want), default=bool(self.dflash),
-            draft_model=self.draft_model is not None, reset=reset, stopping_criteria=stopping_criteria))
+            draft_model=self.draft_model is not None and not self._lookup_draft_model, reset=reset,
+            stopping_criteria=stopping_criteria))
 
     def _check_free(self) -> None:
         """Raise BusyError when another thread has a generation in flight on this Llama."""
@@ -581,6 +627,8 @@ Llama.create_chat_completion.__signature__ = _signature(llama_cpp.Llama.create_c
 Llama.__init__.__signature__ = _signature(llama_cpp.Llama.__init__, draft_model_path=None, draft_n_max=None,
                                           draft_adaptive=True, dflash=True, draft_n_gpu_layers=None,
                                           draft_use_mmap=False, draft_window=None, low_memory=False,
-                                          rollback_memory_mb=None, rpc_servers=None, draft_rpc_servers=None)
+                                          rollback_memory_mb=None, rpc_servers=None, draft_rpc_servers=None,
+                                          prompt_lookup=False, prompt_lookup_num_pred_tokens=10,
+                                          prompt_lookup_max_ngram_size=2)
 
 __all__ = ["Llama", "check_grammar", "pair_files"]

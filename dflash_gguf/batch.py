@@ -31,6 +31,7 @@ from dflash_gguf.requests.prompts import formatted_prompt
 from dflash_gguf.requests.responses import finish_reason
 from dflash_gguf.requests.stops import StopStrings
 from dflash_gguf.sampling import SamplingParams
+from dflash_gguf.decoding.ngram import NgramOptions
 from dflash_gguf.decoding.sequence import Request
 from dflash_gguf.decoding.stats import GenerationStats
 
@@ -55,18 +56,23 @@ class BatchLlama:
     def __init__(self, model_path: str | os.PathLike, draft_model_path: str | os.PathLike | None = None, *,
                  n_parallel: int = 4, n_ctx: int = 2048, n_batch: int = 512, n_threads: int | None = None,
                  draft_adaptive: bool = True, draft_n_max: int | None = None, draft_window: int | None = None,
-                 flash_attn: bool | None = None, rollback_memory_mb: float | None = None):
+                 flash_attn: bool | None = None, rollback_memory_mb: float | None = None,
+                 prompt_lookup: bool = False, prompt_lookup_num_pred_tokens: int = 10,
+                 prompt_lookup_max_ngram_size: int = 2):
         """``rollback_memory_mb`` (hybrid and recurrent targets): the most memory the recurrent-state
         rollback of all ``n_parallel`` sequences together may take. Within it (or with None) every
         sequence keeps a snapshot of its state per drafted token inside llama.cpp (the fastest); past
         it, one host copy per sequence that a rejection restores and replays (``Llama``'s option, for
-        the whole batch)."""
+        the whole batch). ``prompt_lookup``: also draft by copying from each prompt and its text so far, as
+        ``Llama``'s option (with no drafter: the only proposer)."""
         if n_parallel < 1:
             raise InvalidArgumentError(f"n_parallel must be >= 1, got {n_parallel}")
         opts = ContextOptions(n_ctx=n_ctx, n_batch=n_batch, n_ubatch=n_batch, n_threads=n_threads, n_seq=n_parallel,
                               flash_attn=flash_attn)
         draft = DraftSettings(n_max=draft_n_max, adaptive=draft_adaptive, window=draft_window,
-                              rollback_memory_mb=rollback_memory_mb)
+                              rollback_memory_mb=rollback_memory_mb,
+                              ngram=NgramOptions(max_ngram=prompt_lookup_max_ngram_size,
+                                                 n_pred=prompt_lookup_num_pred_tokens) if prompt_lookup else None)
         self._owned: list = []
         try:
             self.model = self._own(Model(model_path))

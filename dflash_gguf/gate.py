@@ -138,6 +138,8 @@ class DraftLength:
         self._recheck = False                       # a block of the plan got nothing accepted: re-plan next step
         self.probing = False                        # the last choice was an acceptance probe (is the drafter
                                                     # right?), not a length the plan or a cost probe drafts
+        self.scheduled = False                      # the last choice was the schedule's (a warm-up step, an
+                                                    # acceptance or a cost probe), not the plan's
         self._plain_checked = False                 # a plain probe's second step did not lower plain's prior
         self._probe_step = -1                       # the last step that was a cost probe's second
         self._run: int | None = None                # the length of the last step recorded (None: a new run)
@@ -348,6 +350,7 @@ class DraftLength:
         self.steps += 1
         self.probing = False
         n = self._scheduled()
+        self.scheduled = n is not None
         due = self.steps % self.REPLAN_EVERY == 0
         if n is not None:
             # a probe or warm-up step on a re-planning step: re-plan on the next step of the plan (probes

@@ -76,6 +76,19 @@ FLAGS: dict[str, tuple[tuple[str, ...], dict]] = {
                                                              "repository, or of -hf's")),
     "no_draft": (("--no-draft",), dict(dest="no_draft", action="store_true",
                                        help="with -hf: no drafter (plain decoding), even where one is published")),
+    "spec_type": (("--spec-type",),
+                  dict(dest="spec_type", metavar="ngram-simple", default=None,
+                       help="ngram-simple: also draft by prompt lookup, copying the tokens that followed the last "
+                            "tokens' latest earlier occurrence in the prompt and the text so far (without a "
+                            "drafter: the only proposer, any GGUF; beside one: where a copy is expected to pay "
+                            "more); exact either way")),
+    "spec_ngram_size_n": (("--spec-ngram-simple-size-n",),
+                          dict(dest="spec_ngram_size_n", type=int, default=2, metavar="N",
+                               help="prompt lookup: the longest n-gram looked up (default %(default)s)")),
+    "spec_ngram_size_m": (("--spec-ngram-simple-size-m",),
+                          dict(dest="spec_ngram_size_m", type=int, default=10, metavar="M",
+                               help="prompt lookup: tokens copied per step at most (default %(default)s; beside a "
+                                    "drafter no more than it drafts)")),
     "n_predict": (("-n", "--n-predict", "--predict", "--max-tokens"),
                   dict(dest="max_tokens", type=int, metavar="N",
                        help="tokens to generate at most (default %(default)s; generate and chat: 0 means until EOS "
@@ -102,7 +115,8 @@ def add_model_args(ap: argparse.ArgumentParser) -> None:
     g.add_argument("--pair", metavar="DIR", help="converted pair directory (pair.json, target*.gguf, drafter*.gguf)")
     for name in ("model", "draft", "hf_repo", "hf_file", "hf_repo_draft", "hf_file_draft", "no_draft",
                  "ctx_size", "gpu_layers", "gpu_layers_draft", "threads", "flash_attn", "draft_max",
-                 "draft_adaptive", "draft_window", "low_memory", "rollback_memory", "rpc", "rpc_draft", "tensor_split"):
+                 "draft_adaptive", "draft_window", "low_memory", "rollback_memory", "rpc", "rpc_draft", "tensor_split",
+                 "spec_type", "spec_ngram_size_n", "spec_ngram_size_m"):
         add_flag(g, name)
     g.add_argument("--no-dflash", action="store_true", help="load the drafter but decode plainly (for comparison)")
     g.add_argument("--chat-format", default=None,
@@ -186,8 +200,27 @@ def llama_kwargs(args: argparse.Namespace, target) -> dict:
               flash_attn=getattr(args, "flash_attn", "auto") != "off", logits_all=getattr(args, "logits_all", False))
     if args.threads:
         kw.update(n_threads=args.threads, n_threads_batch=args.threads)
+    kw.update(spec_kwargs(args))
     kw.update(rpc_kwargs(args, kw))
     return kw
+
+
+SPEC_TYPES = ("ngram-simple",)
+
+
+def spec_kwargs(args: argparse.Namespace) -> dict:
+    """--spec-type and its n-gram sizes as Llama arguments (prompt lookup)."""
+    kinds = [k.strip() for k in (getattr(args, "spec_type", None) or "").split(",") if k.strip()]
+    bad = [k for k in kinds if k not in SPEC_TYPES]
+    if bad:
+        raise SystemExit(f"{PROG}: --spec-type {bad[0]!r} is not served here (served: {', '.join(SPEC_TYPES)}; "
+                         "a DFlash/DSpark drafter comes with -md)")
+    if not kinds:
+        return {}
+    n, m = getattr(args, "spec_ngram_size_n", 2), getattr(args, "spec_ngram_size_m", 10)
+    if n < 1 or m < 1:
+        raise SystemExit(f"{PROG}: --spec-ngram-simple-size-n and -size-m must be >= 1, got {n} and {m}")
+    return dict(prompt_lookup=True, prompt_lookup_max_ngram_size=n, prompt_lookup_num_pred_tokens=m)
 
 
 def rpc_kwargs(args: argparse.Namespace, kw: dict) -> dict:

@@ -13,6 +13,7 @@ import logging
 from dataclasses import dataclass, replace
 
 from dflash_gguf.decoding.decoder import DFlashDecoder, SpecOptions
+from dflash_gguf.decoding.ngram import NgramOptions
 from dflash_gguf.decoding.proposer import Proposer
 from dflash_gguf.decoding.rollback import choose_for_memory, recurrent_state_bytes
 from dflash_gguf.engine import Context, ContextOptions, DrafterInfo, Model, clamp_n_draft
@@ -34,6 +35,7 @@ class DraftSettings:
                                            # DEFAULT_DRAFT_CACHE - block; 0: the whole context)
     rollback_memory_mb: float | None = None   # hybrid targets: the most memory rollback may take, all
                                               # sequences together (None: snapshots, the fastest)
+    ngram: NgramOptions | None = None      # prompt lookup (decoding.ngram): copies with or without a drafter
 
     def __post_init__(self) -> None:
         if self.n_max is not None and self.n_max < 0:
@@ -93,7 +95,7 @@ class Runtime:
                 self.drafter = Context(drafter, replace(target.opts, n_rs_seq=0, draft_window=window), other=target)
                 release_free_heap()   # what loading the drafter freed goes back to the system
             if spec is None:
-                spec = SpecOptions(n_draft=draft.n_max, adaptive=draft.adaptive, keep_history=True)
+                spec = SpecOptions(n_draft=draft.n_max, adaptive=draft.adaptive, keep_history=True, ngram=draft.ngram)
             if make_decoder:
                 self.decoder = DFlashDecoder(target, self.drafter, spec, proposer)
         except BaseException:

@@ -42,7 +42,7 @@ PURE = ("dflash_gguf.gate", "dflash_gguf.sampling", "dflash_gguf.constraints", "
         DEFAULTS, "dflash_gguf.requests.served", "dflash_gguf.requests.stops", "dflash_gguf.requests.responses",
         "dflash_gguf.decoding.acceptance", "dflash_gguf.decoding.batch_costs",
         "dflash_gguf.decoding.stats", "dflash_gguf.decoding.confidence", "dflash_gguf.decoding.rollback",
-        "dflash_gguf.decoding.history", "dflash_gguf.decoding.policy")
+        "dflash_gguf.decoding.history", "dflash_gguf.decoding.policy", "dflash_gguf.decoding.ngram")
 # what a pure module must not load: the patched llama.cpp, its bindings, the conversion stack
 NATIVE_LIBRARIES = ("llama_cpp", "cffi", "_cffi_backend", "torch", "transformers")
 

@@ -32,6 +32,9 @@ SHARED = {  # flag -> the commands that take it
     "draft_window": ("generate", "chat", "serve"),
     "low_memory": ("generate", "chat", "serve"),
     "rollback_memory": ("generate", "chat", "serve"),
+    "spec_type": ("generate", "chat", "serve"),
+    "spec_ngram_size_n": ("generate", "chat", "serve"),
+    "spec_ngram_size_m": ("generate", "chat", "serve"),
 }
 
 

@@ -33,7 +33,7 @@ def prior() -> np.ndarray:
 def slots(policy: DraftPolicy, b: int, sp: SamplingParams = GREEDY) -> list:
     """``b`` running requests as the policy sees them (the fields it reads of a decoder's slots)."""
     return [SimpleNamespace(slot=i, gate=policy.gate_for(sp), head=np.zeros(0, np.int32), cache=[], max_tokens=10**9,
-                            produced=0, n_draft=N, features=SimpleNamespace(n=i), lattice=False,
+                            produced=0, n_draft=N, features=SimpleNamespace(n=i), lattice=False, copy=None, copied=[],
                             chooser=SimpleNamespace(sp=sp)) for i in range(b)]
 
 
@@ -55,7 +55,7 @@ def run(policy: DraftPolicy, seqs: list, steps: int, right, scores=None) -> tupl
             if scores is not None and d:
                 policy.observe_scores(s, conf[s.slot, :d], n, a)
             tokens += a + 1
-            done.append((s, SimpleNamespace(head=0, n=n, accepted=a)))
+            done.append((s, SimpleNamespace(head=0, n=n, accepted=a, copied=False)))
         dt = step_cost(plan.lengths)
         seconds += dt
         policy.observe(done, plan, dt)
@@ -150,7 +150,7 @@ def test_a_batch_probe_drafts_for_one_sequence_and_within_each_context():
             probes += 1
             assert sum(1 for n in plan.lengths if n) == 1, plan.lengths
             assert plan.lengths[0] > 0, "the sequence with the fewest kept rows is probed"
-        policy.observe([(s, SimpleNamespace(head=0, n=n, accepted=0)) for s, n in zip(seqs, plan.lengths)],
+        policy.observe([(s, SimpleNamespace(head=0, n=n, accepted=0, copied=False)) for s, n in zip(seqs, plan.lengths)],
                        plan, step_cost(plan.lengths))
     assert probes > 0
     short = slots(policy, 1)

@@ -3,6 +3,7 @@
 :mod:`.decoder` sequences one step (of one sequence or a batch of them): :mod:`.proposer` drafts, the
 target verifies, :mod:`.acceptance` decides what is kept, :mod:`.rollback` trims the target's memory, :mod:`.stats` records it;
 :mod:`.prompts` brings a prompt into a slot's caches, :mod:`.scheduling` runs many requests on the slots.
+:mod:`.ngram` proposes blocks copied from the prompt and the text so far (prompt lookup).
 :mod:`.calibration` measures this machine's step costs once per pair, the speed gate's starting point;
 :mod:`.batch_costs` scales them to a batch of sequences.
 :mod:`.acceptance`, :mod:`.batch_costs` and :mod:`.stats` need no native library; the names below load on first use.

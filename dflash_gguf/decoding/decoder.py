@@ -21,6 +21,12 @@ request joining as soon as a slot is free). :meth:`DFlashDecoder.generate` is th
 on slot 0, as a generator whose caller is the consumer, a token at a time (``dflash_gguf.Llama``); it must
 not run while other requests run on the slots.
 
+A step's block may instead be copied by prompt lookup (:mod:`.ngram`, ``SpecOptions.ngram``): with no drafter
+at all (any target: no taps, no features, only the verify of copied blocks), or beside one, per sequence and
+step, where the draft policy expects the copy to give more tokens per second. A copied step runs no draft:
+for the drafter it is a plain step, whose committed rows' features are kept on the host and injected before
+its next draft (:mod:`.features`).
+
 The phases live in their own modules: :mod:`.policy` (how many tokens to draft and verify), :mod:`.proposer`
 (draft), :mod:`.acceptance` (accept), :mod:`.rollback` (one object per memory kind), :mod:`.stats`
 (statistics); this module sequences them.
@@ -47,6 +53,7 @@ from dflash_gguf.sampling import SamplingParams, TokenChooser
 from dflash_gguf.decoding.acceptance import cut_at_stop, greedy_accept, sampled_accept
 from dflash_gguf.decoding.features import FeatureFeed
 from dflash_gguf.decoding.policy import DraftPolicy
+from dflash_gguf.decoding.ngram import NgramIndex, NgramOptions, Rates
 from dflash_gguf.decoding.prompts import TAP_ROWS, Prompts
 from dflash_gguf.decoding.proposer import DrafterProposer, LatticeProposer, MarkovProposer, Proposer
 from dflash_gguf.decoding.rollback import make_rollback
@@ -70,6 +77,9 @@ class SpecOptions:
     # the gate starts from the acceptance history earlier decoders of this pair kept, and keeps its own
     # (decoding.history; the front doors' decoders: a user's first call plans from the first step)
     keep_history: bool = False
+    # prompt lookup: also propose tokens copied from the prompt and the text so far (decoding.ngram), with no
+    # drafter at all or, per step, instead of the drafter's block where a copy is expected to pay more
+    ngram: NgramOptions | None = None
 
 
 class DFlashDecoder(Prompts, Scheduling):
@@ -125,6 +135,12 @@ class DFlashDecoder(Prompts, Scheduling):
             block_rows = drafter.n_ubatch // self.n_seq + (1 if self.info.sample_from_anchor else 0)
             self.n_draft = clamp_n_draft(self.info, self.opts.n_draft, n_batch=self.tap_rows // self.n_seq,
                                          n_ubatch=block_rows)
+        # prompt lookup: tokens copied per step at most (beside a drafter: no more than it drafts, so that the
+        # taps, the rollback and the buffers sized for its blocks serve a copy too)
+        self.n_copy = 0
+        if self.opts.ngram is not None:
+            cap = self.n_draft if drafter is not None else self.tap_rows // self.n_seq - 1
+            self.n_copy = max(0, min(self.opts.ngram.n_pred, cap))
         self.lattice: LatticeProposer | None = None
         if self.info is not None and self.info.kind == "dflash2" and self.opts.sample_lattice and self.info.selector_top_k:
             self.lattice = LatticeProposer(self.info.selector_top_k, self.n_draft)
@@ -134,20 +150,20 @@ class DFlashDecoder(Prompts, Scheduling):
                 self.markov = MarkovProposer(drafter.model.path, target.model.n_vocab)
             else:
                 log.info("no gguf package: sampled DSpark blocks are the Markov head's greedy chain")
-        self.seqs = [Slot(slot, make_rollback(target, self.n_draft, self.opts.rollback, seq=slot),
+        self.seqs = [Slot(slot, make_rollback(target, max(self.n_draft, self.n_copy), self.opts.rollback, seq=slot),
                           FeatureFeed(target, drafter, self.info, seq=slot) if drafter is not None else None)
                      for slot in range(self.n_seq)]
         gated = self.opts.adaptive and self.n_draft > 0
         # a DSpark drafter's confidence in each drafted token, and what the target made of such scores
         confident = self.info is not None and (self.info.has_confidence or self.proposer.confidence)
-        self.policy = DraftPolicy(self.n_draft, gated, confident)
+        self.policy = DraftPolicy(self.n_draft, gated, confident, self.n_copy, self.opts.adaptive)
         self._free: deque[Slot] = deque(self.seqs)   # slots without a request (run, admit, step)
         self._active: list[Slot] = []                # ... with a running one
         self._ended: list[Slot] = []                 # ... whose request ended at admission (reported by step)
         self._filling: deque[Slot] = deque()         # ... whose prompt is still being prefilled, a chunk per step
         self.closed = False            # set when the contexts are freed: a late generator cleanup then does nothing
         self._vocab = target.model.n_vocab
-        bs = max(self.n_draft + 1, 1)
+        bs = max(self.n_draft, self.n_copy) + 1
         self._draft = np.zeros((self.n_seq, bs), dtype=np.int32)
         self._conf = np.zeros((self.n_seq, bs), dtype=np.float32)
         # a step's rows: every sequence's block, and a joining request's prompt tail (_fusable)
@@ -221,9 +237,12 @@ class DFlashDecoder(Prompts, Scheduling):
         one drafter decode for those the drafter proposes to, one per sequence drawing from a DFlash2
         lattice. Returns, per sequence, the lattice distributions (or None)."""
         qs: list = [None] * len(seqs)
-        batch = [i for i, s in enumerate(seqs) if ns[i] > 0 and not s.lattice]
         for i, s in enumerate(seqs):
-            if ns[i] > 0:
+            if s.copied:
+                self._draft[s.slot, :ns[i]] = s.copied
+        batch = [i for i, s in enumerate(seqs) if ns[i] > 0 and not s.lattice and not s.copied]
+        for i, s in enumerate(seqs):
+            if ns[i] > 0 and not s.copied:
                 t0 = time.perf_counter()
                 s.features.flush()          # rows kept on the host during plain steps
                 s.stats.t_inject += time.perf_counter() - t0
@@ -262,13 +281,13 @@ class DFlashDecoder(Prompts, Scheduling):
                 if conf is not None:
                     self._conf[seqs[i].slot, :ns[i]] = conf[j, :ns[i]]
         for i, s in enumerate(seqs):
-            if ns[i] > 0 and s.lattice:
+            if ns[i] > 0 and s.lattice and not s.copied:
                 ns[i], qs[i] = self.lattice.propose(self.drafter, s.slot, len(s.cache), s.pending, ns[i],
                                                     self._draft[s.slot], s.chooser.rng, s.chooser.sp.temperature,
                                                     s.chooser.constraints)
-        dt = (time.perf_counter() - t0) / max(sum(1 for n in ns if n > 0), 1)
+        dt = (time.perf_counter() - t0) / max(sum(1 for i, n in enumerate(ns) if n > 0 and not seqs[i].copied), 1)
         for i, s in enumerate(seqs):
-            if ns[i] > 0:
+            if ns[i] > 0 and not s.copied:
                 s.stats.t_draft += dt
         return qs
 
@@ -326,14 +345,20 @@ class DFlashDecoder(Prompts, Scheduling):
             else:
                 commit = sampled_accept(draft, lambda j, r=r: self.target.logits_row(r + j), s.chooser, qs[i])
             a = len(commit) - 1
-            if self.policy.confidence is not None and drafted[i] and not s.lattice:
+            copied = bool(s.copied)
+            if self.policy.confidence is not None and drafted[i] and not s.lattice and not copied:
                 self.policy.observe_scores(s, self._conf[s.slot, :drafted[i]], n, a)
                 s.stats.unverified += drafted[i] - n
             s.stats.observe_step(n, a)
+            if copied:
+                s.stats.observe_copy(n, a)
+                s.copy_rates.record(n, a)
+            elif n and s.copy is not None:
+                s.draft_rates.record(n, a)
             commit = cut_at_stop(commit, s.stop)
             self._sink_rows(s, len(s.cache) + h, r, len(commit))
             steps.append(Step(len(s.cache), n, a, commit, rows[row0[i]:row0[i] + lens[i]].copy(), int(row0[i]),
-                              saved[i], h))
+                              saved[i], h, copied))
         return steps, plan
 
     def _settle(self, done: list[tuple[Slot, Step, int]]) -> None:
@@ -346,8 +371,9 @@ class DFlashDecoder(Prompts, Scheduling):
             if s.features is None:
                 continue
             t0 = time.perf_counter()
-            if st.n == 0:
-                s.features.keep(st.pos, st.head + consumed, st.row0)   # a plain step's rows: on the host
+            if st.n == 0 or st.copied:
+                # a plain or a copied step's rows (no draft ran: the drafter's cache is where it was): on the host
+                s.features.keep(st.pos, st.head + consumed, st.row0)
             else:
                 s.features.inject(st.pos, consumed, "injecting verified features into the drafter", row0=st.row0)
             s.stats.t_inject += time.perf_counter() - t0
@@ -360,6 +386,8 @@ class DFlashDecoder(Prompts, Scheduling):
                 s.cache.extend(int(t) for t in s.head)
                 s.head = NO_HEAD
             if consumed:
+                if s.copy is not None:
+                    s.copy.extend(st.commit[:consumed])
                 s.chooser.accept(st.commit[:consumed])
                 s.cache.append(s.pending)
                 s.cache.extend(st.commit[:consumed - 1])
@@ -399,6 +427,13 @@ class DFlashDecoder(Prompts, Scheduling):
         own = not sp.greedy and not sp.is_repeatable and type(self.proposer) is DrafterProposer
         s.lattice = self.lattice is not None and own
         s.markov = self.markov is not None and own
+        # prompt lookup: the prompt's n-grams, the request's own acceptance of copies (and of drafted blocks)
+        s.copy = None
+        if use_draft and self.n_copy:
+            o = self.opts.ngram
+            s.copy = NgramIndex(o.max_ngram, o.min_ngram, prompt)
+            s.copy_rates, s.draft_rates, s.copy_declined = Rates(self.n_copy), Rates(max(self.n_draft, 1)), 0
+        s.copied = []
         s.done = False
         stats.n_prompt = len(prompt)
         n_keep = self.keep_prefix(common_prefix_len(s.cache, prompt[:len(prompt) - 1]), s.slot)

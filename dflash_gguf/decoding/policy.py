@@ -11,7 +11,11 @@ The decoder calls it through one interface, every step:
   cost is a switch's, not a settled one;
 * :meth:`DraftPolicy.request_ended` - a request left its slot: what the policy learnt is kept.
 
-It has two inputs. The acceptance history (:class:`dflash_gguf.gate.DraftLength`, one per kind of request
+It weighs two proposers, per sequence and step: the drafter's block and, with prompt lookup
+(:mod:`.ngram`), a block copied from the prompt and the text so far, where a copy is expected to give more
+tokens per second (:meth:`DraftPolicy.copy_length`; with no drafter at all, copies against plain steps).
+
+For the drafter's blocks it has two inputs. The acceptance history (:class:`dflash_gguf.gate.DraftLength`, one per kind of request
 and batch size): the draft length with the most expected tokens per second from this machine's measured
 step costs (its prior measured by :mod:`.calibration`) and how often the drafter was right, kept per pair
 (:mod:`.history`). And, for drafters with a confidence head (DSpark), the per-token confidence calibrated
@@ -30,6 +34,7 @@ import numpy as np
 from dflash_gguf.decoding import history
 from dflash_gguf.decoding.batch_costs import batch_prior
 from dflash_gguf.decoding.confidence import Calibration, allocate, rows_cost
+from dflash_gguf.decoding.ngram import StepCosts, best_length
 from dflash_gguf.gate import DraftLength
 from dflash_gguf.sampling import SamplingParams
 
@@ -48,11 +53,19 @@ class Plan:
 
 class DraftPolicy:
     """The draft lengths of a decoder of ``n_draft``-token blocks. ``gated``: the speed gate chooses them
-    (else every request drafts whole blocks); ``confident``: the drafter scores its tokens."""
+    (else every request drafts whole blocks); ``confident``: the drafter scores its tokens; ``n_copy``:
+    tokens prompt lookup copies per step at most (0: none), chosen by their measured worth where
+    ``adaptive`` (else whole matches with no drafter)."""
 
-    def __init__(self, n_draft: int, gated: bool, confident: bool):
+    # matches declined in a row (the copies did not pay) before two tokens are copied anyway
+    COPY_PROBE = 8
+
+    def __init__(self, n_draft: int, gated: bool, confident: bool, n_copy: int = 0, adaptive: bool = False):
         self.n_draft = n_draft
         self.gated = gated
+        self.n_copy = n_copy
+        self.adaptive = adaptive
+        self.copy_costs = StepCosts()   # seconds of a step that ran no draft, by its verify rows
         self.gate = DraftLength(n_draft) if gated else None            # greedy requests
         self.gate_sampled = DraftLength(n_draft) if gated else None    # sampled requests without a seed
         self.batch_gates: dict[int, DraftLength] = {}                  # steps of b >= 2 gated sequences
@@ -127,7 +140,52 @@ class DraftPolicy:
             if can:
                 probe = min(can, key=lambda i: seqs[i].features.n)
                 ns = [n if i == probe or seqs[i].gate is None else 0 for i, n in enumerate(ns)]
+        for i, s in enumerate(seqs):
+            s.copied = []
+            if s.copy is not None and not len(s.head):
+                limit = min(self.n_copy, s.max_tokens - s.produced - 1, n_ctx - len(s.cache) - 1, room - 1)
+                match = s.copy.propose(limit) if limit > 0 else []
+                k = self.copy_length(s, len(match), ns[i], gate, len(seqs)) if match else 0
+                if k:
+                    s.copied, ns[i] = match[:k], k
         return Plan(ns, gate, choice)
+
+    def copy_length(self, s: Slot, m: int, n_drafter: int, gate: DraftLength | None, b: int) -> int:
+        """How many of a prompt-lookup match's ``m`` tokens ``s`` verifies this step (0: the drafter's
+        ``n_drafter`` tokens, or a plain step, are expected to give more tokens per second). With no
+        drafter: by the copies' acceptance and the measured cost of a step by its rows (the step's other
+        ``b - 1`` sequences counted as plain ones); beside a gated drafter: against the gate's expectation
+        of its own choice at the gate's step costs (a copy at the cost of steps that ran no draft, where
+        measured, else of a drafting step of as many rows), never in place of a step the gate's schedule
+        takes (warm-up, acceptance and cost probes); beside a fixed-length drafter: the one expected to
+        give more tokens. Without the speed gate (``adaptive`` False) and no drafter: the whole match."""
+        if gate is not None and not isinstance(gate, DraftLength):
+            return 0          # calibration's fixed schedule measures the drafter's steps
+        if s.n_draft == 0 and not self.adaptive:
+            return m
+        if s.n_draft == 0:
+            e = s.copy_rates.expected(m)
+            k = best_length([b - 1 + x for x in e], [self.copy_costs(b + j) for j in range(len(e))])
+        elif s.gate is not None and gate is not None:
+            if gate.scheduled:
+                return 0      # a warm-up step or a probe: a copy in its place would leave the gate without its answer
+            e, c = gate.expected_tokens(), gate.step_cost()
+            mine = s.copy_rates.expected(min(m, gate.n_max))
+            # a copy's step as steps without a draft measured it (else as a drafting one of as many rows)
+            own = [self.copy_costs(b + j) for j in range(len(mine))]
+            rates = [x / (o if o == o else c[j]) for j, (x, o) in enumerate(zip(mine, own))]
+            k = max(range(len(rates)), key=rates.__getitem__)
+            if rates[k] <= e[n_drafter] / c[n_drafter]:
+                k = 0
+        else:
+            mine = s.copy_rates.expected(min(m, max(n_drafter, 1)))
+            # (a tie goes to the copy: its step runs no draft)
+            k = len(mine) - 1 if mine[-1] >= s.draft_rates.expected(n_drafter)[-1] else 0
+        if k == 0:
+            s.copy_declined += 1
+            if s.copy_declined % self.COPY_PROBE == 0:
+                k = min(m, 2)     # is the text copying again? a short copy asks at little cost
+        return k
 
     def _batch_gate(self, b: int) -> DraftLength:
         """The gate of steps of ``b`` sequences, measured on such steps (the rows of a step, hence its cost
@@ -153,7 +211,7 @@ class DraftPolicy:
         if self.confidence is None or padded or not isinstance(plan.gate, DraftLength):
             return
         ns = plan.lengths
-        cut = [i for i, s in enumerate(seqs) if ns[i] > 1 and s.gate is not None and not s.lattice]
+        cut = [i for i, s in enumerate(seqs) if ns[i] > 1 and s.gate is not None and not s.lattice and not s.copied]
         if not cut:
             return
         rates = [self.confidence[seqs[i].chooser.sp.greedy].rates(scores[seqs[i].slot, :ns[i]]) for i in cut]
@@ -169,10 +227,15 @@ class DraftPolicy:
 
     def observe(self, steps: list[tuple[Slot, Step]], plan: Plan, seconds: float) -> None:
         """Charge the gate a step's whole work (draft with any deferred feature injection, verify,
-        acceptance, sampling, keeping the rows and rolling back): what a step of that length costs."""
+        acceptance, sampling, keeping the rows and rolling back): what a step of that length costs. A step
+        with a copied block is no step of the drafter's (prompt lookup: its own costs, by rows)."""
         gate, choice = plan.gate, plan.choice
-        if gate is None or any(st.head for _, st in steps):
-            return   # no gate chose, or a prompt's tail made the step a prefill's share dearer (plan)
+        if any(st.head for _, st in steps):
+            return   # a prompt's tail made the step a prefill's share dearer (plan)
+        if self.n_copy and all(st.n == 0 or st.copied for _, st in steps):    # no draft ran
+            self.copy_costs.record(sum(st.n + 1 for _, st in steps), seconds)
+        if gate is None or any(st.copied for _, st in steps):
+            return   # no gate chose, or a copy replaced a block the gate chose
         gated = [st for s, st in steps if s.gate is not None]
         # an acceptance probe of a batch drafted for one sequence (plan): the others drew nothing
         draws = [st for st in gated if st.n > 0] if gate.probing and len(steps) > 1 else gated

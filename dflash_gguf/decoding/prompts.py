@@ -119,7 +119,7 @@ class Prompts:
         if (self._pad or s.max_tokens <= 0 or s.rollback.name != "seq_rm"
                 or (s.logits_sink is not None and s.sink_from < len(s.prompt) - 1)):
             return 0
-        others_rows = sum(o.n_draft + 1 + len(o.head) for o in others)
+        others_rows = sum(max(o.n_draft, self.n_copy if o.copy is not None else 0) + 1 + len(o.head) for o in others)
         return max(min(self.tap_rows, self.PREFILL_CHUNK) - 1 - others_rows, 0)
 
     def _prefill_chunk(self, s: Slot, leave: int = 0, whole: bool = False) -> bool:

@@ -8,6 +8,7 @@ import numpy as np
 
 from dflash_gguf.constraints import Constraints
 from dflash_gguf.decoding.features import FeatureFeed
+from dflash_gguf.decoding.ngram import NgramIndex, Rates
 from dflash_gguf.decoding.rollback import Rollback
 from dflash_gguf.decoding.stats import GenerationStats
 from dflash_gguf.gate import DraftLength
@@ -50,6 +51,7 @@ class Step:
     row0: int
     saved: bytes | None
     head: int = 0     # prompt rows decoded before ``pending`` (a prompt's tail fused into its first step)
+    copied: bool = False   # the block was copied by prompt lookup (no draft ran)
 
 
 @dataclass
@@ -88,6 +90,11 @@ class Slot:
     gate: DraftLength | None = None   # its speed gate alone (None: fixed length)
     lattice: bool = False             # DFlash2, sampled: proposals drawn from the selector's lattice
     markov: bool = False              # DSpark, sampled: proposals drawn through the Markov head's chain
+    copy: NgramIndex | None = None    # prompt lookup: the request's tokens so far, indexed (None: no copying)
+    copy_rates: Rates | None = None   # ... its copies' acceptance, and its drafted blocks' (beside a drafter)
+    draft_rates: Rates | None = None
+    copy_declined: int = 0            # ... matches not copied (the copies did not pay), counted for probes
+    copied: list[int] = field(default_factory=list)   # this step's copied block (empty: drafted or plain)
     stats: GenerationStats = field(default_factory=GenerationStats)
     consumer: Callable[[list[int]], int | None] | None = None
     prompt: list[int] = field(default_factory=list)

@@ -27,6 +27,9 @@ class GenerationStats:
     drafted: int = 0           # drafted tokens verified
     accepted: int = 0
     unverified: int = 0        # drafted tokens a drafter's confidence left unverified (decoding.confidence)
+    copy_steps: int = 0        # steps whose block prompt lookup copied (among ``steps``; decoding.ngram)
+    copied: int = 0            # ... their tokens verified (among ``drafted``)
+    copy_accepted: int = 0     # ... and kept (among ``accepted``)
     drafted_per_pos: list[int] = field(default_factory=list)
     accepted_per_pos: list[int] = field(default_factory=list)
     accepted_per_step: list[int] = field(default_factory=list)   # histogram source
@@ -57,6 +60,12 @@ class GenerationStats:
         for i in range(accepted):
             self.accepted_per_pos[i] += 1
 
+    def observe_copy(self, copied: int, accepted: int) -> None:
+        """One of the steps :meth:`observe_step` counted was a copy of ``copied`` tokens, ``accepted`` kept."""
+        self.copy_steps += 1
+        self.copied += copied
+        self.copy_accepted += accepted
+
     def merge(self, other: "GenerationStats") -> "GenerationStats":
         """Add ``other``'s counts, per-position counts and times to this one (in place); returns self."""
         for f in fields(self):
@@ -80,7 +89,8 @@ class GenerationStats:
         return cls(n_prompt=int(d.get("n_prompt", 0)), n_reused=int(d.get("n_reused", 0)),
                    n_generated=int(d.get("n_generated", 0)), steps=int(d.get("steps", 0)), passes=int(d.get("passes", 0)),
                    drafted=int(d.get("drafted", 0)), accepted=int(d.get("accepted", 0)),
-                   unverified=int(d.get("unverified", 0)),
+                   unverified=int(d.get("unverified", 0)), copy_steps=int(d.get("copy_steps", 0)),
+                   copied=int(d.get("copied", 0)), copy_accepted=int(d.get("copy_accepted", 0)),
                    **{f"t_{p}": float(t.get(p, 0.0)) for p in PHASES + ("total",)})
 
     # ------------------------------------------------------------------ derived
@@ -118,6 +128,7 @@ class GenerationStats:
             "acceptance_length": round(self.tau, 4), "drafted": self.drafted, "accepted": self.accepted,
             "steps": self.steps, "passes": self.passes, "tokens_per_second": round(self.tokens_per_second, 2),
             "unverified": self.unverified,
+            "copy_steps": self.copy_steps, "copied": self.copied, "copy_accepted": self.copy_accepted,
             "per_position_acceptance": [round(x, 4) for x in self.acceptance_rate_per_pos],
             "n_prompt": self.n_prompt, "n_reused": self.n_reused, "n_generated": self.n_generated,
             "time": {k: round(v, 6) for k, v in {**self.phase_times(), "total": self.t_total}.items()},

@@ -64,7 +64,8 @@ class Call:
     drafter: bool = True             # a drafter is loaded
     want: bool = True                # dflash wanted (the Llama's setting, or the request's own)
     default: bool = True             # the Llama's dflash setting (tells the two "off" reasons apart)
-    draft_model: bool = False        # a llama_cpp draft_model (prompt lookup, ...) is set
+    draft_model: bool = False        # a llama_cpp draft_model the engine does not serve is set (its
+                                     # LlamaPromptLookupDecoding is served: Llama's prompt lookup)
     reset: bool = True
     stopping_criteria: object = None
 

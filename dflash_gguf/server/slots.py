@@ -321,7 +321,7 @@ async def serve(srv, request, endpoint: str, job: Job, stream: bool, include_usa
     srv.metrics.in_flight += 1
     streaming = False
     deadline = time.monotonic() + srv.request_timeout if srv.request_timeout else None
-    drafting = srv.slots.drafter is not None
+    drafting = srv.slots.drafter is not None or srv.slots.decoder.n_copy > 0   # a drafter, or prompt lookup
     try:
         sl = srv.slots
         srv.admit(busy=sl.busy() + sl.n_waiting >= sl.n, waiting=sl.n_waiting, what="a slot")

@@ -1,0 +1,160 @@
+"""Prompt lookup (n-gram drafting) on input-grounded prompts: plain decoding vs our engine copying from
+the prompt vs llama-cpp-python's ``LlamaPromptLookupDecoding``, on the same prompts, in one run.
+
+``python -m dflash_gguf.bench.ngram [--target T.gguf] [--drafter D.gguf] [-n 128] [--max-ngram 2] [--n-pred 10]``
+
+Without paths it uses the shipped demo target (a small code model) and its DFlash drafter. The prompts
+ask for text that restates its input (a function given, then edited; a docstring that quotes the code).
+Columns, each greedy and token for token the same text (checked): ``plain`` (our decoder, no drafter),
+``ngram`` (prompt lookup alone, every match copied whole), ``ngram+gate`` (the speed gate decides per
+step), ``dflash`` (the drafter alone, whole blocks), ``dflash+ngram`` (both: per step the one expected to
+give more tokens), the same two with the speed gate (``+gate``), and llama-cpp-python's own ``Llama``
+plain and with ``draft_model=LlamaPromptLookupDecoding``. For ours: target passes, tokens per target
+pass, copied / kept tokens; for every column decode tokens/s and its ratio to plain measured in the same
+run (counts are exact on any machine, times only on a quiet one).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+_DEMO = Path(__file__).resolve().parent.parent / "data" / "demo"
+
+PROMPTS = [
+    # an edit of a given function
+    "def total_price(items, tax):\n    subtotal = 0\n    for item in items:\n        subtotal += item.price * item.count\n"
+    "    return subtotal * (1 + tax)\n\n\n# the same function, with the loop variable renamed to entry\n"
+    "def total_price(items, tax):\n",
+    # a summary that quotes its source
+    "class Stack:\n    def __init__(self):\n        self.items = []\n\n    def push(self, item):\n"
+    "        self.items.append(item)\n\n    def pop(self):\n        return self.items.pop()\n\n\n"
+    "# Stack, documented: every method again with a docstring\nclass Stack:\n",
+    # code that repeats its names
+    "import json\n\n\ndef load(path):\n    with open(path) as f:\n        return json.load(f)\n\n\n"
+    "def save(path, data):\n",
+]
+
+
+def _ours(target: str, drafter: str | None, prompts: list[list[int]], n: int, ngram, threads) -> dict:
+    from dflash_gguf.decoding import DFlashDecoder, GenerationStats, SpecOptions
+    from dflash_gguf.decoding.ngram import NgramOptions
+    from dflash_gguf.engine import Context, ContextOptions, Model
+
+    out: dict = {}
+    with Model(target) as tm:
+        dm = Model(drafter) if drafter else None
+        n_ctx = max(map(len, prompts)) + n + 32
+        opts = ContextOptions(n_ctx=n_ctx, n_batch=256, n_ubatch=256, n_threads=threads)
+        ng = NgramOptions(max_ngram=ngram[0], n_pred=ngram[1])
+        modes = {"plain": (False, {}), "ngram": (False, dict(ngram=ng)), "ngram+gate": (False, dict(ngram=ng, adaptive=True))}
+        if dm is not None:
+            modes.update({"dflash": (True, {}), "dflash+ngram": (True, dict(ngram=ng)),
+                          "dflash+gate": (True, dict(adaptive=True)),
+                          "dflash+ngram+gate": (True, dict(adaptive=True, ngram=ng))})
+        try:
+            for mode, (pair, spec) in modes.items():
+                with Context(tm, opts) as tc:
+                    dc = Context(dm, opts, other=tc) if pair else None
+                    try:
+                        dec = DFlashDecoder(tc, dc, SpecOptions(**spec))
+                        list(dec.generate(prompts[0], 8, stop_tokens=[]))       # warm-up
+                        tot, texts, secs = GenerationStats(), [], 0.0
+                        for p in prompts:
+                            dec.reset()
+                            st = GenerationStats()
+                            texts.append(list(dec.generate(p, n, stats=st, stop_tokens=[])))
+                            secs += st.t_decode
+                            tot.merge(st)
+                    finally:
+                        if dc is not None:
+                            dc.close()
+                out[mode] = dict(texts=texts, passes=tot.passes, generated=tot.n_generated, copied=tot.copied,
+                                 copy_accepted=tot.copy_accepted, copy_steps=tot.copy_steps, drafted=tot.drafted,
+                                 accepted=tot.accepted, seconds=secs)
+        finally:
+            if dm is not None:
+                dm.close()
+    return out
+
+
+def _llama_cpp(target: str, prompts: list[list[int]], n: int, ngram, threads) -> dict:
+    import llama_cpp
+    from llama_cpp.llama_speculative import LlamaPromptLookupDecoding
+
+    out = {}
+    for mode, draft in (("llama_cpp", None), ("llama_cpp+lookup", (ngram[0], ngram[1]))):
+        kw = dict(n_ctx=max(map(len, prompts)) + n + 32, n_batch=256, verbose=False, flash_attn=True, seed=0)
+        if threads:
+            kw.update(n_threads=threads, n_threads_batch=threads)
+        if draft:
+            kw["draft_model"] = LlamaPromptLookupDecoding(max_ngram_size=draft[0], num_pred_tokens=draft[1])
+        llm = llama_cpp.Llama(target, **kw)
+        texts, secs, passes = [], 0.0, [0]
+        evaluate = llm.eval
+
+        def counted(tokens, evaluate=evaluate, passes=passes):
+            passes[0] += 1              # one target pass (llama_cpp evaluates a draft with its token at once)
+            return evaluate(tokens)
+        try:
+            for p in prompts:
+                llm.reset()
+                evaluate(p[:-1])           # the prompt outside the timed part (generate reuses it), as t_decode
+                llm.eval = counted
+                toks, t0 = [], time.perf_counter()
+                for t in llm.generate(p, temp=0.0, top_k=1, top_p=1.0, min_p=0.0, repeat_penalty=1.0):
+                    toks.append(int(t))
+                    if len(toks) == n:
+                        break
+                secs += time.perf_counter() - t0
+                llm.eval = evaluate
+                texts.append(toks)
+        finally:
+            llm.close()
+        # (its generator evaluates each token it yields before it hands over the next: the last one too)
+        out[mode] = dict(texts=texts, generated=sum(map(len, texts)), seconds=secs, passes=passes[0])
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    from dflash_gguf.logs import set_log_handler
+
+    ap = argparse.ArgumentParser(prog="python -m dflash_gguf.bench.ngram", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--target", default=str(_DEMO / "target.gguf"))
+    ap.add_argument("--drafter", default=str(_DEMO / "drafter.gguf"), help="'' for none")
+    ap.add_argument("-n", "--n-gen", type=int, default=128)
+    ap.add_argument("--max-ngram", type=int, default=2)
+    ap.add_argument("--n-pred", type=int, default=10)
+    ap.add_argument("-t", "--threads", type=int, default=None)
+    ap.add_argument("--no-llama-cpp", action="store_true", help="leave out llama-cpp-python's columns")
+    ap.add_argument("--json", help="write the rows here")
+    a = ap.parse_args(argv)
+    set_log_handler()
+    from dflash_gguf.engine import Model
+    with Model(a.target) as tm:
+        prompts = [tm.tokenize(p.encode()) for p in PROMPTS]
+    ngram = (a.max_ngram, a.n_pred)
+    res = _ours(a.target, a.drafter or None, prompts, a.n_gen, ngram, a.threads)
+    if not a.no_llama_cpp:
+        res.update(_llama_cpp(a.target, prompts, a.n_gen, ngram, a.threads))
+    ref = res["plain"]["texts"]
+    base = res["plain"]["generated"] / res["plain"]["seconds"]
+    print(f"{len(prompts)} prompts x {a.n_gen} tokens, n-grams of up to {a.max_ngram}, {a.n_pred} copied at most")
+    print(f"{'mode':18s} {'same':>4s} {'passes':>6s} {'tok/pass':>8s} {'copied':>6s} {'kept':>5s} {'tok/s':>8s} {'x plain':>7s}")
+    for mode, r in res.items():
+        same = "yes" if r["texts"] == ref else "NO"
+        tps = r["generated"] / r["seconds"] if r["seconds"] else 0.0
+        passes = r.get("passes")
+        print(f"{mode:18s} {same:>4s} {passes if passes is not None else '-':>6} "
+              f"{(r['generated'] / passes) if passes else float('nan'):8.2f} {r.get('copied', '-'):>6} "
+              f"{r.get('copy_accepted', '-'):>5} {tps:8.1f} {tps / base:7.2f}")
+    if a.json:
+        Path(a.json).write_text(json.dumps({k: {x: y for x, y in v.items() if x != "texts"} for k, v in res.items()},
+                                           indent=1))
+    return 0 if all(r["texts"] == ref for r in res.values()) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
