@@ -483,6 +483,23 @@ def test_only_acceptance_probes_are_marked_probing(plan):
     assert cold.choose() == 7 and not cold.probing                        # without: the warm-up measures costs
 
 
+@pytest.mark.parametrize("plan", [0, 7, 3])
+def test_the_schedules_steps_are_marked_scheduled_and_the_plans_are_not(plan):
+    """``scheduled`` (prompt lookup then never copies in the gate's place: the step must give the gate its
+    answer) marks every step the schedule takes - the warm-up, acceptance and cost probes - and none of
+    the plan's own steps."""
+    g = past_warmup(G(7))
+    g._plan = plan
+    g._next_probe = g.steps + 1
+    marks = [g.scheduled for _ in range(3) if g.choose() >= 0]
+    # an acceptance probe is one step, a cost probe two (the second's is the steady cost): then the plan
+    assert marks == ([True, False, False] if plan == 0 else [True, True, False]), marks
+    cold = G(7)
+    assert cold.choose() == 7 and cold.scheduled                         # the warm-up is the schedule's
+    warm = G(7, np.array([1.0] + [3.0] * 7))
+    assert warm.choose() == warm.probe_len and warm.scheduled            # so is a prior's first probe
+
+
 def test_warmup_without_a_prior():
     """Runs of two full blocks and two plain steps (each second step's cost is a settled one), half a
     block, a full block."""
