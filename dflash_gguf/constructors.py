@@ -51,6 +51,21 @@ class PairConstructors:
         is read, and searched. Needs ``huggingface_hub`` (``pip install 'dflash-gguf[hub]'``); see
         :mod:`dflash_gguf.hub`.
         """
+        target, drafter = cls.pretrained_files(
+            repo_id, filename, additional_files, local_dir, local_dir_use_symlinks, cache_dir,
+            draft_repo_id=draft_repo_id, draft_filename=draft_filename, revision=revision,
+            draft_revision=draft_revision, local_files_only=local_files_only)
+        return cls(str(target), draft_model_path=str(drafter) if drafter else None, **kwargs)
+
+    @staticmethod
+    def pretrained_files(repo_id: str, filename: str | None, additional_files: list | None = None,
+                         local_dir: str | os.PathLike | None = None,
+                         local_dir_use_symlinks: bool | Literal["auto"] = "auto",
+                         cache_dir: str | os.PathLike | None = None, *, draft_repo_id: str | None = None,
+                         draft_filename: str | Literal[False] | None = None, revision: str | None = None,
+                         draft_revision: str | None = None, local_files_only: bool = False):
+        """The local paths :meth:`from_pretrained` opens - ``(target, drafter or None)`` - fetched as it
+        fetches them (the command line reads the target's header before it opens it, with one fetch)."""
         from dflash_gguf.hub import HubFileNotFound, fetch_model, find_drafter, hub_model
 
         if filename is None:
@@ -75,7 +90,7 @@ class PairConstructors:
             drafter = find_drafter(draft_repo, revision=draft_revision, **where)
             if drafter is None:
                 raise HubFileNotFound(f"no GGUF in {draft_repo} to draft with (name one: draft_filename=...)")
-        return cls(str(root / rel), draft_model_path=str(drafter) if drafter else None, **kwargs)
+        return root / rel, drafter
 
     @classmethod
     def from_pair_pretrained(cls: type[L], repo_id: str, *, revision: str | None = None,

@@ -168,7 +168,7 @@ def _load_hub(args: argparse.Namespace):
     """-hf and its companions: the target (and its drafter) fetched as ``Llama.from_pretrained`` fetches
     them, so the drafter found beside the target is the same one Python users get."""
     from dflash_gguf.api import Llama
-    from dflash_gguf.hub import HubFileNotFound, fetch_model, model_for_tag, split_hf_spec
+    from dflash_gguf.hub import HubFileNotFound, model_for_tag, split_hf_spec
 
     if args.pair or args.model:
         raise SystemExit(f"{PROG}: use either -hf or --pair/--model, not both")
@@ -182,11 +182,11 @@ def _load_hub(args: argparse.Namespace):
                          or (model_for_tag(d_repo, d_quant) if d_quant else None))
         elif args.hf_file_draft:
             draft = dict(draft_filename=args.hf_file_draft)
-        root, rel = fetch_model(repo, filename)
-        kw = llama_kwargs(args, root / rel)
         if args.draft:       # a local drafter beside the fetched target
-            return Llama(str(root / rel), draft_model_path=str(args.draft), **kw)
-        return Llama.from_pretrained(repo, filename, **draft, **kw)
+            draft = dict(draft_filename=False)
+        target, drafter = Llama.pretrained_files(repo, filename, **draft)
+        drafter = args.draft or drafter
+        return Llama(str(target), draft_model_path=str(drafter) if drafter else None, **llama_kwargs(args, target))
     except (ValueError, HubFileNotFound) as e:
         raise SystemExit(f"{PROG}: {e}") from None
 

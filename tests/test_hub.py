@@ -386,3 +386,24 @@ def test_cli_hf_fetches_the_target_and_the_drafter_beside_it(published, offline,
         assert drafter is None or f"drafter {drafter}" in r.stderr
     r = generate("-hf", "org/Tiny-GGUF:Q2_K")
     assert r.returncode != 0 and "org/Tiny-GGUF: no Q2_K model GGUF; there are: F32" in r.stderr
+
+
+def test_cli_hf_fetches_the_target_once(published, offline, monkeypatch):
+    """``-hf`` without ``-c`` reads the target's training context from the header of the file it then opens:
+    the target is fetched once (online, each fetch lists the repository), then the drafter found beside it."""
+    import argparse
+
+    from dflash_gguf import hub, options
+
+    calls = []
+    real = hub.fetch_model
+    monkeypatch.setattr(hub, "fetch_model", lambda *a, **k: calls.append(a[:2]) or real(*a, **k))
+    ap = argparse.ArgumentParser()
+    options.add_model_args(ap)
+    llm = options.load_llama(ap.parse_args(["-hf", "org/Tiny-GGUF:f32", "-t", "1"]))
+    try:
+        assert calls == [("org/Tiny-GGUF", "Tiny-F32.gguf"), ("org/Tiny-GGUF", "dspark-Tiny-Q8_0.gguf")], calls
+        assert _drafter_name(llm) == "dspark-Tiny-Q8_0.gguf"
+        assert llm.n_ctx() == options.resolve_n_ctx(None, llm.model_path)
+    finally:
+        llm.close()
