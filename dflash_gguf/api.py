@@ -71,7 +71,7 @@ class Llama(PairConstructors, RpcTarget, llama_cpp.Llama):
         draft_n_max: tokens drafted per block (default and maximum: the drafter's block size - 1).
         draft_adaptive: the speed gate (default on): draft per step as many tokens as currently
             pays (at most draft_n_max, down to plain decoding), from step costs measured on this
-            machine and the running acceptance (see dflash_gguf.gate), for greedy requests and for
+            machine and the running acceptance (see dflash_gguf.decoding.gate), for greedy requests and for
             sampled ones without a seed of the user's (``seed=`` per call, ``Llama(seed=...)`` or
             ``set_seed()`` keep fixed drafting, so that the text repeats). False: draft
             draft_n_max tokens every step.

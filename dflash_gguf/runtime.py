@@ -30,7 +30,7 @@ _PROBE = ContextOptions(n_ctx=256, n_batch=256, n_ubatch=256)
 class DraftSettings:
     """What a user says about drafting, whichever front door they came through."""
     n_max: int | None = None               # tokens drafted per block (None: the drafter's most; 0: none)
-    adaptive: bool = True                  # the speed gate (dflash_gguf.gate): per step as many as pays
+    adaptive: bool = True                  # the speed gate (dflash_gguf.decoding.gate): per step as many as pays
     window: int | None = None              # drafter context positions (None: the drafter's own window, else
                                            # DEFAULT_DRAFT_CACHE - block; 0: the whole context)
     rollback_memory_mb: float | None = None   # hybrid targets: the most memory rollback may take, all

@@ -33,7 +33,7 @@ ROOT = Path(__file__).resolve().parents[1]
 SURVIVORS = Path(__file__).with_name("mutation-survivors.txt")
 MUTMUT_VERSION = "3.8.1"
 
-CI_MODULES = ["dflash_gguf/gate.py", "dflash_gguf/decoding/batch_costs.py", "dflash_gguf/requests/served.py",
+CI_MODULES = ["dflash_gguf/decoding/gate.py", "dflash_gguf/decoding/batch_costs.py", "dflash_gguf/requests/served.py",
               "dflash_gguf/decoding/acceptance.py", "dflash_gguf/stopping.py", "dflash_gguf/decoding/confidence.py"]
 CI_TESTS = ["tests/test_gate_rules.py", "tests/test_gate.py", "tests/test_gate_decoder.py", "tests/test_fallback.py",
             "tests/test_acceptance.py", "tests/test_stopping.py", "tests/test_confidence.py", "tests/test_requests.py"]
@@ -67,7 +67,7 @@ def workdir(profile: str) -> Path:
 
 
 def readable(name: str) -> str:
-    """``dflash_gguf.gate.xǁDraftLengthǁchoose__mutmut_12`` -> ``dflash_gguf.gate.DraftLength.choose``."""
+    """``dflash_gguf.decoding.gate.xǁDraftLengthǁchoose__mutmut_12`` -> ``dflash_gguf.decoding.gate.DraftLength.choose``."""
     base = re.sub(r"__mutmut_\d+$", "", name)
     mod, _, fn = base.rpartition(".")
     if fn.startswith("xǁ"):

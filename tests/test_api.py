@@ -501,7 +501,7 @@ def test_a_new_llama_of_a_pair_starts_from_its_kept_acceptance(monkeypatch, tmp_
     pays (measured costs differ between machines). Shipped demo target with its trained DFlash drafter."""
     from dflash_gguf.decoding import calibration
     from dflash_gguf.demo import DEMO_DIR
-    from dflash_gguf.gate import DraftLength
+    from dflash_gguf.decoding.gate import DraftLength
 
     monkeypatch.setenv("DFLASH_GGUF_CACHE", str(tmp_path))
     monkeypatch.setattr(calibration, "step_costs",

@@ -69,7 +69,7 @@ def test_every_documented_flag_exists(module):
 
 def test_documented_defaults_are_the_codes():
     from dflash_gguf import Llama, memory
-    from dflash_gguf.gate import DraftLength  # (the gate docs/drafters.md describes)
+    from dflash_gguf.decoding.gate import DraftLength  # (the gate docs/drafters.md describes)
 
     readme = (ROOT / "docs" / "memory.md").read_text()
     sig = inspect.signature(Llama.__init__).parameters

@@ -410,7 +410,7 @@ def test_blocks_cut_by_confidence_stay_lossless_alone_and_batched(models, monkey
     tenth of a plain step."""
     from test_batch import TEXTS, BatchRig
 
-    from dflash_gguf.gate import DraftLength
+    from dflash_gguf.decoding.gate import DraftLength
 
     monkeypatch.setattr(DraftLength, "choose", lambda self: self.n_max)
     monkeypatch.setattr(DraftLength, "step_cost",

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from dflash_gguf.gate import DraftLength
+from dflash_gguf.decoding.gate import DraftLength
 
 pytestmark = pytest.mark.pure
 

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from dflash_gguf.engine import Context, ContextOptions, Model
-from dflash_gguf.gate import DraftLength
+from dflash_gguf.decoding.gate import DraftLength
 from dflash_gguf.decoding import DFlashDecoder, GenerationStats, OverrideProposer, Request, SpecOptions
 
 PROMPT = b"def main(argv):\n    parser = argparse.ArgumentParser("

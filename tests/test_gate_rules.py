@@ -1,4 +1,4 @@
-"""Each rule of the speed gate (dflash_gguf.gate.DraftLength), one at a time, with exact expectations:
+"""Each rule of the speed gate (dflash_gguf.decoding.gate.DraftLength), one at a time, with exact expectations:
 the cost model, the acceptance estimate, the probes (length, spacing, what they probe, what a right
 probe does), the warm-up, the tie band, re-planning and the cost updates. tests/test_gate.py checks
 the gate's choices as a whole (simulated drafters; tests/test_gate_decoder.py real decoders); these pin each rule down so that
@@ -8,7 +8,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from dflash_gguf.gate import DraftLength as G
+from dflash_gguf.decoding.gate import DraftLength as G
 
 pytestmark = pytest.mark.pure
 

@@ -4,8 +4,10 @@
 target verifies, :mod:`.acceptance` decides what is kept, :mod:`.rollback` trims the target's memory, :mod:`.stats` records it;
 :mod:`.prompts` brings a prompt into a slot's caches, :mod:`.scheduling` runs many requests on the slots.
 :mod:`.ngram` proposes blocks copied from the prompt and the text so far (prompt lookup).
-:mod:`.calibration` measures this machine's step costs once per pair, the speed gate's starting point;
-:mod:`.batch_costs` scales them to a batch of sequences.
+:mod:`.policy` chooses each step's draft and verify lengths, from the speed gate (:mod:`.gate`: draft lengths
+from measured step costs and acceptance; :mod:`.history`: acceptance kept per pair) and a DSpark drafter's
+calibrated confidence (:mod:`.confidence`); :mod:`.calibration` measures this machine's step costs once per
+pair, the gate's starting point; :mod:`.batch_costs` scales them to a batch of sequences.
 :mod:`.acceptance`, :mod:`.batch_costs` and :mod:`.stats` need no native library; the names below load on first use.
 """
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """Step costs of a batch of sequences, from one sequence's: the prior of each batch size's speed gate.
 
 A server's batch changes size as requests join and leave; each size has its own gate
-(:class:`dflash_gguf.gate.DraftLength`), whose costs are that size's to measure. The calibration
+(:class:`dflash_gguf.decoding.gate.DraftLength`), whose costs are that size's to measure. The calibration
 (:mod:`dflash_gguf.decoding.calibration`) measures one sequence's steps; :func:`batch_prior` scales
 them by the rows a step of b sequences decodes, so a new batch size's gate starts from a model of its
 costs instead of a warm-up of full blocks.

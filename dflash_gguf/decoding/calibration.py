@@ -1,6 +1,6 @@
 """This machine's cost of a DFlash step, measured once per pair and kept: the speed gate's prior.
 
-The speed gate (:class:`dflash_gguf.gate.DraftLength`) picks the draft length with the most expected
+The speed gate (:class:`dflash_gguf.decoding.gate.DraftLength`) picks the draft length with the most expected
 tokens per second, which needs what a step of each length costs here. Without a prior it learns the
 costs in its first steps (two full blocks, two plain steps, half a block, a full one): every new
 decoder - every demo run, every benchmark prompt, the first call of a ``Llama`` - pays that warm-up,
@@ -18,7 +18,7 @@ Zen 4 cores) the first plain step after a drafting block or a prefill costs twic
 cost once settled, the next few 10-50% more, while a drafting block settles after one step - so plain
 runs are longer (``WARM``). A prior that took the first plain step for plain decoding's cost had the
 gate keep drafting where plain was faster. The gate, too, counts only steps that follow a step of the
-same length (:mod:`dflash_gguf.gate`). At the 1.7B Qwen3 shape (Q4_0, 2 threads) that is 64 steps
+same length (:mod:`dflash_gguf.decoding.gate`). At the 1.7B Qwen3 shape (Q4_0, 2 threads) that is 64 steps
 (28 of them plain), about 5 s (0.6B: 2.4 s). The result is cached under
 ``$DFLASH_GGUF_CACHE/calibration`` by everything it depends on: both model files (path, size,
 mtime), block length, threads, batch sizes, the CPU (model name and flags), the kernel switches ggml
@@ -48,7 +48,7 @@ from dflash_gguf import paths
 from dflash_gguf.cpu import cpu_flags, cpu_model
 from dflash_gguf.decoding.proposer import DrafterProposer, Proposer
 from dflash_gguf.engine import Context
-from dflash_gguf.gate import DraftLength
+from dflash_gguf.decoding.gate import DraftLength
 from dflash_gguf.threads import run_in_own_thread
 
 log = logging.getLogger("dflash_gguf.decoding")

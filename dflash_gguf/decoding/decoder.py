@@ -47,7 +47,7 @@ from dflash_gguf import _bindings as B
 from dflash_gguf.constraints import Constraints
 from dflash_gguf.engine import Context, DrafterInfo, clamp_n_draft
 from dflash_gguf.errors import BusyError, ContextOverflowError, InvalidArgumentError
-from dflash_gguf.gate import DraftLength
+from dflash_gguf.decoding.gate import DraftLength
 from dflash_gguf.decoding import calibration
 from dflash_gguf.sampling import SamplingParams, TokenChooser
 from dflash_gguf.decoding.acceptance import cut_at_stop, greedy_accept, sampled_accept

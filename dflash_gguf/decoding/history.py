@@ -2,7 +2,7 @@
 
 A fresh gate knows this machine's step costs (:mod:`.calibration`) but not how often the drafter is
 right, so a ``Llama``'s first call spends its first steps on short probing blocks and then plans on a
-few draws (:class:`dflash_gguf.gate.DraftLength`). How often a drafter is right is the pair's, not the
+few draws (:class:`dflash_gguf.decoding.gate.DraftLength`). How often a drafter is right is the pair's, not the
 machine's or the process's: it is kept under ``$DFLASH_GGUF_CACHE/acceptance`` by both model files
 (path, size, mtime) and the block length, one history for greedy and one for sampled requests, and
 the next decoder of the pair starts planning from it. Kept at most ``KEEP_DRAWS`` draws deep, so that
@@ -19,7 +19,7 @@ from typing import Protocol
 import numpy as np
 
 from dflash_gguf import paths
-from dflash_gguf.gate import DraftLength
+from dflash_gguf.decoding.gate import DraftLength
 
 log = logging.getLogger("dflash_gguf.decoding")
 

@@ -15,7 +15,7 @@ It weighs two proposers, per sequence and step: the drafter's block and, with pr
 (:mod:`.ngram`), a block copied from the prompt and the text so far, where a copy is expected to give more
 tokens per second (:meth:`DraftPolicy.copy_length`; with no drafter at all, copies against plain steps).
 
-For the drafter's blocks it has two inputs. The acceptance history (:class:`dflash_gguf.gate.DraftLength`, one per kind of request
+For the drafter's blocks it has two inputs. The acceptance history (:class:`.gate.DraftLength`, one per kind of request
 and batch size): the draft length with the most expected tokens per second from this machine's measured
 step costs (its prior measured by :mod:`.calibration`) and how often the drafter was right, kept per pair
 (:mod:`.history`). And, for drafters with a confidence head (DSpark), the per-token confidence calibrated
@@ -35,7 +35,7 @@ from dflash_gguf.decoding import history
 from dflash_gguf.decoding.batch_costs import batch_prior
 from dflash_gguf.decoding.confidence import Calibration, allocate, rows_cost
 from dflash_gguf.decoding.ngram import StepCosts, best_length
-from dflash_gguf.gate import DraftLength
+from dflash_gguf.decoding.gate import DraftLength
 from dflash_gguf.sampling import SamplingParams
 
 if TYPE_CHECKING:

@@ -11,7 +11,7 @@ from dflash_gguf.decoding.features import FeatureFeed
 from dflash_gguf.decoding.ngram import NgramIndex, Rates
 from dflash_gguf.decoding.rollback import Rollback
 from dflash_gguf.decoding.stats import GenerationStats
-from dflash_gguf.gate import DraftLength
+from dflash_gguf.decoding.gate import DraftLength
 from dflash_gguf.sampling import SamplingParams, TokenChooser
 
 
