@@ -8,10 +8,12 @@ cache. Here, at 256-bit streaming vector length (QEMU's default) and 512-bit (Ap
 * the kernels that run are KleidiAI's SME2 ones, per weight type and row count, seen by breakpoints on
   KleidiAI's own entry points (gdb-multiarch on qemu's gdb stub): ``sme2_sdot`` / ``sme2_dot`` for a
   one-row decode, ``sme2_mopa`` for verify batches; ggml's log names the SME2 family too;
-* the project's Python loop in the emulated aarch64 CPython gives the x86 engine's greedy tokens with
-  them, DFlash == plain, on the demo pair quantized to Q8_0, and with the shipped DFlash2 and DSpark
-  drafters; sampled with a seed, the same tokens twice. Quantized to Q4_0, DFlash leaves plain
-  decoding's path (an expected failure, below: the decode and verify kernels differ in precision);
+* each pair of those kernels (and the SME, i8mm and dotprod pairs), called directly on random data,
+  gives every row of a batch the bits of that row alone (for Q4_0 since patches/0027: the GEMM takes
+  int8 activations, as the one-row kernel does);
+* the project's Python loop in the emulated aarch64 CPython gives greedy DFlash == plain with them on
+  the demo pair quantized to Q4_0 and to Q8_0 (and the x86 engine's tokens), and with the shipped
+  DFlash2 and DSpark drafters; sampled with a seed, the same tokens twice;
 * upstream's ``llama-speculative-simple`` (cross-built) gives the x86 engine's tokens.
 
 ggml's KleidiAI code runs an SME kernel on at most its SME thread cap of threads (one where the CPU does
@@ -31,7 +33,8 @@ from dflash_gguf import build_cross
 from dflash_gguf.demo import DEMO_DIR
 from dflash_gguf.engine import Model
 
-from test_arm64 import DEMO_PROMPT, GUEST_SCRIPT, KAI, demo_quantized, trace_kernels, x86_tokens  # noqa: F401 (a fixture)
+from test_arm64 import (DEMO_PROMPT, GUEST_SCRIPT, KAI, assert_rows_agree, demo_quantized,  # noqa: F401 (a fixture)
+                        kai_rows, trace_kernels, x86_tokens)
 
 pytestmark = pytest.mark.slow
 
@@ -96,12 +99,13 @@ def kernel_trace(bits: int, target: Path, qtype: str, rows: str = "1,2,16") -> d
 
 
 @pytest.mark.parametrize("qtype,bits,decode,verify", [
-    ("q4_0", 256, {"qsi8d32p1x4_qsi4c32p4vlx4_1x4vl_sme2_sdot"}, {"f16p1vlx2_qsi4c32p4vlx2_1vlx4vl_sme2_mopa"}),
+    ("q4_0", 256, {"qsi8d32p1x4_qsi4c32p4vlx4_1x4vl_sme2_sdot"}, {"qsi8d32p1vlx4_qsi4c32p4vlx4_1vlx4vl_sme2_mopa"}),
     ("q8_0", 512, {"qai8dxp1x4_qsi8cxp4vlx4_1x4vl_sme2_dot"}, {"qai8dxp1vlx4_qsi8cxp4vlx4_1vlx4vl_sme2_mopa"}),
 ])
 def test_sme2_kernels_run_for_decode_and_verify_rows(demo_quantized, qtype, bits, decode, verify):
     """One-row decodes run KleidiAI's SME2 GEMV (sdot/dot), verify batches of 2-16 rows its SME2 GEMM
-    (mopa), and nothing else: no SME1, i8mm, dotprod or NEON kernel."""
+    (mopa), and nothing else: no SME1, i8mm, dotprod or NEON kernel. For Q4_0 the GEMM is the one with
+    int8 activations (patches/0027), not upstream's f16 one."""
     seen = kernel_trace(bits, demo_quantized[qtype][0], qtype)
     print(f"{qtype} at {bits}-bit SVL: {seen}")
     assert seen.get(1) == decode, seen
@@ -110,20 +114,54 @@ def test_sme2_kernels_run_for_decode_and_verify_rows(demo_quantized, qtype, bits
 
 
 # ---------------------------------------------------------------------------------------------
+# The kernels themselves: a batch row against the same row alone (tests/arm_kai_rows.py)
+# ---------------------------------------------------------------------------------------------
+
+ALL_PAIRS = "q4_0-sme2,q8_0-sme2,q8_0-sme,q4_0-i8mm,q4_0-dotprod,q8_0-i8mm,q8_0-dotprod"
+
+
+@pytest.mark.parametrize("bits", [256, 512])
+def test_kernel_pairs_give_one_row_bits_for_every_batch_row(bits):
+    """Every kernel pair of ggml's KleidiAI table this CPU can run (SME2, SME, i8mm, dotprod; Q4_0 and
+    Q8_0), called on random data: each row of a 16-row GEMM has the bits of that row through the
+    one-row kernel, and both are the matmul. Before patches/0027 the Q4_0 SME2 GEMM took f16
+    activations and its rows differed from the one-row kernel's."""
+    cmd, env = _sme2_guest(bits)
+    got = kai_rows(cmd, env, ALL_PAIRS)
+    print(f"{bits}-bit SVL: {got}")
+    assert_rows_agree(got)
+    assert got["q4_0-sme2"]["gemm"] == "qsi8d32p1vlx4_qsi4c32p4vlx4_1vlx4vl_sme2_mopa"
+
+
+def test_sme1_q8_0_gemm_is_wrong_only_under_qemu_7_2():
+    """Why tests/test_arm64.py's SME1 Q8_0 run is an expected failure: the same library's SME1 Q8_0
+    kernels on the same data (a fixed seed) under qemu 7.2 and under QEMU 11.1. Under 11.1 the GEMM
+    (sme_mopa) gives the one-row kernel's (sme_dot) bits and the reference; under 7.2 sme_dot gives
+    those same bits but sme_mopa is far off: 7.2's emulation of the SME GEMM is wrong, not the kernels."""
+    old = build_cross.find_qemu()
+    if old is None or (build_cross.qemu_version(old) or (0, 0)) >= build_cross.QEMU_SME2_MIN:
+        pytest.skip("needs the system's qemu-user before 10.1 (Debian 12's 7.2) beside the SME2 emulator")
+    cmd, env = _sme2_guest(256)
+    new = kai_rows(cmd, env, "q8_0-sme")["q8_0-sme"]
+    cmd_old, env_old = build_cross.guest_python(build_cross.cross_wheel(KAI), qemu=old)
+    was = kai_rows(cmd_old, env_old, "q8_0-sme")["q8_0-sme"]
+    print(f"QEMU 11.1: {new}\n{old}: {was}")
+    assert new["rows_equal"] and new["gemm_err"] < 0.02, new
+    assert was["decode_sha"] == new["decode_sha"], (was, new)
+    if was["gemm_sha"] == new["gemm_sha"]:
+        pytest.skip(f"{old} emulates the SME1 GEMM right: tests/test_arm64.py's SME1 Q8_0 run should pass there")
+    assert was["gemm_err"] > 0.5, was
+
+
+# ---------------------------------------------------------------------------------------------
 # The whole loop under SME2
 # ---------------------------------------------------------------------------------------------
 
-# Q4_0: KleidiAI's SME2 GEMV (a one-row decode) quantizes the activations to int8, its SME2 GEMM (a
-# verify batch) keeps them in f16, so a verified row's logits are not a decoded row's and DFlash can
-# leave plain decoding's path (seen here at the 16th token); Q8_0's two kernels both take int8.
-Q4_0_SPLIT = pytest.mark.xfail(strict=True, reason="on SME2, Q4_0 verify rows (f16 activations) and one-row "
-                               "decodes (int8 activations) run kernels of different precision")
-
-
-@pytest.mark.parametrize("qtype,bits", [pytest.param("q4_0", 256, marks=Q4_0_SPLIT), ("q8_0", 512)])
+@pytest.mark.parametrize("qtype,bits", [("q4_0", 256), ("q4_0", 512), ("q8_0", 512)])
 def test_python_loop_on_sme2_kernels_matches_x86(demo_quantized, qtype, bits):
     """The demo pair quantized: greedy DFlash == plain decoding == the x86 engine, with the SME2
-    kernels selected for every quantized weight."""
+    kernels selected for every quantized weight. Q4_0 left plain decoding at the 16th token before
+    patches/0027 (verify rows in f16, decodes in int8)."""
     target, drafter = demo_quantized[qtype]
     got = run_sme2(bits, target, drafter, "--plain")
     print(f"{qtype} at {bits}-bit SVL: tau {got['tau']:.2f}, {got['seconds']}")
