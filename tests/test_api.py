@@ -261,7 +261,7 @@ def test_sampled_requests_are_gated_and_a_users_seed_repeats_the_text():
     llm = Llama(target, draft_model_path=drafter, n_ctx=512, verbose=False, seed=7)
     try:
         llm.create_completion("def main(", **kw)
-        assert llm._decoder.gate_sampled.steps > 0 and llm.last_dflash_stats.steps > 0   # gated
+        assert llm._decoder.gate_sampled.steps > 0   # gated like any sampled request (what it drafts: the machine's costs)
     finally:
         llm.close()
 
