@@ -369,9 +369,17 @@ def test_each_published_form_converted_runs_losslessly(models, tmp_path, form, k
         assert rig.dec.n_draft == info.draft_max == (8 if anchor else 7)
         _equals_plain(rig, 30)
         if kind == "dspark":    # sampled: drawn through the Markov chain (a reduced head: its d2t rows)
+            # (from the same caches: the Markov chain's draws follow the drafter's rows, which a prompt
+            # decoded with the first step and one already cached give in other roundings)
             sp, prompt = SamplingParams(temperature=0.8, seed=7, repeatable=False), rig.tm.tokenize(PROMPTS[0])
+            rig.dec.reset()
             first, st = rig.run(rig.dec, prompt, 30, sampling=sp)
+            rig.dec.reset()
             assert st.drafted > 0 and rig.run(rig.dec, prompt, 30, sampling=sp)[0] == first
+            # a repeatable request (point-mass drafts, each token its position's draw) repeats from any cache
+            sp = SamplingParams(temperature=0.8, seed=7)
+            first = rig.run(rig.dec, prompt, 30, sampling=sp)[0]
+            assert rig.run(rig.dec, prompt, 30, sampling=sp)[0] == first
     finally:
         rig.close()
 
