@@ -62,7 +62,6 @@ class DraftPolicy:
 
     def __init__(self, n_draft: int, gated: bool, confident: bool, n_copy: int = 0, adaptive: bool = False):
         self.n_draft = n_draft
-        self.gated = gated
         self.n_copy = n_copy
         self.adaptive = adaptive
         self.copy_costs = StepCosts()   # seconds of a step that ran no draft, by its verify rows
