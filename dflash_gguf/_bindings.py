@@ -14,7 +14,9 @@ from dflash_gguf import paths
 from dflash_gguf.errors import BuildMismatchError, raise_for_status
 
 API_VERSION = 4
-_FIX = "run `python -m dflash_gguf.build` (or `make build`) to build and install the patched llama-cpp-python"
+_FIX = ("reinstall dflash-gguf (`pip install --force-reinstall dflash-gguf`, or `pip install .` in its checkout: the "
+        "wheel builds its own patched llama.cpp); in a development checkout run `python -m dflash_gguf.build` "
+        "(`make build`), which installs the patched llama-cpp-python into the environment")
 
 ffi = cffi.FFI()
 ffi.cdef(resources.files("dflash_gguf").joinpath("_cffi/dflash.cdef").read_text())
@@ -22,7 +24,7 @@ ffi.cdef(resources.files("dflash_gguf").joinpath("_cffi/dflash.cdef").read_text(
 
 def _library_path() -> str:
     try:
-        import llama_cpp.llama_cpp as llama_low
+        from dflash_gguf.native.llama import llama_low
     except ImportError as e:  # not installed at all
         raise BuildMismatchError(f"llama_cpp is not importable ({e}); {_FIX}") from e
     return llama_low._lib._name

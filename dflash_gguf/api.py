@@ -30,9 +30,9 @@ import weakref
 from pathlib import Path
 from typing import Iterator, Sequence
 
-import llama_cpp
-import llama_cpp._internals as internals
-import llama_cpp.llama_chat_format as llama_chat_format
+from dflash_gguf.native.llama import llama_cpp
+from dflash_gguf.native.llama import _internals as internals
+from dflash_gguf.native.llama import llama_chat_format
 
 from dflash_gguf.calls import CallState, Request, check_grammar, check_template_kwargs, extended_signature as _signature
 from dflash_gguf.constraints import Constraints, request_constraints
@@ -62,6 +62,16 @@ _CHAT_SIG = inspect.signature(llama_cpp.Llama.create_chat_completion)
 
 
 # --------------------------------------------------------------------------- Llama
+
+def _is_prompt_lookup(draft_model) -> bool:
+    """llama_cpp's ``LlamaPromptLookupDecoding``: this package's copy of llama-cpp-python's, or the user's own
+    ``llama_cpp``'s (installed beside this package's copy: another class of the same name and settings)."""
+    if isinstance(draft_model, llama_cpp.llama_speculative.LlamaPromptLookupDecoding):
+        return True
+    cls = type(draft_model)
+    return (cls.__name__ == "LlamaPromptLookupDecoding" and cls.__module__.endswith("llama_cpp.llama_speculative")
+            and hasattr(draft_model, "max_ngram_size") and hasattr(draft_model, "num_pred_tokens"))
+
 class Llama(PairConstructors, RpcTarget, llama_cpp.Llama):
     """``llama_cpp.Llama`` plus a DFlash/DFlash2 drafter.
 
@@ -138,7 +148,7 @@ class Llama(PairConstructors, RpcTarget, llama_cpp.Llama):
         # llama_cpp's prompt lookup draft model: the engine's, with its settings (llama_cpp keeps the object
         # for the generations the engine leaves to its plain path)
         lookup = kwargs.get("draft_model")
-        self._lookup_draft_model = isinstance(lookup, llama_cpp.llama_speculative.LlamaPromptLookupDecoding)
+        self._lookup_draft_model = _is_prompt_lookup(lookup)
         if self._lookup_draft_model:
             prompt_lookup = True
             prompt_lookup_num_pred_tokens = lookup.num_pred_tokens

@@ -116,16 +116,16 @@ class BatchLlama:
     def chat(self, conversations: Sequence[Sequence[dict]], **kw) -> list[Completion]:
         """Answer every conversation (OpenAI-style messages) with the chat template in the target's GGUF;
         ``kw`` as for :meth:`generate`. The template's end-of-turn token ends a reply."""
-        from llama_cpp.llama_chat_format import Jinja2ChatFormatter
+        from dflash_gguf.native.llama import llama_chat_format
 
         template = self.model.meta("tokenizer.chat_template")
         if not template:
             raise InvalidArgumentError(f"{self.model.path.name} carries no chat template (tokenizer.chat_template)")
-        import llama_cpp.llama_cpp as C
+        from dflash_gguf.native.llama import llama_low as C
         # the vocabulary's entry, as llama_cpp's handler names the template's tokens (not the token's text:
         # they differ for byte tokens and word-start markers; the end-of-turn entry is also a stop string)
         text = lambda t: C.llama_vocab_get_text(self.model.vocab, t).decode("utf-8", "replace") if t >= 0 else ""  # noqa: E731
-        fmt = Jinja2ChatFormatter(template=template, eos_token=text(C.llama_vocab_eos(self.model.vocab)),
+        fmt = llama_chat_format.Jinja2ChatFormatter(template=template, eos_token=text(C.llama_vocab_eos(self.model.vocab)),
                                   bos_token=text(C.llama_vocab_bos(self.model.vocab)))
         prompts = []
         stops = list(kw.pop("stop", None) or [])

@@ -5,7 +5,7 @@ import inspect
 import weakref
 from dataclasses import dataclass
 
-import llama_cpp
+from dflash_gguf.native.llama import llama_cpp
 
 from dflash_gguf.decoding.stats import GenerationStats
 from dflash_gguf.requests.responses import usage

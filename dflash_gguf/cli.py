@@ -212,7 +212,8 @@ def _delegate(name: str, argv: list[str]) -> int:
         entry = mod.main
     except ImportError as e:
         asked_help = any(a in ("-h", "--help") for a in argv)
-        print(f"{PROG} {name}: {what}.\n\nNot available in this installation ({e}); {remedy}.",
+        why = str(e) if "pip install" in str(e) else f"{e}; {remedy}"   # the error may name the extra already
+        print(f"{PROG} {name}: {what}.\n\nNot available in this installation: {why}.",
               file=sys.stdout if asked_help else sys.stderr)
         return 0 if asked_help else 2
     if name == "serve":

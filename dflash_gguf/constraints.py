@@ -39,7 +39,7 @@ class Grammar:
     """A llama.cpp grammar sampler: which tokens it allows next, advanced token by token."""
 
     def __init__(self, vocab, text: str, root: str = "root", *, _ptr=None):
-        import llama_cpp
+        from dflash_gguf.native.llama import llama_cpp
 
         self.vocab = vocab
         self.ptr = _ptr if _ptr is not None else llama_cpp.llama_sampler_init_grammar(
@@ -53,13 +53,13 @@ class Grammar:
         return cls(llm._model.vocab, grammar._grammar, grammar._root)
 
     def clone(self) -> "Grammar":
-        import llama_cpp
+        from dflash_gguf.native.llama import llama_cpp
 
         return Grammar(self.vocab, "", _ptr=llama_cpp.llama_sampler_clone(self.ptr))
 
     def allowed(self, ids: np.ndarray) -> np.ndarray:
         """Which of ``ids`` the grammar allows next (bool per id)."""
-        import llama_cpp
+        from dflash_gguf.native.llama import llama_cpp
 
         buf = np.zeros(len(ids), dtype=TOKEN_DATA)
         buf["id"] = ids
@@ -72,14 +72,14 @@ class Grammar:
     def accept(self, token: int) -> None:
         """Advance by ``token`` (which must be allowed: llama.cpp aborts on an end-of-generation token
         the grammar does not allow)."""
-        import llama_cpp
+        from dflash_gguf.native.llama import llama_cpp
 
         llama_cpp.llama_sampler_accept(self.ptr, int(token))
 
     def close(self) -> None:
         ptr, self.ptr = self.ptr, None
         if ptr:
-            import llama_cpp
+            from dflash_gguf.native.llama import llama_cpp
 
             llama_cpp.llama_sampler_free(ptr)
 
@@ -104,7 +104,7 @@ def logit_bias_processor(bias: dict) -> Callable:
 
 def end_of_generation_ids(vocab, n_vocab: int) -> list[int]:
     """The end-of-generation token ids of a llama.cpp vocabulary of ``n_vocab`` tokens (``llama_vocab_is_eog``)."""
-    import llama_cpp
+    from dflash_gguf.native.llama import llama_cpp
 
     return [t for t in range(n_vocab) if llama_cpp.llama_vocab_is_eog(vocab, t)]
 
@@ -133,7 +133,7 @@ def tool_call_grammar(tools: list | None, tool_choice) -> tuple[str, object] | N
                  and t["function"].get("name") == name), None)
     if tool is None:
         raise InvalidArgumentError(f"Tool choice '{name}' not found in tools.")
-    from llama_cpp import llama_grammar
+    from dflash_gguf.native.llama import llama_grammar
 
     try:
         grammar = llama_grammar.LlamaGrammar.from_json_schema(json.dumps(tool["function"]["parameters"]),
@@ -149,9 +149,9 @@ def request_constraints(llm, prompt: Sequence[int], grammar=None, logit_bias: di
     or a chat ``response_format`` of type ``json_object`` (with an optional ``schema``; it replaces the
     grammar, as in llama_cpp's chat handlers), then ``logits_processor`` and ``logit_bias``."""
     if response_format is not None and response_format.get("type") == "json_object":
-        from llama_cpp.llama_chat_format import _grammar_for_response_format
+        from dflash_gguf.native.llama import llama_chat_format
 
-        grammar = _grammar_for_response_format(response_format)
+        grammar = llama_chat_format._grammar_for_response_format(response_format)
     procs = list(logits_processor or ())
     if logit_bias:
         procs.append(logit_bias_processor(logit_bias))

@@ -11,7 +11,7 @@ import os
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-import llama_cpp.llama_cpp as C
+from dflash_gguf.native.llama import llama_low as C
 import numpy as np
 
 from dflash_gguf import _bindings as B

@@ -124,6 +124,6 @@ class CompletionLogprobs:
 
 def chat_logprobs(completion_logprobs: dict | None) -> dict | None:
     """A chat response's ``logprobs`` from a completion's, as llama_cpp's chat handler converts them."""
-    from llama_cpp.llama_chat_format import _convert_text_completion_logprobs_to_chat
+    from dflash_gguf.native.llama import llama_chat_format
 
-    return _convert_text_completion_logprobs_to_chat(completion_logprobs)
+    return llama_chat_format._convert_text_completion_logprobs_to_chat(completion_logprobs)

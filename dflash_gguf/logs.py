@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import logging
 
-import llama_cpp.llama_cpp as C
+from dflash_gguf.native.llama import llama_low as C
 
 _LEVELS = {1: logging.DEBUG, 2: logging.INFO, 3: logging.WARNING, 4: logging.ERROR, 5: logging.DEBUG}
 _logger = logging.getLogger("dflash_gguf.llama_cpp")

@@ -90,6 +90,30 @@ def upstream_tree() -> Path:
     return Path(p.read_text().strip())
 
 
+def import_gguf():
+    """gguf-py as this package needs it (DFlash-aware; PyPI's ``gguf`` is not): the environment's when it is
+    that one (a development environment: ``make build`` installs the vendored copy), else the copy in the
+    patched tree the build keeps (a wheel install: its build left the tree in the cache)."""
+    import sys
+
+    try:
+        import gguf
+        if hasattr(gguf.MODEL_ARCH, "DFLASH"):
+            return gguf
+    except ImportError:
+        pass
+    try:
+        tree = upstream_tree()
+    except FileNotFoundError:
+        raise ImportError("gguf-py with DFlash support is missing: run `python -m dflash_gguf.build` "
+                          "(it keeps llama.cpp's vendored gguf-py; PyPI's gguf lacks DFlash)") from None
+    for name in [m for m in sys.modules if m == "gguf" or m.startswith("gguf.")]:
+        del sys.modules[name]     # PyPI's gguf, imported above: the tree's copy replaces it
+    sys.path.insert(0, str(tree / "gguf-py"))
+    import gguf
+    return gguf
+
+
 def tools_dir(cross: str | None = None) -> Path | None:
     """Folder of upstream's reference binaries, if the build made them (``--with-tools``, ``--cross``)."""
     env = os.environ.get("DFLASH_GGUF_TOOLS")

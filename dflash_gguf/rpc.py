@@ -136,7 +136,7 @@ class _Ggml:
     """The two ggml libraries beside libllama: the RPC backend and ggml-base (device queries)."""
 
     def __init__(self):
-        import llama_cpp
+        from dflash_gguf.native.llama import llama_cpp
 
         from dflash_gguf import _bindings as B
 

@@ -59,7 +59,7 @@ def save_state_file(llm, path: str | os.PathLike) -> Path:
 
 def load_state_file(llm, path: str | os.PathLike) -> None:
     """Restore a state written by :func:`save_state_file`; raises StateFileError if it is unreadable."""
-    import llama_cpp
+    from dflash_gguf.native.llama import llama_cpp
 
     path = Path(path)
     try:

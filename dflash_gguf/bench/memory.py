@@ -61,7 +61,7 @@ def _status() -> dict:
 
 # --------------------------------------------------------------------------- child
 def child(spec: dict) -> dict:
-    import llama_cpp
+    from dflash_gguf.native.llama import llama_cpp
 
     from dflash_gguf import logs
 

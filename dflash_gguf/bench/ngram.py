@@ -81,8 +81,8 @@ def _ours(target: str, drafter: str | None, prompts: list[list[int]], n: int, ng
 
 
 def _llama_cpp(target: str, prompts: list[list[int]], n: int, ngram, threads) -> dict:
-    import llama_cpp
-    from llama_cpp.llama_speculative import LlamaPromptLookupDecoding
+    from dflash_gguf.native.llama import llama_cpp
+    from dflash_gguf.native.llama import llama_speculative
 
     out = {}
     for mode, draft in (("llama_cpp", None), ("llama_cpp+lookup", (ngram[0], ngram[1]))):
@@ -90,7 +90,7 @@ def _llama_cpp(target: str, prompts: list[list[int]], n: int, ngram, threads) ->
         if threads:
             kw.update(n_threads=threads, n_threads_batch=threads)
         if draft:
-            kw["draft_model"] = LlamaPromptLookupDecoding(max_ngram_size=draft[0], num_pred_tokens=draft[1])
+            kw["draft_model"] = llama_speculative.LlamaPromptLookupDecoding(max_ngram_size=draft[0], num_pred_tokens=draft[1])
         llm = llama_cpp.Llama(target, **kw)
         texts, secs, passes = [], 0.0, [0]
         evaluate = llm.eval

@@ -46,7 +46,7 @@ def versions() -> dict:
 
     v["dflash_gguf"] = __version__
     try:
-        import llama_cpp
+        from dflash_gguf.native.llama import llama_cpp
         v["llama_cpp_python"] = getattr(llama_cpp, "__version__", None)
     except Exception:  # noqa: BLE001
         pass

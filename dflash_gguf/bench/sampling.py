@@ -95,7 +95,7 @@ def through_api(target: str, drafter: str, prompts: list[str], temperatures: lis
                 threads: int | None) -> list[dict]:
     """Tokens/s of whole ``create_completion`` calls without a seed, as users make them: llama_cpp.Llama,
     dflash_gguf.Llama with its defaults (the gate) and with fixed drafting; each kept across the calls."""
-    import llama_cpp
+    from dflash_gguf.native.llama import llama_cpp
 
     from dflash_gguf import Llama
 

@@ -49,7 +49,7 @@ PROMPTS = ["# add two numbers\n", "# the square of x\n"]
 
 
 def _grammar(kw: dict):
-    import llama_cpp
+    from dflash_gguf.native.llama import llama_cpp
 
     out = dict(kw)
     if "grammar" in out:
@@ -84,7 +84,7 @@ def _no_cut():
 
 
 def requests(n_tokens: int, repeats: int, threads: int) -> list[dict]:
-    import llama_cpp
+    from dflash_gguf.native.llama import llama_cpp
 
     from dflash_gguf import Llama
     from dflash_gguf.demo import DEMO_DIR
@@ -124,8 +124,8 @@ def requests(n_tokens: int, repeats: int, threads: int) -> list[dict]:
 
 def row_costs(shape: str, wtype: str, repeats: int) -> list[dict]:
     """Grammar questions per verify row on a bench.scale target's vocabulary."""
-    import llama_cpp
-    from llama_cpp.llama_grammar import JSON_GBNF
+    from dflash_gguf.native.llama import llama_cpp
+    from dflash_gguf.native.llama import llama_grammar
 
     from dflash_gguf.bench.scale import synth
     from dflash_gguf.constraints import Grammar
@@ -137,7 +137,7 @@ def row_costs(shape: str, wtype: str, repeats: int) -> list[dict]:
     prefixes = {"start": "", "in a key": '{"na', "after a value": '{"name": 12'}
     rows = []
     for state, text in prefixes.items():
-        g = Grammar(llm._model.vocab, JSON_GBNF)
+        g = Grammar(llm._model.vocab, llama_grammar.JSON_GBNF)
         for t in llm.tokenize(text.encode(), add_bos=False) if text else []:
             g.accept(t)
         allowed_all = g.allowed(np.arange(n, dtype=np.int32))

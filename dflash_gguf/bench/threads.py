@@ -52,7 +52,7 @@ def decode_rate(llm, n_tokens: int) -> float:
 
 
 def measure(model: Path, *, n_tokens: int, rounds: int, threads: int) -> dict:
-    import llama_cpp
+    from dflash_gguf.native.llama import llama_cpp
 
     llm = llama_cpp.Llama(str(model), n_ctx=max(64, n_tokens + 16), n_threads=threads, n_batch=64, verbose=False)
     worker = SerialWorker(idle_s=3600, name="bench-decoder")   # one thread for every timed decode

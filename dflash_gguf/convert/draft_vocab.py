@@ -43,6 +43,7 @@ from pathlib import Path
 
 import numpy as np
 
+from dflash_gguf import paths
 from dflash_gguf.convert.errors import ConvertError, ManifestError, PairError
 
 log = logging.getLogger("dflash_gguf.convert")
@@ -100,10 +101,9 @@ class Choice:
 
 def _gguf():
     try:
-        import gguf
-    except ImportError as e:   # the build installs the vendored gguf-py
-        raise ConvertError("the gguf package is missing: run `python -m dflash_gguf.build`") from e
-    return gguf
+        return paths.import_gguf()
+    except ImportError as e:
+        raise ConvertError(str(e)) from e
 
 
 def read_vocab(path: str | os.PathLike) -> Vocab:
@@ -219,7 +219,7 @@ class VocabTokenizer:
     """The target's own tokenizer (llama.cpp, vocabulary only; no weights are loaded)."""
 
     def __init__(self, path: Path):
-        import llama_cpp.llama_cpp as C
+        from dflash_gguf.native.llama import llama_low as C
 
         self.C = C
         p = C.llama_model_default_params()

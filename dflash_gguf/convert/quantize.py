@@ -27,7 +27,7 @@ def quantize_file(src: Path, dst: Path, qtype: str, threads: int | None = None) 
     """Write ``src`` quantized to ``qtype`` as ``dst``; raise :class:`ConvertError` on failure."""
     if qtype not in QTYPES:
         raise ValueError(f"quantization type must be one of {sorted(QTYPES)}, got {qtype!r}")
-    import llama_cpp
+    from dflash_gguf.native.llama import llama_cpp
 
     params = llama_cpp.llama_model_quantize_default_params()
     params.ftype = getattr(llama_cpp, QTYPES[qtype])

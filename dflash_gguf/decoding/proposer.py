@@ -133,8 +133,9 @@ class MarkovProposer:
 
     def _weights(self):
         if self._w is None:
-            from gguf import GGUFReader
-            from gguf.quants import dequantize
+            from dflash_gguf.paths import import_gguf
+            gguf = import_gguf()
+            GGUFReader, dequantize = gguf.GGUFReader, gguf.quants.dequantize
             t = {x.name: x for x in GGUFReader(self.path).tensors}
 
             def rows(name):

@@ -153,7 +153,7 @@ class Oracle:
 
 class Soak:
     def __init__(self, cfg: Config, *, seed: int, tie: float, rel_tie: float = 2e-4, n_ctx: int = N_CTX):
-        import llama_cpp
+        from dflash_gguf.native.llama import llama_cpp
 
         from dflash_gguf.api import Llama
 
@@ -203,7 +203,7 @@ class Soak:
 
     def _logits_after(self, tokens: list[int], steps: list[int] = ()) -> np.ndarray:
         """Logits after ``tokens`` in one batch, then ``steps`` one token at a time."""
-        import llama_cpp
+        from dflash_gguf.native.llama import llama_cpp
 
         self.ref.reset()
         self.ref.eval(tokens)   # without logits_all only the last row has logits, and scores stay empty

@@ -21,7 +21,7 @@ def chat_prompt(llm, messages: list[dict], tools: list | None = None, tool_choic
     """The prompt ids and stop strings llama_cpp's chat handler would use for ``messages`` (the GGUF's
     template, or a named format with a formatter; ``tools``, ``tool_choice`` and ``template_kwargs``
     passed on to it, as the handler does), or None when it cannot say."""
-    import llama_cpp.llama_chat_format as F
+    from dflash_gguf.native.llama import llama_chat_format as F
 
     name = llm.chat_format
     fmt = None

@@ -315,11 +315,11 @@ class _SSEResponse(StreamingResponse):
 def _grammar(llm, text: str | None):
     if text is None:
         return None
-    from llama_cpp import LlamaGrammar
+    from dflash_gguf.native.llama import llama_grammar
 
     from dflash_gguf.api import check_grammar
 
-    grammar = LlamaGrammar.from_string(text, verbose=False)
+    grammar = llama_grammar.LlamaGrammar.from_string(text, verbose=False)
     try:
         check_grammar(llm, grammar)   # llama_cpp would crash the process on a grammar it cannot parse
     except ValueError as e:
@@ -523,7 +523,7 @@ def create_app(llm, model_id: str | None = None, *, max_queue: int | None = None
 def _check_schemas(response_format: dict | None, tools: list | None) -> None:
     """A JSON schema that cannot become a grammar is a 400 (llama_cpp would quietly constrain the reply to
     any JSON instead)."""
-    from llama_cpp.llama_grammar import json_schema_to_gbnf
+    from dflash_gguf.native.llama import llama_grammar
 
     found = []
     if isinstance(response_format, dict) and "schema" in response_format:
@@ -534,7 +534,7 @@ def _check_schemas(response_format: dict | None, tools: list | None) -> None:
             found.append(("tools", fn["parameters"]))
     for param, schema in found:
         try:
-            json_schema_to_gbnf(json.dumps(schema))
+            llama_grammar.json_schema_to_gbnf(json.dumps(schema))
         except Exception as e:   # the converter raises assertion, attribute and key errors alike
             raise BadRequest(f"invalid JSON schema in {param}: {e}", param) from e
 

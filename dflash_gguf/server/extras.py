@@ -58,8 +58,8 @@ class Embedder:
     POOLED = ("mean", "cls", "last")
 
     def __init__(self, llm):
-        import llama_cpp
-        from llama_cpp import _internals
+        from dflash_gguf.native.llama import llama_cpp
+        from dflash_gguf.native.llama import _internals
 
         self.llm = llm
         arch = llm.metadata.get("general.architecture", "")

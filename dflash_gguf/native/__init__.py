@@ -1,0 +1,1 @@
+"""Native handles: llama.cpp through the patched library's bindings."""
