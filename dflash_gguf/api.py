@@ -24,7 +24,6 @@ import ctypes
 import inspect
 import logging
 import os
-import sys
 import threading
 import weakref
 from pathlib import Path
@@ -56,7 +55,6 @@ from dflash_gguf.stopping import stop_token_ids
 log = logging.getLogger("dflash_gguf.api")
 
 _DEFAULT_SEED = llama_cpp.LLAMA_DEFAULT_SEED
-_LLAMA_CREATE_COMPLETION_CODE = llama_cpp.Llama._create_completion.__code__   # its set_seed calls are not the user's
 _COMPLETION_SIG = inspect.signature(llama_cpp.Llama._create_completion)
 _CHAT_SIG = inspect.signature(llama_cpp.Llama.create_chat_completion)
 
@@ -322,7 +320,9 @@ class Llama(PairConstructors, RpcTarget, llama_cpp.Llama):
         """``llama_cpp.Llama.set_seed``; called by the user it makes later sampled requests repeatable
         (fixed drafting), called by llama_cpp's own completion body (a per-call seed) it does not."""
         super().set_seed(seed)
-        if sys._getframe(1).f_code is not _LLAMA_CREATE_COMPLETION_CODE:
+        if self._call.body_sets_seed:
+            self._call.body_sets_seed = False     # llama_cpp's completion body: its per-call (or derived) seed
+        else:
             self._seed_given = True
 
     def create_chat_completion(self, *args, dflash: bool | None = None,
@@ -382,8 +382,12 @@ class Llama(PairConstructors, RpcTarget, llama_cpp.Llama):
     def _completion_chunks(self, req: Request, chunks):
         # Set right before llama_cpp's body runs: it calls self.generate() within this same resume.
         self._call.handoff = req
+        # llama_cpp's body calls set_seed once before its first chunk (the call's seed, or one derived from
+        # the instance's): that call is not the user's and must not make later requests repeatable
+        self._call.body_sets_seed = True
         try:
             for chunk in chunks:
+                self._call.body_sets_seed = False
                 finish = chunk["choices"][0]["finish_reason"]
                 if finish is not None:
                     self.last_usage = req.usage()   # streams carry none without a drafter (as llama_cpp's)

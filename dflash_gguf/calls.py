@@ -36,9 +36,11 @@ class CallState:
     our extras along, so they travel here: ``dflash`` is the per-call override; ``created`` is the
     request ``_create_completion`` made (read back by ``create_chat_completion`` for its stats);
     ``handoff`` is set right before llama_cpp's body calls ``generate()``, which takes it; ``live``
-    is the DFlash generator in flight.
+    is the DFlash generator in flight; ``body_sets_seed`` is set while llama_cpp's completion body is about
+    to call ``set_seed`` itself (once, before its first chunk), so that call is told from the user's.
     """
     dflash: bool | None = None
+    body_sets_seed: bool = False
     created: Request | None = None
     handoff: Request | None = None
     live: weakref.ref | None = None

@@ -242,6 +242,7 @@ def test_sampled_requests_are_gated_and_a_users_seed_repeats_the_text():
         steps = gate.steps
         llm.create_completion("import os\n", **kw)                 # llama_cpp set a per-call seed: still gated
         assert gate.steps > steps
+        assert not llm._seed_given      # llama_cpp's own set_seed calls (one per completion) are not the user's
         steps = gate.steps
 
         def text(**extra):
@@ -252,6 +253,7 @@ def test_sampled_requests_are_gated_and_a_users_seed_repeats_the_text():
                 for _ in range(2)]
         assert chat[0] == chat[1]
         llm.set_seed(9)
+        assert llm._seed_given
         first = text()
         llm.set_seed(9)
         assert text() == first
