@@ -9,7 +9,9 @@ Columns, each greedy and token for token the same text (checked): ``plain`` (our
 ``ngram`` (prompt lookup alone, every match copied whole), ``ngram+gate`` (the speed gate decides per
 step), ``dflash`` (the drafter alone, whole blocks), ``dflash+ngram`` (both: per step the one expected to
 give more tokens), the same two with the speed gate (``+gate``), and llama-cpp-python's own ``Llama``
-plain and with ``draft_model=LlamaPromptLookupDecoding``. For ours: target passes, tokens per target
+plain and with ``draft_model=LlamaPromptLookupDecoding``, and upstream's ``llama-speculative-simple`` with its
+drafter-free n-gram modes (``--spec-type ngram-simple`` / ``ngram-map-k`` with the same lookup and draft
+lengths, ``ngram-mod`` with its defaults; ``--no-upstream`` leaves them out). For ours: target passes, tokens per target
 pass, copied / kept tokens; for every column decode tokens/s and its ratio to plain measured in the same
 run (counts are exact on any machine, times only on a quiet one).
 """
@@ -118,6 +120,42 @@ def _llama_cpp(target: str, prompts: list[list[int]], n: int, ngram, threads) ->
     return out
 
 
+# upstream's drafter-free n-gram modes, with the lookup and draft lengths of ours where they have them
+def _upstream_modes(ngram) -> dict[str, tuple[str, ...]]:
+    n, m = str(ngram[0]), str(ngram[1])
+    return {"upstream ngram-simple": ("--spec-type", "ngram-simple", "--spec-ngram-simple-size-n", n,
+                                      "--spec-ngram-simple-size-m", m),
+            "upstream ngram-map-k": ("--spec-type", "ngram-map-k", "--spec-ngram-map-k-size-n", n,
+                                     "--spec-ngram-map-k-size-m", m),
+            "upstream ngram-mod": ("--spec-type", "ngram-mod")}
+
+
+def _upstream(target: str, texts: list[str], echoes: list[bytes], plain: list[bytes], n: int, ngram, threads) -> dict:
+    """Upstream's ``llama-speculative-simple`` with its n-gram modes on the same prompts (no drafter).
+    Target passes: each pass commits its accepted tokens plus one, so passes = predicted - accepted."""
+    from dflash_gguf import paths
+    from dflash_gguf.bench.upstream import run_upstream_one, upstream_generated
+
+    tools = paths.tools_dir()
+    exe = tools / "llama-speculative-simple" if tools else None
+    if exe is None or not exe.exists():
+        print("upstream's llama-speculative-simple is not built (python -m dflash_gguf.build --with-tools): "
+              "its columns are left out", file=sys.stderr)
+        return {}
+    out = {}
+    for mode, extra in _upstream_modes(ngram).items():
+        texts_out, secs, gen, passes = [], 0.0, 0, 0
+        for text, echo, ref in zip(texts, echoes, plain):
+            got, stdout = run_upstream_one(exe, Path(target), None, text, n, ngram[1], threads or 2, extra=extra)
+            raw = upstream_generated(stdout, echo)
+            texts_out.append(raw.startswith(ref) or ref.startswith(raw))   # it may run past -n by a block
+            secs += got["t_decode"]
+            gen += got["n_decoded"]
+            passes += got.get("n_predict", 0) - got.get("n_accept", 0)
+        out[mode] = dict(same=all(texts_out), generated=gen, seconds=secs, passes=passes)
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     from dflash_gguf.logs import set_log_handler
 
@@ -129,6 +167,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--n-pred", type=int, default=10)
     ap.add_argument("-t", "--threads", type=int, default=None)
     ap.add_argument("--no-llama-cpp", action="store_true", help="leave out llama-cpp-python's columns")
+    ap.add_argument("--no-upstream", action="store_true", help="leave out upstream's n-gram modes")
     ap.add_argument("--json", help="write the rows here")
     a = ap.parse_args(argv)
     set_log_handler()
@@ -140,20 +179,27 @@ def main(argv: list[str] | None = None) -> int:
     if not a.no_llama_cpp:
         res.update(_llama_cpp(a.target, prompts, a.n_gen, ngram, a.threads))
     ref = res["plain"]["texts"]
+    if not a.no_upstream:
+        with Model(a.target) as tm:   # its stdout echoes the prompt's tokens, then the generated text
+            plain = [tm.detokenize(t) for t in ref]
+            echoes = [tm.detokenize(p, special=True) for p in prompts]
+        res.update(_upstream(a.target, PROMPTS, echoes, plain, a.n_gen, ngram, a.threads))
     base = res["plain"]["generated"] / res["plain"]["seconds"]
     print(f"{len(prompts)} prompts x {a.n_gen} tokens, n-grams of up to {a.max_ngram}, {a.n_pred} copied at most")
-    print(f"{'mode':18s} {'same':>4s} {'passes':>6s} {'tok/pass':>8s} {'copied':>6s} {'kept':>5s} {'tok/s':>8s} {'x plain':>7s}")
+    print(f"{'mode':22s} {'same':>4s} {'passes':>6s} {'tok/pass':>8s} {'copied':>6s} {'kept':>5s} {'tok/s':>8s} {'x plain':>7s}")
     for mode, r in res.items():
-        same = "yes" if r["texts"] == ref else "NO"
+        same = "yes" if r.get("same", r.get("texts") == ref) else "NO"
         tps = r["generated"] / r["seconds"] if r["seconds"] else 0.0
+        # upstream's C++ loop has no plain mode to set it against: its own timer, no ratio to our plain loop
+        ratio = "-" if mode.startswith("upstream") else f"{tps / base:.2f}"
         passes = r.get("passes")
-        print(f"{mode:18s} {same:>4s} {passes if passes is not None else '-':>6} "
+        print(f"{mode:22s} {same:>4s} {passes if passes is not None else '-':>6} "
               f"{(r['generated'] / passes) if passes else float('nan'):8.2f} {r.get('copied', '-'):>6} "
-              f"{r.get('copy_accepted', '-'):>5} {tps:8.1f} {tps / base:7.2f}")
+              f"{r.get('copy_accepted', '-'):>5} {tps:8.1f} {ratio:>7}")
     if a.json:
         Path(a.json).write_text(json.dumps({k: {x: y for x, y in v.items() if x != "texts"} for k, v in res.items()},
                                            indent=1))
-    return 0 if all(r["texts"] == ref for r in res.values()) else 1
+    return 0 if all(r.get("same", r.get("texts") == ref) for r in res.values()) else 1
 
 
 if __name__ == "__main__":

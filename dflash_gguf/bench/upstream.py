@@ -100,7 +100,7 @@ def spec_type(draft: Path) -> str:
     return "draft-dspark" if drafter_kind(parse_gguf(draft)) == "dspark" else "draft-dflash"
 
 
-def run_upstream_one(exe: Path, target: Path, draft: Path, prompt: str, n: int, n_draft: int,
+def run_upstream_one(exe: Path, target: Path, draft: Path | None, prompt: str, n: int, n_draft: int,
                      threads: int, timeout: float = 600, extra: tuple[str, ...] = ()) -> tuple[dict, str]:
     """Run llama-speculative-simple once; returns (parsed numbers, generated text).
 
@@ -110,8 +110,10 @@ def run_upstream_one(exe: Path, target: Path, draft: Path, prompt: str, n: int, 
     whose stderr lacks the final ``decoded`` line is repeated."""
     import tempfile
 
-    cmd = [str(exe), "-m", str(target), "-md", str(draft), "--spec-type", spec_type(draft),
-           "--spec-draft-n-max", str(n_draft), "-p", prompt, "--no-escape", "-n", str(n), "--temp", "0",
+    # no drafter: a drafter-free --spec-type in extra (upstream's n-gram modes)
+    drafter = [] if draft is None else ["-md", str(draft), "--spec-type", spec_type(draft)]
+    cmd = [str(exe), "-m", str(target), *drafter, "--spec-draft-n-max", str(n_draft),
+           "-p", prompt, "--no-escape", "-n", str(n), "--temp", "0",
            "--top-k", "1", "--seed", "42", "-lv", "4", "-t", str(threads), "-c", "2048", *extra]
     with tempfile.TemporaryDirectory(prefix="dflash-bench-") as tmp:
         for attempt in range(5):
