@@ -494,3 +494,27 @@ def test_the_server_copies_on_the_trained_target_and_answers_as_llama_cpp(parall
             app.state.server.slots.close()
         llm.close()
         plain.close()
+
+
+def test_the_prompt_lookup_benchmark_checks_every_column_against_plain_decoding(tmp_path):
+    """``python -m dflash_gguf.bench.ngram``: ours (prompt lookup alone, with the drafter, gated or not),
+    llama-cpp-python's ``LlamaPromptLookupDecoding`` and, where the reference tools are built, upstream's
+    n-gram modes all give plain decoding's text; the prompt lookup needs fewer target passes than plain
+    decoding on these input-grounded prompts, and so does upstream's ngram-simple."""
+    import json
+    import subprocess
+    import sys
+
+    from dflash_gguf import paths
+
+    out = tmp_path / "rows.json"
+    p = subprocess.run([sys.executable, "-m", "dflash_gguf.bench.ngram", "-n", "24", "-t", "1", "--json", str(out)],
+                       capture_output=True, text=True, timeout=900)
+    assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-2000:]
+    rows = json.loads(out.read_text())
+    assert {"plain", "ngram", "dflash+ngram+gate", "llama_cpp", "llama_cpp+lookup"} <= set(rows)
+    assert rows["ngram"]["passes"] < rows["plain"]["passes"] == rows["llama_cpp"]["passes"]
+    tools = paths.tools_dir()
+    if tools is not None and (tools / "llama-speculative-simple").exists():
+        assert all(rows[m]["same"] for m in ("upstream ngram-simple", "upstream ngram-map-k", "upstream ngram-mod"))
+        assert rows["upstream ngram-simple"]["passes"] < rows["plain"]["passes"]
