@@ -97,8 +97,9 @@ def _engine_pair(target: Path, drafter: Path):
 
 
 def _proposals(target: Path, drafter: Path, prompt_len: int = 24, steps: int = 6,
-               ids: bool = True) -> list[list[int]]:
-    """The drafter's raw block proposals at a few positions of a plain run (no proposer hook)."""
+               ids: bool = True, logits: list | None = None) -> list[list[int]]:
+    """The drafter's raw block proposals at a few positions of a plain run (no proposer hook); with
+    ``ids=False``, ``logits`` (a list) receives each block's rows of logits as the drafter gave them."""
     from dflash_gguf import _bindings as B
     from dflash_gguf.decoding import DFlashDecoder
 
@@ -119,6 +120,11 @@ def _proposals(target: Path, drafter: Path, prompt_len: int = 24, steps: int = 6
             got = B.check(B.lib.llama_dflash_draft(dctx.cptr, 0, pos, pending, n, B.ffi.from_buffer("llama_token[]", buf)),
                           "draft")
             out.append(buf[:got].tolist())
+            if logits is not None:
+                n_vocab = tm.n_vocab
+                logits.append(np.array([np.frombuffer(B.ffi.buffer(B.lib.llama_get_logits_ith(dctx.cptr, 1 + i),
+                                                                   4 * n_vocab), dtype=np.float32)
+                                        for i in range(got)]))
             # ids mode leaves no logits to read; a DFlash block's logits scan leaves them
             if ids or dec.info.kind == "dflash":
                 assert (B.lib.llama_get_logits_ith(dctx.cptr, 1) == B.ffi.NULL) == ids
@@ -146,6 +152,37 @@ def test_draft_ids_from_the_graph_equal_the_logits_scan(models, tmp_path, kind):
     with Model(p.target) as tm, Context(tm, ContextOptions(n_ctx=64)) as tctx:
         with pytest.raises(NotADrafterError):
             B.check(B.lib.llama_dflash_set_draft_ids(tctx.cptr, True), "ids on a target")
+
+
+@pytest.mark.parametrize("order", ["increasing", "shuffled"])
+def test_reduced_head_ids_equal_the_argmax_of_its_scattered_logits(models, tmp_path, order):
+    """patches/0028: drafting by ids, a reduced head takes its argmax over its own rows and maps the row
+    through d2t (increasing d2t) instead of scattering the block to the whole vocabulary first; a d2t that
+    is not increasing keeps the scatter. Either way the ids equal the argmax of the full-vocabulary logits
+    the same drafter gives by logits (-inf outside d2t, the head's logits on d2t), and greedy DFlash equals
+    plain decoding."""
+    p = models.pair("qwen3", "dflash", 8)
+    v = dv.read_vocab(p.target)
+    ids = np.array(sorted(set(range(0, v.n_vocab, 3)) | set(range(200))))[:1024]
+    if order == "shuffled":
+        ids = np.random.default_rng(0).permutation(ids)
+        assert (np.diff(ids) < 0).any()
+    red = tmp_path / f"reduced-{order}.gguf"
+    dv.write_reduced_drafter(p.drafter, p.target, ids, red)
+    rows: list[np.ndarray] = []
+    by_ids = _proposals(p.target, red, steps=8)
+    by_logits = _proposals(p.target, red, steps=8, ids=False, logits=rows)
+    assert by_ids == by_logits and sum(map(len, by_ids)) >= 8
+    off = np.ones(v.n_vocab, dtype=bool)
+    off[ids] = False
+    for block, r in zip(by_ids, rows):
+        assert r.shape == (len(block), v.n_vocab)
+        assert np.isneginf(r[:, off]).all() and np.isfinite(r[:, ids]).all()
+        assert np.argmax(r, axis=1).tolist() == block
+        # the head's own rows in d2t order: their argmax is the same token
+        assert ids[np.argmax(r[:, ids], axis=1)].tolist() == block
+    plain, spec, _ = _lossless(p.target, red)
+    assert spec == plain
 
 
 def _lossless(target: Path, drafter: Path, n: int = 48) -> tuple[list[int], list[int], float]:
