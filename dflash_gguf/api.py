@@ -220,6 +220,33 @@ class Llama(PairConstructors, RpcTarget, llama_cpp.Llama):
         log.info("prompt lookup ready: up to %d tokens copied per step (n-grams of up to %d), rollback %s",
                  self._decoder.n_copy, self._ngram.max_ngram, self._decoder.rollback)
 
+    def serve_sequences(self, n_seq: int) -> bool:
+        """Make this Llama's own context hold ``n_seq`` sequences in one unified KV cache of its ``n_ctx``
+        cells (llama-server's ``-np``: memory is what one context costs, any sequence may use every cell as the
+        others leave room), for the server's slots to borrow (:mod:`dflash_gguf.server.slots`) instead of
+        a context of their own beside it. The context is made again (empty) with those parameters, the
+        DFlash engine on it too; generation through this Llama is as before (sequence 0, positions up to
+        ``n_ctx``). False where it cannot (a context llama_cpp made for embeddings, a LoRA adapter: the
+        caller keeps contexts of its own). Whoever then decodes other sequences on it owns the cache while
+        they run: llama_cpp's own path removes positions of every sequence (``kv_cache_seq_rm(-1, ...)``)."""
+        cp = self.context_params
+        if n_seq <= 1 or (cp.n_seq_max >= n_seq and cp.kv_unified):
+            return cp.n_seq_max >= n_seq
+        if self.context_params.embeddings or self._lora_adapter is not None:
+            return False
+        self._check_free()
+        had_engine = self._runtime is not None
+        self._close_dflash()               # the drafter's context borrows the target's: freed first
+        cp.n_seq_max, cp.kv_unified = n_seq, True
+        self._recreate_context(n_rs_seq=cp.n_rs_seq)
+        if had_engine:
+            self._stack.callback(self._close_dflash)   # the engine goes before the new context
+            if self.draft_model_path:
+                self._open_drafter()
+            else:
+                self._open_lookup()
+        return True
+
     def _recreate_context(self, n_rs_seq: int) -> None:
         """Rebuild the target context with ``n_rs_seq`` recurrent snapshots (hybrid targets).
 
