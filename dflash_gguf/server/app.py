@@ -22,10 +22,14 @@ Endpoints
         status, tokens, DFlash steps/drafted/accepted, mean acceptance length, tokens/s, fallbacks,
         client disconnects.
 
-Concurrency: one model and one llama.cpp context per server. Generation requests are served one
-at a time in arrival order (an asyncio lock, held for the whole request including every chunk of
-a stream); llama.cpp runs on one dedicated worker thread, so /health, /metrics and /v1/models
-answer while a generation runs. A client that disconnects, streaming or not, stops its generation at
+Concurrency: one model and one llama.cpp context per server. With slots (``parallel``; the command line's
+default, 4 as llama-server's ``-np -1``) completions and chats are decoded together in the batched engine
+(:mod:`dflash_gguf.server.slots`), which borrows the model's own context as one KV cache of ``n_ctx`` cells
+shared by the slots - no second copy of the target's state. Requests the slots do not serve, and every
+request without slots, are served one at a time in arrival order (an asyncio lock, held for the whole
+request including every chunk of a stream) with the cache to themselves (the slots finish what runs first:
+llama_cpp's own path removes positions of every sequence); llama.cpp runs on one dedicated worker thread, so
+/health, /metrics and /v1/models answer while a generation runs. A client that disconnects, streaming or not, stops its generation at
 the next token (``Llama.interrupt``); the DFlash engine rolls both caches back and the next request
 is served normally.
 
