@@ -95,6 +95,8 @@ class Llama(PairConstructors, RpcTarget, llama_cpp.Llama):
             Arguments given explicitly win over the preset.
         rpc_servers, draft_rpc_servers: ``["host:port", ...]`` of llama.cpp ``rpc-server`` processes for the
             target's layers (with ``tensor_split``), or the drafter's (default: local); see dflash_gguf.rpc.
+        n_seq_max: sequences the context holds in one unified KV cache of ``n_ctx`` cells (default 1): the
+            server's slots borrow it (:meth:`serve_sequences`, which also remakes a context made with 1).
         prompt_lookup: also draft by prompt lookup (dflash_gguf.decoding.ngram): copy up to
             ``prompt_lookup_num_pred_tokens`` tokens that followed the last ``prompt_lookup_max_ngram_size``
             tokens' latest earlier occurrence in the prompt and the text so far. Without a drafter it is the
@@ -117,7 +119,7 @@ class Llama(PairConstructors, RpcTarget, llama_cpp.Llama):
                  draft_window: int | None = None, low_memory: bool = False,
                  rollback_memory_mb: float | None = None, rpc_servers=None, draft_rpc_servers=None,
                  prompt_lookup: bool = False, prompt_lookup_num_pred_tokens: int = 10,
-                 prompt_lookup_max_ngram_size: int = 2, **kwargs):
+                 prompt_lookup_max_ngram_size: int = 2, n_seq_max: int = 1, **kwargs):
         # checked before anything loads (the runtime takes them as DraftSettings)
         DraftSettings(n_max=draft_n_max, window=draft_window, rollback_memory_mb=rollback_memory_mb)
         self._runtime: Runtime | None = None
@@ -169,6 +171,11 @@ class Llama(PairConstructors, RpcTarget, llama_cpp.Llama):
             if str(e).startswith("Failed to load model"):
                 raise ModelFileError(f"llama.cpp could not load {model_path} (see the llama.cpp log)") from e
             raise
+        if n_seq_max > 1 and not self.context_params.embeddings:
+            # the server's slots: one unified KV cache of n_ctx cells for n_seq_max sequences (serve_sequences),
+            # made before the engine opens on it (llama_cpp makes its context before a subclass can say so)
+            self.context_params.n_seq_max, self.context_params.kv_unified = n_seq_max, True
+            self._recreate_context(n_rs_seq=self.context_params.n_rs_seq)
         if self.draft_model_path:
             self._stack.callback(self._close_dflash)   # LIFO: freed before the target context
             self._open_drafter()

@@ -270,7 +270,8 @@ def drafter_options(opts: ContextOptions, info: DrafterInfo) -> ContextOptions:
     else:
         window = 0
     b = info.block_size * opts.n_seq   # one batch holds a block of every sequence
-    return replace(opts, n_ctx=n_ctx, n_batch=b, n_ubatch=b, n_outputs_max=b, n_rs_seq=0, draft_window=window)
+    return replace(opts, n_ctx=n_ctx, n_batch=b, n_ubatch=b, n_outputs_max=b, n_rs_seq=0, draft_window=window,
+                   shared=False)   # its window per sequence: the target's cells are what the sequences share
 
 
 class Context(_Handle):

@@ -92,7 +92,7 @@ class Runtime:
         try:
             if drafter is not None:
                 window = target.opts.draft_window if draft.window is None else draft.window
-                self.drafter = Context(drafter, replace(target.opts, n_rs_seq=0, draft_window=window, shared=False), other=target)
+                self.drafter = Context(drafter, replace(target.opts, n_rs_seq=0, draft_window=window), other=target)
                 release_free_heap()   # what loading the drafter freed goes back to the system
             if spec is None:
                 spec = SpecOptions(n_draft=draft.n_max, adaptive=draft.adaptive, keep_history=True, ngram=draft.ngram)

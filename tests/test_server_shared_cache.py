@@ -231,3 +231,36 @@ def test_a_llama_cpp_path_request_between_slot_requests(server, plain):
         after = list(pool.map(lambda p: _text(_complete(url, p, max_tokens=n)), [PROMPTS[5], PROMPTS[6], PROMPTS[0]]))
     assert after == [want[PROMPTS[5]], want[PROMPTS[6]], want[PROMPTS[0]]]
     assert httpx.get(f"{url}/health").json()["busy"] is False
+
+
+def test_the_engine_shares_cells_and_preempts_losslessly():
+    """The batched engine on one cache of 256 cells for 3 sequences (ContextOptions.shared), no server: 5 requests
+    of 150 tokens (no end token stops them) cannot all fit, so the latest give their cells back and resume -
+    greedy ones token for token llama_cpp's alone, a seeded sampled one its own answer alone."""
+    from dflash_gguf.decoding import DFlashDecoder, Request, SpecOptions
+    from dflash_gguf.engine import Context, ContextOptions, Model
+    from dflash_gguf.sampling import SamplingParams
+    from support import llama_cpp_greedy
+
+    n = 150
+    tm, dm = Model(TARGET), Model(DRAFTER)
+    prompts = [tm.tokenize(p.encode()) for p in PROMPTS[:5]]
+    seeded = SamplingParams(temperature=0.8, seed=21)
+    try:
+        opts = ContextOptions(n_ctx=CELLS, n_batch=256, n_ubatch=256, n_threads=2, n_seq=3, shared=True)
+        with Context(tm, opts) as tc, Context(dm, opts, other=tc) as dc:
+            assert tc.n_cells == CELLS and tc.n_ctx == CELLS      # one cache: any sequence may use all of it
+            assert dc.n_cells == 3 * dc.n_ctx                     # the drafter: a window per sequence
+            dec = DFlashDecoder(tc, dc, SpecOptions())
+            assert dec.n_cells == CELLS
+            alone = dec.generate_batch([Request(prompts[4], n, seeded, stop_tokens=[])])[0]
+            reqs = [Request(p, n, stop_tokens=[]) for p in prompts[:4]] + [Request(prompts[4], n, seeded, stop_tokens=[])]
+            got = dec.generate_batch(reqs)
+            assert dec.preempted > 0, "the cache never ran out"
+            assert dec.cells_used() <= CELLS
+        assert got[4] == alone
+        for p, g in zip(prompts[:4], got[:4]):
+            assert g == llama_cpp_greedy(TARGET, p, n)
+    finally:
+        dm.close()
+        tm.close()

@@ -101,7 +101,7 @@ def command(server: str, target: Path, drafter: Path, n_par: int, threads: int, 
     return cmd + ["-md", str(drafter), "--spec-type", spec_type(Path(drafter))]
 
 
-def start(cmd: list[str], port: int, timeout: float = 180) -> subprocess.Popen:
+def start(cmd: list[str], port: int, timeout: float = 900) -> subprocess.Popen:
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     deadline = time.time() + timeout
     while time.time() < deadline:

@@ -84,6 +84,11 @@ def build(args: argparse.Namespace):
     if not api_key and not loopback(args.host):
         log.warning("serving on %s without an API key: anyone who can reach port %d can use the model "
                     "(--api-key KEY or %s)", args.host, args.port, API_KEY_ENV)
+    from dflash_gguf.server.app import AUTO_SLOTS
+
+    # the slots' sequences in the model's own context from the start (one KV cache of -c cells), so that the
+    # engine on it opens once
+    args.n_seq_max = AUTO_SLOTS if args.parallel == -1 else max(args.parallel, 1)
     llm = load_llama(args)
     return create_app(llm, args.model_alias, max_queue=args.max_queue, request_timeout=args.request_timeout,
                       parallel=args.parallel, api_key=api_key), llm
