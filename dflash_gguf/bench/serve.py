@@ -17,7 +17,7 @@ first token and of the whole request. Servers:
 
 ``--defaults``: every server as its own defaults start it - no ``-np`` (ours: 4 slots, upstream: ``-np -1``, 4
 slots; both one KV cache of ``-c`` cells shared by the slots), ``-c`` the whole cache, not a slot's; the
-client counts then only set the load. Every run records the server's resident memory after it
+client counts then only set the load, and each server is started once and measured at every count in turn. Every run records the server's resident memory after it
 (``rss_mib``) and its peak since start (``peak_rss_mib``, the kernel's VmHWM), from /proc.
 
 Pairs: ``demo`` (the shipped trained pair), or ``bench.scale`` pairs by shape and type (e.g. ``0.6b:q4_0``;
@@ -285,8 +285,22 @@ def bench(pair: str, servers: list[str], clients: list[int], n_requests: int, n_
                  r["tok_s"], 1e3 * r["ttft_p50"], 1e3 * r["lat_p50"], r.get("main_ms_per_token", float("nan")),
                  f", acceptance length {r['acceptance_length']:.2f} over {r['drafting_steps']:.0f} drafting steps"
                  if "acceptance_length" in r else "")
+        if "peak_rss_mib" in r:
+            log.info("  %s: resident %.0f MiB, peak %.0f MiB", server, r["rss_mib"], r["peak_rss_mib"])
 
     try:
+        if defaults:
+            # every server's command is the same at every client count: each started once, measured at every count
+            # in turn (its peak memory is then the peak so far)
+            for rep in range(repeats):
+                for server in rotated(servers, rep):
+                    proc, url = up(server, clients[0])
+                    try:
+                        for c in clients:
+                            record(c, rep, server, _measure(proc, url, c, n_requests, n_tokens, server == "ours"))
+                    finally:
+                        _stop(proc)
+            return rows
         for c in clients:
             if all_up:
                 procs: dict[str, tuple[subprocess.Popen, str]] = {}
