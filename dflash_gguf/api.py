@@ -103,6 +103,8 @@ class Llama(PairConstructors, RpcTarget, llama_cpp.Llama):
             Arguments given explicitly win over the preset.
         rpc_servers, draft_rpc_servers: ``["host:port", ...]`` of llama.cpp ``rpc-server`` processes for the
             target's layers (with ``tensor_split``), or the drafter's (default: local); see dflash_gguf.rpc.
+        n_seq_max: sequences the context holds in one unified KV cache of ``n_ctx`` cells (default 1): the
+            server's slots borrow it (:meth:`serve_sequences`, which also remakes a context made with 1).
         prompt_lookup: also draft by prompt lookup (dflash_gguf.decoding.ngram): copy up to
             ``prompt_lookup_num_pred_tokens`` tokens that followed the last ``prompt_lookup_max_ngram_size``
             tokens' latest earlier occurrence in the prompt and the text so far. Without a drafter it is the
@@ -125,7 +127,7 @@ class Llama(PairConstructors, RpcTarget, llama_cpp.Llama):
                  draft_window: int | None = None, low_memory: bool = False,
                  rollback_memory_mb: float | None = None, rpc_servers=None, draft_rpc_servers=None,
                  prompt_lookup: bool = False, prompt_lookup_num_pred_tokens: int = 10,
-                 prompt_lookup_max_ngram_size: int = 2, **kwargs):
+                 prompt_lookup_max_ngram_size: int = 2, n_seq_max: int = 1, **kwargs):
         # checked before anything loads (the runtime takes them as DraftSettings)
         DraftSettings(n_max=draft_n_max, window=draft_window, rollback_memory_mb=rollback_memory_mb)
         self._runtime: Runtime | None = None
@@ -177,6 +179,11 @@ class Llama(PairConstructors, RpcTarget, llama_cpp.Llama):
             if str(e).startswith("Failed to load model"):
                 raise ModelFileError(f"llama.cpp could not load {model_path} (see the llama.cpp log)") from e
             raise
+        if n_seq_max > 1 and not self.context_params.embeddings:
+            # the server's slots: one unified KV cache of n_ctx cells for n_seq_max sequences (serve_sequences),
+            # made before the engine opens on it (llama_cpp makes its context before a subclass can say so)
+            self.context_params.n_seq_max, self.context_params.kv_unified = n_seq_max, True
+            self._recreate_context(n_rs_seq=self.context_params.n_rs_seq)
         if self.draft_model_path:
             self._stack.callback(self._close_dflash)   # LIFO: freed before the target context
             self._open_drafter()
@@ -227,6 +234,33 @@ class Llama(PairConstructors, RpcTarget, llama_cpp.Llama):
         self.n_tokens = 0   # the decoder cleared the target memory
         log.info("prompt lookup ready: up to %d tokens copied per step (n-grams of up to %d), rollback %s",
                  self._decoder.n_copy, self._ngram.max_ngram, self._decoder.rollback)
+
+    def serve_sequences(self, n_seq: int) -> bool:
+        """Make this Llama's own context hold ``n_seq`` sequences in one unified KV cache of its ``n_ctx``
+        cells (llama-server's ``-np``: memory is what one context costs, any sequence may use every cell as the
+        others leave room), for the server's slots to borrow (:mod:`dflash_gguf.server.slots`) instead of
+        a context of their own beside it. The context is made again (empty) with those parameters, the
+        DFlash engine on it too; generation through this Llama is as before (sequence 0, positions up to
+        ``n_ctx``). False where it cannot (a context llama_cpp made for embeddings, a LoRA adapter: the
+        caller keeps contexts of its own). Whoever then decodes other sequences on it owns the cache while
+        they run: llama_cpp's own path removes positions of every sequence (``kv_cache_seq_rm(-1, ...)``)."""
+        cp = self.context_params
+        if n_seq <= 1 or (cp.n_seq_max >= n_seq and cp.kv_unified):
+            return cp.n_seq_max >= n_seq
+        if self.context_params.embeddings or self._lora_adapter is not None:
+            return False
+        self._check_free()
+        had_engine = self._runtime is not None
+        self._close_dflash()               # the drafter's context borrows the target's: freed first
+        cp.n_seq_max, cp.kv_unified = n_seq, True
+        self._recreate_context(n_rs_seq=cp.n_rs_seq)
+        if had_engine:
+            self._stack.callback(self._close_dflash)   # the engine goes before the new context
+            if self.draft_model_path:
+                self._open_drafter()
+            else:
+                self._open_lookup()
+        return True
 
     def _recreate_context(self, n_rs_seq: int) -> None:
         """Rebuild the target context with ``n_rs_seq`` recurrent snapshots (hybrid targets).

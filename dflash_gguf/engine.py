@@ -236,6 +236,9 @@ DEFAULT_DRAFT_CACHE = 1024
 class ContextOptions:
     n_ctx: int = 2048                 # positions per sequence
     n_seq: int = 1                    # sequences (slots) served: n_seq x n_ctx cells in one unified KV cache
+    shared: bool = False              # ... or n_ctx cells in all, any sequence up to n_ctx positions as the others
+                                      # leave room (llama-server's -np: the server's slots; the decoder's caller
+                                      # admits by free cells, dflash_gguf.decoding.scheduling)
     n_batch: int = 512
     n_ubatch: int = 512
     n_threads: int | None = None
@@ -267,7 +270,8 @@ def drafter_options(opts: ContextOptions, info: DrafterInfo) -> ContextOptions:
     else:
         window = 0
     b = info.block_size * opts.n_seq   # one batch holds a block of every sequence
-    return replace(opts, n_ctx=n_ctx, n_batch=b, n_ubatch=b, n_outputs_max=b, n_rs_seq=0, draft_window=window)
+    return replace(opts, n_ctx=n_ctx, n_batch=b, n_ubatch=b, n_outputs_max=b, n_rs_seq=0, draft_window=window,
+                   shared=False)   # its window per sequence: the target's cells are what the sequences share
 
 
 class Context(_Handle):
@@ -286,7 +290,7 @@ class Context(_Handle):
         if opts.n_seq < 1:
             raise InvalidArgumentError(f"n_seq must be >= 1, got {opts.n_seq}")
         p = C.llama_context_default_params()
-        p.n_ctx = opts.n_ctx * opts.n_seq
+        p.n_ctx = opts.n_ctx if opts.shared else opts.n_ctx * opts.n_seq
         p.n_batch = opts.n_batch
         p.n_ubatch = min(opts.n_ubatch, opts.n_batch)
         p.n_seq_max = opts.n_seq
@@ -328,7 +332,8 @@ class Context(_Handle):
         self.cptr = B.as_ctx(ptr)
         self.mem = B.lib.llama_get_memory(self.cptr)
         self.n_seq = max(int(self.opts.n_seq), 1)
-        self.n_ctx = B.lib.llama_n_ctx(self.cptr) // self.n_seq   # positions per sequence
+        self.n_cells = B.lib.llama_n_ctx(self.cptr)               # KV cells, all sequences together
+        self.n_ctx = self.n_cells if self.opts.shared else self.n_cells // self.n_seq   # positions per sequence
         self.n_batch = B.lib.llama_n_batch(self.cptr)
         self.n_ubatch = B.lib.llama_n_ubatch(self.cptr)
         self.n_rs_seq = B.lib.llama_n_rs_seq(self.cptr)

@@ -200,6 +200,8 @@ def llama_kwargs(args: argparse.Namespace, target) -> dict:
               flash_attn=getattr(args, "flash_attn", "auto") != "off", logits_all=getattr(args, "logits_all", False))
     if args.threads:
         kw.update(n_threads=args.threads, n_threads_batch=args.threads)
+    if getattr(args, "n_seq_max", 1) > 1:     # the server's slots share the context (server.cli.build)
+        kw["n_seq_max"] = args.n_seq_max
     kw.update(spec_kwargs(args))
     kw.update(rpc_kwargs(args, kw))
     return kw

@@ -8,12 +8,17 @@ first token and of the whole request. Servers:
 
 * ``ours``            - ``python -m dflash_gguf.server -np C`` with the drafter (the speed gate on)
 * ``ours-plain``      - the same with ``--no-dflash`` (our batched engine decoding plainly)
-* ``ours-serial``     - ``python -m dflash_gguf.server`` without ``-np``: one request at a time through the
+* ``ours-serial``     - ``python -m dflash_gguf.server -np 0`` (no slots): one request at a time through the
                         ``Llama`` (not in the default set)
 * ``upstream``        - upstream ``llama-server -np C`` (plain)
 * ``upstream-dflash`` - upstream ``llama-server -np C -md DRAFTER --spec-type draft-dflash``
 * ``--engine``: also the batched engine alone in this process (no HTTP): C sequences of 2 x ``--tokens``
   tokens in one ``DFlashDecoder.generate_batch``, with the drafter (``engine``) and without
+
+``--defaults``: every server as its own defaults start it - no ``-np`` (ours: 4 slots, upstream: ``-np -1``, 4
+slots; both one KV cache of ``-c`` cells shared by the slots), ``-c`` the whole cache, not a slot's; the
+client counts then only set the load, and each server is started once and measured at every count in turn. Every run records the server's resident memory after it
+(``rss_mib``) and its peak since start (``peak_rss_mib``, the kernel's VmHWM), from /proc.
 
 Pairs: ``demo`` (the shipped trained pair), or ``bench.scale`` pairs by shape and type (e.g. ``0.6b:q4_0``;
 random weights: a drafter that is never right, so the gate must decode plainly). ``--replay PROFILE``
@@ -67,24 +72,28 @@ def pair_files(spec: str) -> tuple[Path, Path]:
 
 
 def command(server: str, target: Path, drafter: Path, n_par: int, threads: int, ctx: int, port: int,
-            replay: list[str] | None = None) -> list[str]:
+            replay: list[str] | None = None, defaults: bool = False) -> list[str]:
     """``replay``: the replay server's own flags (``--replay P --replay-prompts F --replay-tokens N``),
-    taken by ``ours`` only."""
+    taken by ``ours`` only. ``defaults``: no ``-np`` (each server's own default slots) and ``ctx`` the whole
+    cache."""
     if server.startswith("ours"):
         module = "dflash_gguf.bench.replay_server" if replay and server == "ours" else "dflash_gguf.server"
         cmd = [sys.executable, "-m", module, "-m", str(target), "-md", str(drafter),
                "-t", str(threads), "-c", str(ctx), "--port", str(port), "--chat-format", "chatml"]
         if module != "dflash_gguf.server":
             cmd += replay
-        if server != "ours-serial":
+        if server == "ours-serial":
+            cmd += ["-np", "0"]          # no slots: one request at a time through the Llama
+        elif not defaults:
             cmd += ["-np", str(n_par)]
         return cmd + (["--no-dflash"] if server == "ours-plain" else [])
     from dflash_gguf import paths
     exe = Path(paths.tools_dir() or "") / "llama-server"
     if not exe.is_file():
         raise SystemExit(f"{exe} is missing: python -m dflash_gguf.build --with-tools builds it")
-    cmd = [str(exe), "-m", str(target), "-np", str(n_par), "-t", str(threads), "-tb", str(threads),
-           "-c", str(ctx * n_par), "--port", str(port), "--host", "127.0.0.1", "--no-webui"]
+    cmd = [str(exe), "-m", str(target), "-t", str(threads), "-tb", str(threads),
+           "--port", str(port), "--host", "127.0.0.1", "--no-webui"]
+    cmd += ["-c", str(ctx)] if defaults else ["-np", str(n_par), "-c", str(ctx * n_par)]
     if server != "upstream-dflash":
         return cmd
     from dflash_gguf.bench.upstream import spec_type
@@ -92,7 +101,7 @@ def command(server: str, target: Path, drafter: Path, n_par: int, threads: int, 
     return cmd + ["-md", str(drafter), "--spec-type", spec_type(Path(drafter))]
 
 
-def start(cmd: list[str], port: int, timeout: float = 180) -> subprocess.Popen:
+def start(cmd: list[str], port: int, timeout: float = 900) -> subprocess.Popen:
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     deadline = time.time() + timeout
     while time.time() < deadline:
@@ -136,6 +145,20 @@ def main_thread_cpu(pid: int) -> float | None:
         return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
     except (OSError, ValueError, IndexError):
         return None
+
+
+def memory(pid: int) -> dict:
+    """The process's resident memory now and its peak since start (MiB; empty where /proc cannot say)."""
+    try:
+        status = Path(f"/proc/{pid}/status").read_text()
+    except OSError:
+        return {}
+    got = {}
+    for line in status.splitlines():
+        key, _, value = line.partition(":")
+        if key in ("VmRSS", "VmHWM"):
+            got["rss_mib" if key == "VmRSS" else "peak_rss_mib"] = int(value.split()[0]) / 1024
+    return got
 
 
 def run_clients(url: str, n_clients: int, n_requests: int, n_tokens: int) -> dict:
@@ -205,6 +228,7 @@ def _measure(proc: subprocess.Popen, url: str, n_clients: int, n_requests: int, 
     if cpu0 is not None and cpu1 is not None and r["tokens"]:
         # ours: the event loop's CPU per streamed token (taken from ggml's threads on these cores)
         r["main_ms_per_token"] = 1e3 * (cpu1 - cpu0) / r["tokens"]
+    r.update(memory(proc.pid))
     if d0 is not None and d1 is not None:
         steps = d1[0] - d0[0]
         r["drafting_steps"] = steps
@@ -222,7 +246,8 @@ def rotated(servers: list[str], rep: int) -> list[str]:
 
 
 def bench(pair: str, servers: list[str], clients: list[int], n_requests: int, n_tokens: int, threads: int,
-          ctx: int, repeats: int = 1, all_up: bool = False, replay: str | None = None) -> list[dict]:
+          ctx: int, repeats: int = 1, all_up: bool = False, replay: str | None = None,
+          defaults: bool = False) -> list[dict]:
     """Every server at every client count, ``repeats`` times over in turn (the servers alternate, so a
     slow spell of the machine falls on all of them, and each repeat starts one server further down the
     list, so no server always runs right after the same one); one row per run (``run``: 0..repeats-1).
@@ -244,7 +269,7 @@ def bench(pair: str, servers: list[str], clients: list[int], n_requests: int, n_
     def up(server: str, c: int) -> tuple[subprocess.Popen, str]:
         port = _free_port()
         log.info("%s, %d client(s): starting %s", pair, c, server)
-        proc = start(command(server, target, drafter, c, threads, ctx, port, flags), port)
+        proc = start(command(server, target, drafter, c, threads, ctx, port, flags, defaults), port)
         url = f"http://127.0.0.1:{port}"
         try:
             one_request(url, PROMPTS[0], 4)   # warm-up (and the gate's calibration, ours)
@@ -260,8 +285,22 @@ def bench(pair: str, servers: list[str], clients: list[int], n_requests: int, n_
                  r["tok_s"], 1e3 * r["ttft_p50"], 1e3 * r["lat_p50"], r.get("main_ms_per_token", float("nan")),
                  f", acceptance length {r['acceptance_length']:.2f} over {r['drafting_steps']:.0f} drafting steps"
                  if "acceptance_length" in r else "")
+        if "peak_rss_mib" in r:
+            log.info("  %s: resident %.0f MiB, peak %.0f MiB", server, r["rss_mib"], r["peak_rss_mib"])
 
     try:
+        if defaults:
+            # every server's command is the same at every client count: each started once, measured at every count
+            # in turn (its peak memory is then the peak so far)
+            for rep in range(repeats):
+                for server in rotated(servers, rep):
+                    proc, url = up(server, clients[0])
+                    try:
+                        for c in clients:
+                            record(c, rep, server, _measure(proc, url, c, n_requests, n_tokens, server == "ours"))
+                    finally:
+                        _stop(proc)
+            return rows
         for c in clients:
             if all_up:
                 procs: dict[str, tuple[subprocess.Popen, str]] = {}
@@ -373,6 +412,20 @@ def table(rows: list[dict], servers: list[str]) -> str:
     return "\n".join(lines)
 
 
+def memory_table(rows: list[dict], servers: list[str]) -> str:
+    """Each server's resident memory after its runs and its peak since start (MiB), per client count."""
+    if not any("peak_rss_mib" in r for r in rows):
+        return ""
+    lines = ["| pair | clients | " + " | ".join(f"{s} RSS / peak MiB" for s in servers) + " |",
+             "|---" * (2 + len(servers)) + "|"]
+    for pair, c in sorted({(r["pair"], r["clients"]) for r in rows}):
+        by = {r["server"]: r for r in rows if r["pair"] == pair and r["clients"] == c}
+        cells = [f"{by[s]['rss_mib']:.0f} / {by[s]['peak_rss_mib']:.0f}" if s in by and "peak_rss_mib" in by[s] else "-"
+                 for s in servers]
+        lines.append(f"| {pair} | {c} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m dflash_gguf.bench.serve", description=__doc__.split("\n\n")[0])
     ap.add_argument("--pairs", nargs="+", default=["demo"], help="demo and/or scale pairs SHAPE:TYPE (e.g. 0.6b:q4_0)")
@@ -381,7 +434,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--requests", type=int, default=8, help="requests per run (at least one per client)")
     ap.add_argument("--tokens", type=int, default=32, help="completion tokens per request")
     ap.add_argument("-t", "--threads", type=int, default=2)
-    ap.add_argument("-c", "--ctx-size", type=int, default=1024, help="context per slot")
+    ap.add_argument("-c", "--ctx-size", type=int, default=1024, help="context per slot (--defaults: the whole cache)")
     ap.add_argument("--out", type=Path, default=None, help="write TAG.json and TAG.md here")
     ap.add_argument("--tag", default="serve")
     ap.add_argument("--repeats", type=int, default=1,
@@ -392,6 +445,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--replay", default=None, metavar="PROFILE",
                     help="ours replays this acceptance profile (demo, demo-dspark, strong, none, p1,p2,...) over this tool's "
                          "prompts in its slots (python -m dflash_gguf.bench.replay_server); default: the drafter's own")
+    ap.add_argument("--defaults", action="store_true",
+                    help="start every server with its own default slots (no -np: 4 sharing one cache, ours and "
+                         "upstream's) and -c as the whole cache; the client counts set only the load")
     ap.add_argument("--engine", action="store_true",
                     help="also time the batched engine in this process (no HTTP): C sequences in one generate_batch")
     a = ap.parse_args(argv)
@@ -401,7 +457,7 @@ def main(argv: list[str] | None = None) -> int:
     servers = list(a.servers)
     for pair in a.pairs:
         rows += bench(pair, a.servers, clients, a.requests, a.tokens, a.threads, a.ctx_size, a.repeats, a.all_up,
-                      a.replay)
+                      a.replay, a.defaults)
         if a.engine:
             rows += engine_only(pair, clients, 2 * a.tokens, a.threads, a.ctx_size)
     if a.engine:
@@ -411,7 +467,12 @@ def main(argv: list[str] | None = None) -> int:
     md = (f"Server benchmark. {cmd}\n\nMachine: {cpu}, {os.cpu_count()} cores; {a.threads} threads per server; "
           f"{a.requests} greedy streamed requests of {a.tokens} tokens per run"
           f"{f'; medians of {a.repeats} alternating runs' if a.repeats > 1 else ''}"
-          f"{' (all servers up at once)' if a.all_up else ''}.\n\n{table(medians(rows), servers)}\n")
+          f"{' (all servers up at once)' if a.all_up else ''}"
+          f"{'; every server with its default slots, -c the whole cache' if a.defaults else ''}."
+          f"\n\n{table(medians(rows), servers)}\n")
+    mem = memory_table(medians(rows), [s for s in servers if not s.startswith("engine")])
+    if mem:
+        md += f"\nResident memory after each server's runs / its peak since start (MiB, /proc VmRSS / VmHWM):\n\n{mem}\n"
     print(md)
     if a.out:
         a.out.mkdir(parents=True, exist_ok=True)

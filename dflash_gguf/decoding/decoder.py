@@ -106,6 +106,11 @@ class DFlashDecoder(Prompts, Scheduling):
         self.n_draft = 0
         self.n_seq = target.n_seq
         self.n_ctx = target.n_ctx          # positions per sequence
+        # KV cells every sequence shares (ContextOptions.shared: one cache of n_ctx cells; requests are admitted
+        # and, when it runs out, give way by cells: scheduling), None where each sequence has n_ctx of its own
+        self.n_cells = target.n_cells if getattr(target.opts, "shared", False) and self.n_seq > 1 else None
+        self._admitted = 0                 # requests admitted so far (Slot.order)
+        self.preempted = 0                 # ... and how often one gave its cells back to resume later
         self.tap_rows = target.n_ubatch
         # recurrent state (hybrid and recurrent targets): llama.cpp splits a batch of several sequences into
         # ubatches of equal rows per sequence, so every sequence's block of a batched verify is padded to
@@ -224,6 +229,16 @@ class DFlashDecoder(Prompts, Scheduling):
             if s.features is not None:
                 s.features.clear()
             s.cache = []
+
+    def rebind(self) -> None:
+        """Set the target context's taps as this decoder reads them again, after another decoder with other
+        settings (a Llama's own, of one sequence) used the same context (the server's shared slots)."""
+        if self.drafter is None:
+            return
+        cinfo = B.ffi.new("struct llama_dflash_drafter_info *")
+        B.check(B.lib.llama_dflash_prepare(self.target.cptr, self.drafter.cptr, cinfo), "pairing the drafter again")
+        B.check(B.lib.llama_dflash_set_taps_direct(self.target.cptr, True), "reading taps from the target's graph")
+        B.check(B.lib.llama_dflash_set_tap_rows_max(self.target.cptr, self.tap_rows), "capping the target's taps")
 
     def _reset_seq(self, s: Slot) -> None:
         self.target.clear_seq(s.slot)

@@ -4,6 +4,17 @@ The methods of :class:`dflash_gguf.decoding.decoder.DFlashDecoder` that run seve
 (one engine: they drive the same step, ``_advance`` and ``_settle``, as the one-sequence ``generate``).
 A request takes a free slot, its prompt is prefilled a chunk per step beside the running requests,
 and each step drafts and verifies every running request's block in one drafter and one target decode.
+
+Shared cells (``ContextOptions.shared``: the sequences share one KV cache of ``n_cells`` cells, any of them
+may use all of it as the others leave room, as llama-server's ``-np`` slots do): a request is admitted when
+the cache has room for its prompt and a block beside what the running ones hold (:meth:`Scheduling.room_for`;
+idle slots' kept prefixes give way first), and before every step the running requests' blocks and the next
+prompt chunk must fit (``_make_room``). When they do not, the most recently admitted request gives its cells
+back and resumes later: its prompt and every token it committed are prefilled again and its next step
+goes on from its pending token, with its sampler, grammar, stop-string and logprobs state untouched - so
+its tokens are the ones it gets alone (greedy and seeded sampling are position-keyed; nothing is drawn
+twice), and its consumer sees one uninterrupted stream. A request alone is never preempted: it may use
+every cell, as alone it always could.
 """
 from __future__ import annotations
 
@@ -43,6 +54,25 @@ class Scheduling:
         """Requests admitted and not yet ended."""
         return len(self._active) + len(self._ended) + len(self._filling)
 
+    def room_for(self, n_prompt: int) -> bool:
+        """Whether a request with an ``n_prompt``-token prompt may start now: always with cells of its own per
+        sequence, or with nothing running; with shared cells, when its prompt and a block fit beside what the
+        running requests hold and will hold (their prompts, a block each), and no request waits to resume."""
+        if self.n_cells is None or not self.running:
+            return True
+        if any(s.order < 0 for s in self._filling):    # a preempted request resumes first
+            return False
+        block = max(self.n_draft, self.n_copy) + 1
+        held = sum(max(len(s.cache) + len(s.head), len(s.prompt)) + block for s in self._running_slots())
+        return held + n_prompt + block <= self.n_cells
+
+    def cells_used(self) -> int:
+        """KV cells the slots' tokens hold now (kept prefixes of idle slots included)."""
+        return sum(len(s.cache) for s in self.seqs)
+
+    def _running_slots(self) -> list:
+        return self._active + list(self._filling)
+
     def admit(self, r: Request, index: int = -1, slot: int | None = None) -> bool:
         """Start request ``r`` on a free slot - the one whose caches share the longest prefix with its
         prompt, or ``slot``; False when every slot is taken (or ``slot`` is). Its prompt is prefilled by the following steps, one
@@ -68,6 +98,8 @@ class Scheduling:
             self._free.append(s)
             raise
         s.consumer, s.request = r.consumer, r
+        self._admitted += 1
+        s.order = self._admitted
         if s.todo is not None and s.max_tokens > 0:
             self._filling.append(s)
         elif self._finished(s, None):
@@ -100,7 +132,8 @@ class Scheduling:
         out = [(s.index, [], True) for s in self._ended]
         self._free.extend(self._ended)
         self._ended = []
-        if self._filling:
+        fill = self._make_room() if self.n_cells is not None else True
+        if self._filling and fill:
             s = self._filling[0]
             try:
                 # alone, the whole prompt at once; beside running requests a chunk (their next token waits
@@ -160,6 +193,67 @@ class Scheduling:
                 self._active.append(s)
             out.append((s.index, st.commit[:k], ended))
         return out
+
+    # ------------------------------------------------------------------ shared cells
+    def _make_room(self) -> bool:
+        """Shared cells: free what this step needs - idle slots' kept prefixes first, then the cells of the most
+        recently admitted requests (:meth:`_preempt`) - until the running requests' blocks fit; True when the
+        next prompt chunk fits too (else it waits a step). A request alone goes on whatever it needs: alone it
+        never holds more than the cache (its positions are bounded by ``n_ctx``)."""
+        block = max(self.n_draft, self.n_copy) + 1
+
+        def need() -> int:
+            return (sum(len(s.cache) + len(s.head) + block for s in self._active)
+                    + sum(len(s.cache) for s in self._filling) + sum(len(s.cache) for s in self._free))
+
+        while need() > self.n_cells:
+            idle = [s for s in self._free if s.cache]
+            holders = [s for s in self._running_slots() if s.cache or s.head is not None and len(s.head)]
+            if idle:
+                for s in idle:
+                    self._reset_seq(s)
+            elif len(holders) > 1:
+                self._preempt(max(holders, key=lambda q: abs(q.order)))
+            else:
+                break
+        if not self._filling:
+            return True
+        f = self._filling[0]
+        whole = not self._active
+        # its next chunk, or all of it with the tail its first step decodes, and that step's block
+        chunk = len(f.todo) if (whole or len(f.todo) <= self.PREFILL_CHUNK + self.tap_rows) else self.PREFILL_CHUNK
+        while need() + chunk + block > self.n_cells:
+            idle = [s for s in self._free if s.cache]
+            others = [s for s in self._running_slots() if s is not f and s.cache and abs(s.order) > abs(f.order)]
+            if idle:
+                for s in idle:
+                    self._reset_seq(s)
+            elif others:
+                self._preempt(max(others, key=lambda q: abs(q.order)))
+            elif self._active:
+                return False           # it waits for room; the running requests go on
+            else:
+                return True            # alone (or the others hold nothing): as it always could
+        return True
+
+    def _preempt(self, s) -> None:
+        """The request on ``s`` gives its cells back and waits to resume: everything it holds (its prompt and
+        the tokens it committed) is prefilled again, then its next step goes on from its pending token."""
+        if s in self._active:
+            self._active.remove(s)
+            tokens = list(s.cache) + [int(t) for t in s.head] + [int(s.pending)]
+        else:
+            self._filling.remove(s)
+            tokens = list(s.prompt)
+        if s.logits_sink is not None:    # rows it already handed over are not handed over again
+            s.sink_from = max(s.sink_from, len(s.cache))
+        log.debug("request %d gives back %d cells (the shared cache is full); it resumes later", s.index, len(s.cache))
+        self._reset_seq(s)
+        s.prompt, s.todo, s.head = tokens, np.asarray(tokens[:-1], dtype=np.int32), np.zeros(0, dtype=np.int32)
+        s.order = -abs(s.order)           # waiting to resume (room_for: before new requests)
+        self.preempted += 1
+        self._filling.append(s)
+        self._filling = type(self._filling)(sorted(self._filling, key=lambda q: abs(q.order)))
 
     def abandon(self) -> None:
         """End every running request where it is (both caches keep what was kept)."""

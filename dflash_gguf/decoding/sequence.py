@@ -105,3 +105,4 @@ class Slot:
     request: Request | None = None
     t_start: float = 0.0
     done: bool = True
+    order: int = 0                    # when its request was admitted (shared cells: the latest gives way first)

@@ -22,10 +22,14 @@ Endpoints
         status, tokens, DFlash steps/drafted/accepted, mean acceptance length, tokens/s, fallbacks,
         client disconnects.
 
-Concurrency: one model and one llama.cpp context per server. Generation requests are served one
-at a time in arrival order (an asyncio lock, held for the whole request including every chunk of
-a stream); llama.cpp runs on one dedicated worker thread, so /health, /metrics and /v1/models
-answer while a generation runs. A client that disconnects, streaming or not, stops its generation at
+Concurrency: one model and one llama.cpp context per server. With slots (``parallel``; the command line's
+default, 4 as llama-server's ``-np -1``) completions and chats are decoded together in the batched engine
+(:mod:`dflash_gguf.server.slots`), which borrows the model's own context as one KV cache of ``n_ctx`` cells
+shared by the slots - no second copy of the target's state. Requests the slots do not serve, and every
+request without slots, are served one at a time in arrival order (an asyncio lock, held for the whole
+request including every chunk of a stream) with the cache to themselves (the slots finish what runs first:
+llama_cpp's own path removes positions of every sequence); llama.cpp runs on one dedicated worker thread, so
+/health, /metrics and /v1/models answer while a generation runs. A client that disconnects, streaming or not, stops its generation at
 the next token (``Llama.interrupt``); the DFlash engine rolls both caches back and the next request
 is served normally.
 
@@ -119,6 +123,7 @@ class _Server:
         self.metrics = Metrics()
         self.waiting = 0
         self.slots = None          # --parallel N: the batched engine (dflash_gguf.server.slots.Slots)
+        self._lend = None          # ... its cache, while a request on llama_cpp's own path holds the lock
         self.eog: list[int] | None = None   # the model's end-of-generation ids, once a request needs them
         self.embedder = None       # /v1/embeddings: a context of its own, made at the first request (extras)
 
@@ -149,12 +154,20 @@ class _Server:
                             {"x-should-retry": "false"})
 
     async def acquire(self, deadline: float | None = None) -> None:
+        """The model to this request: the lock, and where the slots share the model's context, the cache
+        (the slots finish what runs first: :meth:`Slots.lend`)."""
         self.waiting += 1
         try:
             if deadline is None:
                 await self.lock.acquire()
             else:
                 await asyncio.wait_for(self.lock.acquire(), max(0.0, deadline - time.monotonic()))
+            if self.slots is not None:
+                try:
+                    self._lend = await self.slots.lend(deadline)
+                except BaseException:
+                    self.lock.release()
+                    raise
         except asyncio.TimeoutError:
             raise self.timed_out() from None
         finally:
@@ -200,6 +213,9 @@ class _Server:
             except Exception:
                 log.exception("closing a generation failed")
             finally:
+                lend, self._lend = self._lend, None
+                if lend is not None:
+                    lend.back.set()     # the slots have the cache again
                 loop.call_soon_threadsafe(self.lock.release)
 
         self.worker.submit(job)
@@ -334,6 +350,7 @@ def shaped(request: Request, resp: JSONResponse) -> JSONResponse:
     return anthropic_error(resp) if request.url.path.startswith("/v1/messages") else resp
 
 
+AUTO_SLOTS = 4     # --parallel -1 (the default): llama-server's automatic slot count, one KV cache of -c cells
 OPEN_PATHS = frozenset({"/health"})     # answered without an API key (load balancers, probes)
 
 
@@ -353,15 +370,22 @@ def create_app(llm, model_id: str | None = None, *, max_queue: int | None = None
     otherwise, with an OpenAI-style error); None or empty: no key.
     ``parallel``: sequences decoded together (:mod:`dflash_gguf.server.slots`; needs a
     :class:`dflash_gguf.Llama`): requests the batched engine serves run there, N per step, the rest
-    (tools, logprobs, echo) on ``llm`` one at a time. None: every
-    request on ``llm``, one at a time.
+    (an echoed prompt's logprobs, chat formats without a known formatter) on ``llm`` one at a time with the
+    cache to themselves. -1: ``AUTO_SLOTS`` (4), llama-server's ``-np -1`` and the command line's default.
+    The slots borrow ``llm``'s own context, made again as one unified KV cache of its ``n_ctx`` cells for N
+    sequences (:meth:`dflash_gguf.Llama.serve_sequences`; so ``n_ctx`` is what all slots share, as
+    llama-server's ``-c``); a Llama that cannot share gets slot contexts of their own (N x n_ctx cells).
+    None or 0 (the default here: the caller's Llama is left as it was made): every request on ``llm``,
+    one at a time.
     With a plain ``llama_cpp.Llama`` a timed-out or abandoned generation runs to its end unseen.
     """
     from pathlib import Path
 
     model_id = model_id or Path(llm.model_path).stem
     srv = _Server(llm, model_id, max_queue=max_queue, request_timeout=request_timeout)
-    if parallel is not None:
+    if parallel == -1:
+        parallel = AUTO_SLOTS
+    if parallel:
         if not hasattr(llm, "dflash_info"):
             raise ValueError("parallel slots need a dflash_gguf.Llama")
         from dflash_gguf.server.slots import Slots

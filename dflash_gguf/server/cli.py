@@ -18,8 +18,8 @@ def parser(prog: str = "python -m dflash_gguf.server") -> argparse.ArgumentParse
     ap = argparse.ArgumentParser(
         prog=prog, formatter_class=argparse.RawDescriptionHelpFormatter,
         description="OpenAI-compatible server (/v1/completions, /v1/chat/completions, /v1/models, /health, "
-                    "/metrics) with lossless DFlash speculative decoding. One model; requests are served one "
-                    "at a time in arrival order, or with -np N up to N together in one batched engine.",
+                    "/metrics) with lossless DFlash speculative decoding. One model; requests are decoded together, "
+                    "up to -np (default 4) per step in one batched engine sharing one KV cache of -c cells.",
         epilog="example:\n  python -m dflash_gguf.server --pair qwen3-8b-dflash --port 8000\n"
                "  curl localhost:8000/v1/chat/completions -H 'content-type: application/json' \\\n"
                "       -d '{\"messages\": [{\"role\": \"user\", \"content\": \"hi\"}], "
@@ -40,12 +40,14 @@ def parser(prog: str = "python -m dflash_gguf.server") -> argparse.ArgumentParse
                    help=f"require 'Authorization: Bearer KEY' on every request but /health (401 otherwise); "
                         f"also from the environment variable {API_KEY_ENV}, which keeps it out of process "
                         f"listings (default: no key)")
-    g.add_argument("-np", "--parallel", type=int, default=None, metavar="N",
-                   help="requests decoded together, up to N sequences per step in one batched engine (llama.cpp's "
-                        "flag). Its contexts come beside the model's own: N x the KV cache and the drafter window; "
-                        "requests the slots do not serve (an echoed prompt's logprobs, a chat format without a "
-                        "known formatter) still run one at a time on the model's own context (default: off, "
-                        "every request one at a time; README: why)")
+    g.add_argument("-np", "--parallel", type=int, default=-1, metavar="N",
+                   help="server slots: requests decoded together, up to N sequences per step in one batched engine "
+                        "(llama.cpp's flag). They share the model's own context: one KV cache of -c cells, any "
+                        "request up to all of it as the others leave room (memory is what one context costs); a "
+                        "request waits for room, and one that would overflow it gives its cells back and resumes "
+                        "unseen. Requests the slots do not serve (an echoed prompt's logprobs, a chat format "
+                        "without a known formatter) run one at a time with the cache to themselves (default: -1, "
+                        "auto: 4 slots, as llama-server; 0: no slots, every request one at a time)")
     g.add_argument("--logits-all", action="store_true",
                    help="keep every position's logits, as llama_cpp's logits_all: completions' logprobs and chats' "
                         "top_logprobs then work (with DFlash), at n_ctx x vocabulary x 4 bytes of memory "
@@ -82,6 +84,11 @@ def build(args: argparse.Namespace):
     if not api_key and not loopback(args.host):
         log.warning("serving on %s without an API key: anyone who can reach port %d can use the model "
                     "(--api-key KEY or %s)", args.host, args.port, API_KEY_ENV)
+    from dflash_gguf.server.app import AUTO_SLOTS
+
+    # the slots' sequences in the model's own context from the start (one KV cache of -c cells), so that the
+    # engine on it opens once
+    args.n_seq_max = AUTO_SLOTS if args.parallel == -1 else max(args.parallel, 1)
     llm = load_llama(args)
     return create_app(llm, args.model_alias, max_queue=args.max_queue, request_timeout=args.request_timeout,
                       parallel=args.parallel, api_key=api_key), llm

@@ -98,6 +98,10 @@ class Metrics:
             metric("slots", "gauge", "--parallel: sequences the batched engine runs per step at most", sl["total"])
             metric("slots_busy", "gauge", "--parallel: slots with a running request", sl["busy"])
             metric("slots_waiting", "gauge", "--parallel: requests waiting for a slot", sl["waiting"])
+            metric("kv_cells", "gauge", "--parallel: KV cells of the slots' cache", sl["cells"])
+            metric("kv_cells_used", "gauge", "--parallel: KV cells the slots' tokens hold", sl["cells_used"])
+            metric("slots_preempted_total", "counter", "--parallel: requests that gave their cells back to resume "
+                   "later (the shared cache was full)", sl["preempted"])
             metric("batch_steps_total", "counter", "--parallel: steps of the batched engine", sl["steps"])
             metric("batch_sequences_total", "counter", "--parallel: sequences summed over those steps "
                    "(over batch_steps_total: the mean batch size)", sl["sequences"])

@@ -1,16 +1,29 @@
-"""``--parallel N``: requests decoded together, N sequences per step, in one batched engine.
+"""``--parallel N`` (default: 4, as llama-server's ``-np -1``): requests decoded together in one batched engine.
 
 Beside the server's :class:`dflash_gguf.Llama` (which keeps serving what the batched engine does not:
-tools, logprobs of an echoed prompt, chat formats without a known formatter),
-:class:`Slots` runs a :class:`dflash_gguf.decoding.DFlashDecoder` of N sequences on the same models (its own
-target context of N x n_ctx positions and drafter context of N windows) in one thread. Each step drafts
-every running request's block in one drafter decode and verifies them all in one target decode; a
-waiting request takes a slot as soon as one is free, first come first served. Every response is what
-the request gives alone (greedy: token for token; sampled: the same distribution).
+logprobs of an echoed prompt, chat formats without a known formatter, a chat handler of its own),
+:class:`Slots` runs a :class:`dflash_gguf.decoding.DFlashDecoder` of N sequences on the same models in one
+thread. Each step drafts every running request's block in one drafter decode and verifies them all in one
+target decode; a waiting request starts, first come first served, when a slot is free and the KV cache has
+room for it. Every response is what the request gives alone (greedy: token for token; seeded sampling: the
+same tokens; unseeded: the same distribution).
+
+One copy of the target's state. The slots borrow the Llama's own context (:meth:`dflash_gguf.Llama.serve_sequences`
+makes it one unified KV cache of ``n_ctx`` cells for N sequences), as llama-server's slots share one cache of
+``-c`` cells: memory is what one context costs, not N + 1 contexts, and a request may use every position of
+``-c`` when the others leave room. Cells, not slots, are what runs out: admission waits for room, and a
+request that would overflow the cache mid-generation gives its cells back and resumes where it was
+(:mod:`dflash_gguf.decoding.scheduling`), losslessly and unseen by its client. A request on llama_cpp's own
+path runs with the cache to itself (:meth:`Slots.lend`): llama_cpp removes positions of every sequence
+(``kv_cache_seq_rm(-1, ...)``) and keeps its own prefix bookkeeping, so the slots finish what runs (new
+requests wait), the Llama's views are reset, it runs, and the slots start again from an empty cache.
+A Llama that cannot share its context (llama_cpp's own class, embeddings, a LoRA adapter) gets the former
+layout: a context of the slots' own of N x n_ctx cells beside it.
 """
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import json
 import logging
 import queue
@@ -18,13 +31,14 @@ import threading
 import time
 import uuid
 from collections import deque
+from dataclasses import replace
 from typing import Any
 
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from dflash_gguf.constraints import request_constraints, tool_call_grammar
 from dflash_gguf.server.responses import POLL_S, error_body, error_response
-from dflash_gguf.engine import ContextOptions, Model
+from dflash_gguf.engine import Context, ContextOptions, Model
 from dflash_gguf.runtime import Runtime
 from dflash_gguf.logprobs import Collector, CompletionLogprobs
 from dflash_gguf.requests.defaults import sampling
@@ -113,7 +127,17 @@ class Slots:
         # drafting as the Llama's (a hybrid target's rollback chosen for n sequences under the same cap)
         draft = llm.draft_settings() if hasattr(llm, "draft_settings") else None
         self.model = Model.borrow(llm._model.model, llm.model_path)
-        self.runtime = Runtime.open(self.model, getattr(llm, "_draft_model", None), opts, draft)
+        share = getattr(llm, "serve_sequences", None)
+        self.shared = bool(share is not None and share(n))
+        if self.shared:   # the Llama's own context: one KV cache of n_ctx cells, every sequence may use all
+            opts = replace(opts, shared=True, n_rs_seq=int(llm.context_params.n_rs_seq))
+            target = Context.borrow(self.model, llm._ctx.ctx, opts)
+            self.runtime = Runtime(target, getattr(llm, "_draft_model", None), draft)
+        else:
+            self.runtime = Runtime.open(self.model, getattr(llm, "_draft_model", None), opts, draft)
+        self._lends: deque[_Lend] = deque()    # llama_cpp-path requests waiting for the cache (engine thread)
+        self._lent: _Lend | None = None
+        self.lent = 0                           # times the cache went to the Llama
         self.target, self.drafter, self.decoder = self.runtime.target, self.runtime.drafter, self.runtime.decoder
         self._jobs: queue.SimpleQueue = queue.SimpleQueue()
         self.waiting: deque[Job] = deque()     # admitted to the server, not yet to a slot (engine thread)
@@ -124,7 +148,9 @@ class Slots:
         self.sequences = 0                      # ... and the sequences in them (mean batch: sequences / steps)
         self._thread = threading.Thread(target=self._loop, name="dflash-slots", daemon=True)
         self._thread.start()
-        log.info("--parallel %d: %d sequences of %d positions per step%s", n, n, self.target.n_ctx,
+        log.info("--parallel %d: up to %d sequences per step, %s%s", n, n,
+                 f"one KV cache of {self.target.n_cells} cells shared with the model's own context" if self.shared
+                 else f"{self.target.n_ctx} positions each",
                  "" if self.drafter is None else f", drafting up to {self.decoder.n_draft} tokens each")
 
     # ------------------------------------------------------------------ the event loop's side
@@ -140,10 +166,38 @@ class Slots:
     def busy(self) -> int:
         return len(self._running)
 
+    async def lend(self, deadline: float | None = None) -> "_Lend | None":
+        """Wait until the slots' requests have finished and the cache is the Llama's (new slot requests wait
+        meanwhile); None where the slots have contexts of their own. Give it back with :meth:`give_back`."""
+        if not self.shared:
+            return None
+        lend = _Lend()
+        self._jobs.put(lend)
+        try:
+            fut = asyncio.wrap_future(lend.future)
+            if deadline is None:
+                await fut
+            else:
+                await asyncio.wait_for(fut, max(0.0, deadline - time.monotonic()))
+        except BaseException:
+            self.give_back(lend)
+            raise
+        return lend
+
+    @staticmethod
+    def give_back(lend: "_Lend | None") -> None:
+        """The Llama is done with the cache (:meth:`lend`): the slots go on."""
+        if lend is not None:
+            lend.back.set()
+
     def figures(self) -> dict:
         return {"total": self.n, "busy": self.busy(), "waiting": self.n_waiting, "steps": self.steps,
                 "sequences": self.sequences,
-                "mean_batch": round(self.sequences / self.steps, 3) if self.steps else None}
+                "mean_batch": round(self.sequences / self.steps, 3) if self.steps else None,
+                # the KV cache: cells in all (shared: the model's own context's), those held now, requests that
+                # gave theirs back to resume later, times the cache went to a request on llama_cpp's own path
+                "shared": self.shared, "cells": self.target.n_cells, "cells_used": self.decoder.cells_used(),
+                "preempted": self.decoder.preempted, "lent": self.lent}
 
     # ------------------------------------------------------------------ the engine thread
     def _loop(self) -> None:
@@ -161,18 +215,25 @@ class Slots:
     def _turn(self) -> bool:
         """Admit what waits, run one step, hand its tokens out; False once the server shuts down."""
         dec = self.decoder
-        block = not dec.running and not self.waiting
+        block = not dec.running and not self.waiting and not self._lends
         try:
             job = self._jobs.get(block=block)
             while True:
                 if job is None:
                     self._fail_all(RuntimeError("the server is shutting down"))
                     return False
-                self.waiting.append(job)
+                if isinstance(job, _Lend):
+                    self._lends.append(job)
+                else:
+                    self.waiting.append(job)
                 job = self._jobs.get_nowait()
         except queue.Empty:
             pass
-        while self.waiting and dec.free_slots:
+        if self._lends and not dec.running:
+            self._lend_now(self._lends.popleft())
+            return True
+        # a request starts when a slot is free and the cache has room for it (shared cells: scheduling)
+        while self.waiting and dec.free_slots and not self._lends and dec.room_for(len(self.waiting[0].request.prompt)):
             job = self.waiting.popleft()
             job.loop.call_soon_threadsafe(self._left_queue)
             if job.cancelled:
@@ -209,6 +270,30 @@ class Slots:
                 log.exception("handing request %d its tokens failed", idx)
                 self._fail(j, e)
         return True
+
+    def _lend_now(self, lend: "_Lend") -> None:
+        """The cache goes to the Llama until it gives it back (this thread waits): its views of the context are
+        reset (its decoder's taps set as it reads them), and afterwards the slots' (they start empty)."""
+        if not lend.future.set_running_or_notify_cancel():
+            return                      # its request went away while it waited
+        self._lent = lend
+        try:
+            self.target.clear()
+            own = getattr(self.llm, "_decoder", None)
+            if own is not None:
+                own.rebind()
+                own.reset()
+            self.llm.n_tokens = 0       # llama_cpp's prefix bookkeeping: nothing of its is in the cache now
+        except BaseException as e:
+            lend.future.set_exception(e)
+            self._lent = None
+            return
+        self.lent += 1
+        lend.future.set_result(None)
+        lend.back.wait()
+        self._lent = None
+        self.decoder.rebind()
+        self.decoder.reset()
 
     def _deliver(self, j: Job, toks: list[int], ended: bool) -> None:
         """Give ``j`` what a step kept of it (``ended``: its slot is free again)."""
@@ -254,10 +339,21 @@ class Slots:
     def close(self) -> None:
         t = getattr(self, "_thread", None)
         if t is not None and t.is_alive():
+            lent = self._lent
+            if lent is not None:
+                lent.back.set()
             self._jobs.put(None)
             t.join(timeout=30)
         if getattr(self, "runtime", None) is not None:
             self.runtime.close()
+
+
+class _Lend:
+    """A llama_cpp-path request's claim on the shared cache (:meth:`Slots.lend`)."""
+
+    def __init__(self):
+        self.future: concurrent.futures.Future = concurrent.futures.Future()
+        self.back = threading.Event()
 
 
 # ---------------------------------------------------------------------- a request's job
