@@ -75,7 +75,7 @@ cross-kleidiai: venv
 
 # a qemu-aarch64 >= 10.1 (emulates SME2) fetched once into the cache, beside the system's qemu-user-static
 qemu-sme2: venv
-	$(VPY) -m dflash_gguf.build_cross --fetch-qemu-sme2
+	$(VPY) -m dflash_gguf.build.cross --fetch-qemu-sme2
 
 demo: build
 	$(VPY) -m dflash_gguf.demo

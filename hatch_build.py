@@ -1,8 +1,8 @@
 """Wheel build hook: ``pip install .`` (or of an sdist) builds the patched llama.cpp into the wheel.
 
-The wheel carries its own llama-cpp-python copy as ``dflash_gguf._llama_cpp`` (:mod:`dflash_gguf.bundle`
+The wheel carries its own llama-cpp-python copy as ``dflash_gguf._llama_cpp`` (:mod:`dflash_gguf.build.bundle`
 says why and how), so one install command leaves a working engine beside whatever ``llama_cpp`` the
-environment already has. The build itself is :mod:`dflash_gguf.build`'s, cached in
+environment already has. The build itself is :mod:`dflash_gguf.build.native`'s, cached in
 ``~/.cache/dflash-gguf`` (``DFLASH_GGUF_CACHE``): a reinstall of the same patch series takes seconds.
 
 pip shows a build backend's output only with ``-v``; the build's progress lines also go to the terminal
@@ -39,11 +39,12 @@ class NativeBundleHook(BuildHookInterface):
             return
         sys.path.insert(0, self.root)
         try:
-            from dflash_gguf import build, bundle
+            from dflash_gguf.build import native as build
+            from dflash_gguf.build import bundle
         finally:
             sys.path.remove(self.root)
         handler = _progress_handler()
-        for name in ("dflash_gguf.build", "dflash_gguf.bundle"):
+        for name in ("dflash_gguf.build.native", "dflash_gguf.build.bundle"):
             lg = logging.getLogger(name)
             lg.addHandler(handler)
             lg.setLevel(logging.INFO)

@@ -49,8 +49,8 @@ def tau(profile: list[float]) -> float:
 
 
 def child(args) -> dict:
-    from dflash_gguf import _bindings as B
-    from dflash_gguf.engine import Context, ContextOptions, Model
+    from dflash_gguf.native import _bindings as B
+    from dflash_gguf.native.engine import Context, ContextOptions, Model
     from dflash_gguf.decoding import DFlashDecoder
 
     opts = ContextOptions(n_ctx=512, n_batch=128, n_ubatch=128, n_threads=args.threads)

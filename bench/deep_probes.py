@@ -22,7 +22,7 @@ from pathlib import Path
 from dflash_gguf.convert.quantize import quantize_file
 from dflash_gguf.decoding import GenerationStats, SpecOptions
 from dflash_gguf.demo import DEFAULT_PROMPT, demo_pair
-from dflash_gguf.engine import ContextOptions
+from dflash_gguf.native.engine import ContextOptions
 from dflash_gguf.decoding.gate import DraftLength
 from dflash_gguf.pair import open_pair
 

@@ -11,8 +11,8 @@ import argparse
 import logging
 
 from dflash_gguf.bench.scale import headline
-from dflash_gguf.engine import Context, ContextOptions, Model
-from dflash_gguf.logs import set_log_handler
+from dflash_gguf.native.engine import Context, ContextOptions, Model
+from dflash_gguf.native.logs import set_log_handler
 
 
 class _Sizes(logging.Handler):

@@ -41,7 +41,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from dflash_gguf import build, paths  # noqa: E402
+from dflash_gguf import paths  # noqa: E402
+from dflash_gguf.build import native as build  # noqa: E402
 
 log = logging.getLogger("gpu_pack")
 

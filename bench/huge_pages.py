@@ -17,8 +17,8 @@ import time
 
 import numpy as np
 
-from dflash_gguf.engine import Context, ContextOptions, Model
-from dflash_gguf.logs import set_log_handler
+from dflash_gguf.native.engine import Context, ContextOptions, Model
+from dflash_gguf.native.logs import set_log_handler
 
 PROMPT = b"def merge_sorted(a, b):\n    out = []\n    i = j = 0\n"
 

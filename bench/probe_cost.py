@@ -22,7 +22,7 @@ import numpy as np
 
 from dflash_gguf.decoding import SpecOptions
 from dflash_gguf.demo import DEFAULT_PROMPT, demo_pair
-from dflash_gguf.engine import ContextOptions
+from dflash_gguf.native.engine import ContextOptions
 from dflash_gguf.pair import open_pair
 
 

@@ -15,7 +15,7 @@ import time
 
 import numpy as np
 
-from dflash_gguf.engine import Context, ContextOptions, Model
+from dflash_gguf.native.engine import Context, ContextOptions, Model
 
 PROMPT = b"def merge_sorted(a, b):\n    out = []\n    i = j = 0\n"
 

@@ -20,12 +20,12 @@ _LAZY = {
     "DFlashDecoder": "dflash_gguf.decoding",
     "GenerationStats": "dflash_gguf.decoding",
     "SpecOptions": "dflash_gguf.decoding",
-    "SamplingParams": "dflash_gguf.sampling",
-    "Model": "dflash_gguf.engine",
-    "Context": "dflash_gguf.engine",
-    "ContextOptions": "dflash_gguf.engine",
-    "set_log_handler": "dflash_gguf.logs",
-    "StopOnTokens": "dflash_gguf.stopping",
+    "SamplingParams": "dflash_gguf.decoding.sampling",
+    "Model": "dflash_gguf.native.engine",
+    "Context": "dflash_gguf.native.engine",
+    "ContextOptions": "dflash_gguf.native.engine",
+    "set_log_handler": "dflash_gguf.native.logs",
+    "StopOnTokens": "dflash_gguf.requests.stopping",
 }
 
 __all__ = sorted(_LAZY) + ["__version__"]

@@ -33,24 +33,24 @@ from dflash_gguf.native.llama import llama_cpp
 from dflash_gguf.native.llama import _internals as internals
 from dflash_gguf.native.llama import llama_chat_format
 
-from dflash_gguf.calls import CallState, Request, check_grammar, check_template_kwargs, extended_signature as _signature
-from dflash_gguf.constraints import Constraints, request_constraints
+from dflash_gguf.requests.calls import CallState, Request, check_grammar, check_template_kwargs, extended_signature as _signature
+from dflash_gguf.decoding.constraints import Constraints, request_constraints
 from dflash_gguf.constructors import PairConstructors
-from dflash_gguf.engine import Context, ContextOptions, DrafterInfo, Model
+from dflash_gguf.native.engine import Context, ContextOptions, DrafterInfo, Model
 from dflash_gguf.pair import pair_files
 from dflash_gguf.errors import BusyError, ModelFileError, ModelNotFoundError
-from dflash_gguf.gguf_check import check_gguf
-from dflash_gguf.memory import LOW_MEMORY_DRAFT_CACHE, low_memory_settings
+from dflash_gguf.native.gguf_check import check_gguf
+from dflash_gguf.native.memory import LOW_MEMORY_DRAFT_CACHE, low_memory_settings
 from dflash_gguf.requests.defaults import COMPLETION as _D
 from dflash_gguf.requests.responses import dflash_object
 from dflash_gguf.requests.served import Call, plain_reason
-from dflash_gguf.rpc import RpcTarget
-from dflash_gguf.sampling import SamplingParams
+from dflash_gguf.native.rpc import RpcTarget
+from dflash_gguf.decoding.sampling import SamplingParams
 from dflash_gguf.decoding.decoder import DFlashDecoder, common_prefix_len
 from dflash_gguf.runtime import DraftSettings, Runtime, snapshots
 from dflash_gguf.decoding.ngram import NgramOptions
 from dflash_gguf.decoding.stats import GenerationStats
-from dflash_gguf.stopping import stop_token_ids
+from dflash_gguf.requests.stopping import stop_token_ids
 
 log = logging.getLogger("dflash_gguf.api")
 
@@ -96,13 +96,13 @@ class Llama(PairConstructors, RpcTarget, llama_cpp.Llama):
             default llama.cpp keeps one snapshot of the recurrent state per drafted token (fastest);
             when those copies exceed the cap, one host checkpoint with a replay of the committed
             rows is used instead; a cap below one copy is an error.
-        low_memory: the low-memory preset (``dflash_gguf.memory.LOW_MEMORY``, README "Memory"): weights read
+        low_memory: the low-memory preset (``dflash_gguf.native.memory.LOW_MEMORY``, README "Memory"): weights read
             into memory rather than mapped (with llama.cpp's repacked CPU weights a mapped file is
             resident twice), smaller batches, flash attention, a Q8_0 KV cache, a 512-cell drafter
             cache (drafter window 512 - block).
             Arguments given explicitly win over the preset.
         rpc_servers, draft_rpc_servers: ``["host:port", ...]`` of llama.cpp ``rpc-server`` processes for the
-            target's layers (with ``tensor_split``), or the drafter's (default: local); see dflash_gguf.rpc.
+            target's layers (with ``tensor_split``), or the drafter's (default: local); see dflash_gguf.native.rpc.
         n_seq_max: sequences the context holds in one unified KV cache of ``n_ctx`` cells (default 1): the
             server's slots borrow it (:meth:`serve_sequences`, which also remakes a context made with 1).
         prompt_lookup: also draft by prompt lookup (dflash_gguf.decoding.ngram): copy up to

@@ -23,14 +23,14 @@ import os
 from dataclasses import dataclass, field
 from typing import Sequence
 
-from dflash_gguf.engine import ContextOptions, Model
+from dflash_gguf.native.engine import ContextOptions, Model
 from dflash_gguf.errors import InvalidArgumentError
 from dflash_gguf.runtime import DraftSettings, Runtime
 from dflash_gguf.requests.defaults import COMPLETION, GREEDY
 from dflash_gguf.requests.prompts import formatted_prompt
 from dflash_gguf.requests.responses import finish_reason
 from dflash_gguf.requests.stops import StopStrings
-from dflash_gguf.sampling import SamplingParams
+from dflash_gguf.decoding.sampling import SamplingParams
 from dflash_gguf.decoding.ngram import NgramOptions
 from dflash_gguf.decoding.sequence import Request
 from dflash_gguf.decoding.stats import GenerationStats

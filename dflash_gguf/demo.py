@@ -81,8 +81,8 @@ def main(argv=None) -> int:
             return 2
 
     try:
-        from dflash_gguf.engine import ContextOptions
-        from dflash_gguf.logs import set_log_handler
+        from dflash_gguf.native.engine import ContextOptions
+        from dflash_gguf.native.logs import set_log_handler
         from dflash_gguf.pair import open_pair
         from dflash_gguf.decoding import GenerationStats, SpecOptions
     except Exception as e:  # noqa: BLE001 - the most likely first-run failure; say what to do
@@ -211,7 +211,7 @@ def _other_drafter(name: str, path: Path, target_path: Path, ids, n: int, plain_
     """One line for another shipped drafter of the demo target: its tokens/s and acceptance length over
     half as many runs as the main comparison (the demo's time stays about the same), checked against
     plain decoding like the others."""
-    from dflash_gguf.engine import ContextOptions
+    from dflash_gguf.native.engine import ContextOptions
     from dflash_gguf.pair import open_pair
     from dflash_gguf.decoding import GenerationStats, SpecOptions
 

@@ -134,7 +134,7 @@ def resolve_n_ctx(n_ctx: int | None, target) -> int:
 def _train_ctx(path) -> int | None:
     """The model's training context from the GGUF header (None if it cannot be read)."""
     from dflash_gguf.errors import ModelFileError
-    from dflash_gguf.gguf_check import parse_gguf
+    from dflash_gguf.native.gguf_check import parse_gguf
 
     try:
         h = parse_gguf(path, light=True)   # the header only: no vocabulary as Python objects
@@ -245,7 +245,7 @@ def rpc_kwargs(args: argparse.Namespace, kw: dict) -> dict:
 
 def setup_logging(verbose: bool, level: int = logging.WARNING) -> None:
     """Python logging on stderr; llama.cpp's own log joins it (its info lines only with -v)."""
-    from dflash_gguf.logs import set_log_handler
+    from dflash_gguf.native.logs import set_log_handler
 
     logging.basicConfig(level=logging.DEBUG if verbose else level, format="%(levelname)s %(name)s: %(message)s")
     set_log_handler()

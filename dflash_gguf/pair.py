@@ -15,10 +15,10 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Sequence
 
 from dflash_gguf.errors import ManifestError
-from dflash_gguf.gguf_check import check_manifest
+from dflash_gguf.native.gguf_check import check_manifest
 
 if TYPE_CHECKING:
-    from dflash_gguf.engine import ContextOptions, Model
+    from dflash_gguf.native.engine import ContextOptions, Model
     from dflash_gguf.decoding.decoder import DFlashDecoder, SpecOptions
     from dflash_gguf.decoding.proposer import Proposer
     from dflash_gguf.decoding.stats import GenerationStats
@@ -132,7 +132,7 @@ class OpenPair:
     def __init__(self, target: str | os.PathLike, drafter: str | os.PathLike | None,
                  opts: "ContextOptions | None" = None, *, n_gpu_layers: int = 0,
                  draft_n_gpu_layers: int | None = None):
-        from dflash_gguf.engine import ContextOptions, Model
+        from dflash_gguf.native.engine import ContextOptions, Model
         from dflash_gguf.runtime import Runtime
 
         self.opts = opts or ContextOptions()

@@ -16,9 +16,9 @@ from dflash_gguf.decoding.decoder import DFlashDecoder, SpecOptions
 from dflash_gguf.decoding.ngram import NgramOptions
 from dflash_gguf.decoding.proposer import Proposer
 from dflash_gguf.decoding.rollback import choose_for_memory, recurrent_state_bytes
-from dflash_gguf.engine import Context, ContextOptions, DrafterInfo, Model, clamp_n_draft
+from dflash_gguf.native.engine import Context, ContextOptions, DrafterInfo, Model, clamp_n_draft
 from dflash_gguf.errors import InvalidArgumentError
-from dflash_gguf.memory import release_free_heap
+from dflash_gguf.native.memory import release_free_heap
 
 log = logging.getLogger("dflash_gguf.runtime")
 

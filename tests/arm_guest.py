@@ -3,7 +3,7 @@
 Prints one JSON object: the DFlash tokens, the plain tokens from the same loop (``--plain``), two
 sampled runs with one seed (``--sample-seed``), the acceptance statistics, the machine as the guest
 sees it, and ggml's own log lines about KleidiAI kernel selection and weight buffers (captured
-through :func:`dflash_gguf.logs.set_log_handler`).
+through :func:`dflash_gguf.native.logs.set_log_handler`).
 """
 from __future__ import annotations
 
@@ -52,11 +52,11 @@ def main(argv=None) -> int:
     logger.propagate = False
     logger.addHandler(grab)
     t0 = time.perf_counter()
-    from dflash_gguf.logs import set_log_handler
+    from dflash_gguf.native.logs import set_log_handler
     set_log_handler(logger)
-    from dflash_gguf.engine import Context, ContextOptions, Model
+    from dflash_gguf.native.engine import Context, ContextOptions, Model
     from dflash_gguf.decoding import DFlashDecoder, GenerationStats, SpecOptions
-    from dflash_gguf.sampling import SamplingParams
+    from dflash_gguf.decoding.sampling import SamplingParams
     t_import = time.perf_counter() - t0
 
     tm, dm = Model(a.target), Model(a.drafter)

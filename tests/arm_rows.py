@@ -32,10 +32,10 @@ def main(argv=None) -> int:
     logger.setLevel(logging.DEBUG)
     logger.propagate = False
     logger.addHandler(grab)
-    from dflash_gguf.logs import set_log_handler
+    from dflash_gguf.native.logs import set_log_handler
     set_log_handler(logger)
     import numpy as np
-    from dflash_gguf.engine import Context, ContextOptions, Model
+    from dflash_gguf.native.engine import Context, ContextOptions, Model
 
     m = Model(a.target)
     c = Context(m, ContextOptions(n_ctx=256, n_threads=a.threads))

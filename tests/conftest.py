@@ -23,7 +23,7 @@ from dflash_gguf import paths  # noqa: E402
 
 # what a pure test must not need: the patched llama.cpp (through llama_cpp and our cffi bindings) and
 # the conversion stack the tiny models are made with
-NATIVE = ("llama_cpp", "dflash_gguf._bindings", "cffi", "_cffi_backend", "torch", "transformers")
+NATIVE = ("llama_cpp", "dflash_gguf.native._bindings", "cffi", "_cffi_backend", "torch", "transformers")
 PURE_MARK = re.compile(r"^pytestmark\s*=.*\bpytest\.mark\.pure\b", re.M)
 
 
@@ -41,7 +41,7 @@ def pytest_addoption(parser):
 
 def pytest_configure(config):
     if not config.getoption("pure"):
-        from dflash_gguf.logs import set_log_handler
+        from dflash_gguf.native.logs import set_log_handler
         set_log_handler()
         return
     loaded = sorted(m for m in sys.modules if any(m == n or m.startswith(n + ".") for n in NATIVE))

@@ -70,9 +70,9 @@ def quantized_tiny_pair(models, dest: Path) -> tuple[Path, Path]:
 
 
 def _main(target: str, drafter: str, n: int, threads: int) -> None:
-    from dflash_gguf.engine import Context, ContextOptions, Model
-    from dflash_gguf.logs import set_log_handler
-    from dflash_gguf.mulmat import Ggml, default_lib_dir
+    from dflash_gguf.native.engine import Context, ContextOptions, Model
+    from dflash_gguf.native.logs import set_log_handler
+    from dflash_gguf.kernels.mulmat import Ggml, default_lib_dir
     from dflash_gguf.decoding import DFlashDecoder, GenerationStats
 
     seen: list[str] = []

@@ -34,12 +34,13 @@ SURVIVORS = Path(__file__).with_name("mutation-survivors.txt")
 MUTMUT_VERSION = "3.8.1"
 
 CI_MODULES = ["dflash_gguf/decoding/gate.py", "dflash_gguf/decoding/batch_costs.py", "dflash_gguf/requests/served.py",
-              "dflash_gguf/decoding/acceptance.py", "dflash_gguf/stopping.py", "dflash_gguf/decoding/confidence.py"]
+              "dflash_gguf/decoding/acceptance.py", "dflash_gguf/requests/stopping.py", "dflash_gguf/decoding/confidence.py"]
 CI_TESTS = ["tests/test_gate_rules.py", "tests/test_gate.py", "tests/test_gate_decoder.py", "tests/test_fallback.py",
             "tests/test_acceptance.py", "tests/test_stopping.py", "tests/test_confidence.py", "tests/test_requests.py"]
 PROFILES = {
     "ci": (CI_MODULES, CI_TESTS),
-    "full": (CI_MODULES + ["dflash_gguf/decoding/stats.py", "dflash_gguf/sampling.py", "dflash_gguf/decoding/rollback.py"],
+    "full": (CI_MODULES + ["dflash_gguf/decoding/stats.py", "dflash_gguf/decoding/sampling.py",
+                          "dflash_gguf/decoding/rollback.py"],
              CI_TESTS + ["tests/test_stats.py", "tests/test_sampling_rules.py", "tests/test_rollback_rules.py"]),
 }
 

@@ -40,14 +40,14 @@ class _Grab(logging.Handler):
 
 
 def _opts(run: dict):
-    from dflash_gguf.engine import ContextOptions
+    from dflash_gguf.native.engine import ContextOptions
     return ContextOptions(n_ctx=512, n_batch=64, n_ubatch=64, n_threads=2, n_rs_seq=run.get("n_rs_seq", 0))
 
 
 def _generate(spec: dict, run: dict, grab: _Grab) -> dict:
     from dflash_gguf.decoding import DFlashDecoder, GenerationStats, SpecOptions
-    from dflash_gguf.engine import Context, Model
-    from dflash_gguf.sampling import SamplingParams
+    from dflash_gguf.native.engine import Context, Model
+    from dflash_gguf.decoding.sampling import SamplingParams
 
     with Model(spec["target"], n_gpu_layers=run["ngl"]) as tm:
         where = {"target": grab.take()}
@@ -78,7 +78,7 @@ def _exact(ctx, prompt: list[int], k_tokens: int, top_k: int) -> list:
     """P(t1..tK) of sampling at temperature 1 within the top_k, from this context's logits."""
     import itertools
 
-    from dflash_gguf.sampling import SamplingParams, distribution
+    from dflash_gguf.decoding.sampling import SamplingParams, distribution
 
     sp = SamplingParams(temperature=1.0, top_k=top_k, top_p=1.0, min_p=0.0)
     out: dict = {}
@@ -99,8 +99,8 @@ def _exact(ctx, prompt: list[int], k_tokens: int, top_k: int) -> list:
 def _capi(spec: dict, run: dict, grab: _Grab, arrays: dict, tag: str) -> dict:
     """The C API directly: prompt argmax ids (llama_dflash_decode), taps (copied, and read straight from
     the graph with a row cap), injection of those rows and of host-kept features, draft ids."""
-    from dflash_gguf import _bindings as B
-    from dflash_gguf.engine import Context, Model
+    from dflash_gguf.native import _bindings as B
+    from dflash_gguf.native.engine import Context, Model
 
     ffi, lib = B.ffi, B.lib
     with Model(spec["target"], n_gpu_layers=run["ngl"]) as tm:
@@ -170,7 +170,7 @@ def _capi(spec: dict, run: dict, grab: _Grab, arrays: dict, tag: str) -> dict:
 
 
 def _main(spec_file: str, out_file: str) -> None:
-    from dflash_gguf.logs import set_log_handler
+    from dflash_gguf.native.logs import set_log_handler
 
     spec = json.load(open(spec_file))
     grab = _Grab()

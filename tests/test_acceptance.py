@@ -6,7 +6,7 @@ from dataclasses import replace
 import numpy as np
 import pytest
 
-from dflash_gguf.sampling import SamplingParams, TokenChooser, distribution
+from dflash_gguf.decoding.sampling import SamplingParams, TokenChooser, distribution
 from dflash_gguf.decoding.acceptance import cut_at_stop, greedy_accept, sampled_accept
 from dflash_gguf.decoding.stats import GenerationStats, acceptance_length
 

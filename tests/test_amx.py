@@ -16,7 +16,7 @@ import kernel_child
 
 from dflash_gguf import paths
 
-from dflash_gguf.amx import AMX_TYPES, cpu_has_amx_int8
+from dflash_gguf.kernels.amx import AMX_TYPES, cpu_has_amx_int8
 
 pytestmark = pytest.mark.skipif(not cpu_has_amx_int8(),
                                 reason="this CPU has no AMX-INT8 (amx_int8/amx_tile/avx512_vnni in /proc/cpuinfo)")
@@ -30,7 +30,7 @@ ROWS = "1-17,32,33,100"
 
 
 def _grid(extra: list[str]) -> list[dict]:
-    p = kernel_child.python(["-m", "dflash_gguf.amx", *extra], {"GGML_CPU_AMX": "1"}, timeout=300)
+    p = kernel_child.python(["-m", "dflash_gguf.kernels.amx", *extra], {"GGML_CPU_AMX": "1"}, timeout=300)
     if p.returncode == 3:
         pytest.fail(NO_AMX_BUFT)
     cases = [json.loads(line) for line in p.stdout.splitlines() if line.startswith("{")]

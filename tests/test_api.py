@@ -431,7 +431,7 @@ def test_memory_settings_keep_the_text(pair, oracle, settings):
     """low_memory=True (weights read, not mapped; small batches; flash attention; Q8_0 KV; a small
     drafter cache) and drafter windows: the text is plain decoding's on the same settings, and the
     drafter's context is sized as documented."""
-    from dflash_gguf.memory import LOW_MEMORY
+    from dflash_gguf.native.memory import LOW_MEMORY
     from dflash_gguf.decoding import OverrideProposer
 
     llm = Llama(str(pair.target), draft_model_path=str(pair.drafter), draft_adaptive=False, **settings, **KW)

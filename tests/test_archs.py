@@ -17,10 +17,11 @@ from pathlib import Path
 import pytest
 
 import tiny_archs
-from dflash_gguf import _bindings as B
-from dflash_gguf import gguf_check, paths
+from dflash_gguf.native import _bindings as B
+from dflash_gguf import paths
+from dflash_gguf.native import gguf_check
 from dflash_gguf.decoding import DFlashDecoder, GenerationStats, OverrideProposer, SpecOptions
-from dflash_gguf.engine import Context, ContextOptions, Model, check_compatible
+from dflash_gguf.native.engine import Context, ContextOptions, Model, check_compatible
 from dflash_gguf.errors import UnsupportedError
 from support import llama_cpp_greedy
 from test_hybrid import PATTERN, oracle

@@ -25,9 +25,10 @@ from pathlib import Path
 
 import pytest
 
-from dflash_gguf import build_cross, paths
+from dflash_gguf import paths
+from dflash_gguf.build import cross as build_cross
 from dflash_gguf.demo import demo_pair
-from dflash_gguf.engine import Context, ContextOptions, Model
+from dflash_gguf.native.engine import Context, ContextOptions, Model
 from dflash_gguf.decoding import DFlashDecoder, GenerationStats, SpecOptions
 
 pytestmark = pytest.mark.slow
@@ -80,7 +81,7 @@ def test_dflash_under_qemu_matches_x86_engine(models):
 
 # ---------------------------------------------------------------------------------------------
 # Our own Python DFlash loop on an emulated aarch64 CPython (the cross-built wheel installed with
-# pip), for the plain cross build and the KleidiAI one. See dflash_gguf/build_cross.py.
+# pip), for the plain cross build and the KleidiAI one. See dflash_gguf/build/cross.py.
 # ---------------------------------------------------------------------------------------------
 
 GUEST_SCRIPT = Path(__file__).with_name("arm_guest.py")

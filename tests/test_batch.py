@@ -14,10 +14,10 @@ from dataclasses import replace
 import numpy as np
 import pytest
 
-from dflash_gguf import _bindings as B
-from dflash_gguf.engine import Context, ContextOptions, Model
+from dflash_gguf.native import _bindings as B
+from dflash_gguf.native.engine import Context, ContextOptions, Model
 from dflash_gguf.errors import DFlashError, InvalidArgumentError
-from dflash_gguf.sampling import SamplingParams
+from dflash_gguf.decoding.sampling import SamplingParams
 from dflash_gguf.decoding import DFlashDecoder, GenerationStats, OverrideProposer, Request, SpecOptions
 from test_sampling import ALPHA, K_TOKENS, SP, chi2_pvalue, exact_distribution
 

@@ -148,7 +148,7 @@ def test_a_hybrid_target_batches_with_snapshots_or_host_checkpoints(models):
     recurrent snapshots (n_rs_seq = the tokens drafted); a rollback_memory_mb below all sequences'
     snapshots takes host checkpoints; either way each completion is llama_cpp's for the prompt alone."""
     from dflash_gguf.decoding.rollback import recurrent_state_bytes
-    from dflash_gguf.engine import Context, ContextOptions, Model
+    from dflash_gguf.native.engine import Context, ContextOptions, Model
 
     pair = models.pair("qwen35", "dflash", 8)
     plain = llama_cpp.Llama(str(pair.target), n_ctx=256, n_batch=64, n_threads=1, seed=0, verbose=False)

@@ -109,7 +109,7 @@ def test_synthetic_pair_files(small_pairs):
     t = {x.name: x for x in gguf.GGUFReader(str(d / "target.gguf")).tensors}
     assert t["token_embd.weight"].tensor_type.name == "Q6_K" and t["blk.0.ffn_up.weight"].tensor_type.name == "Q4_0"
     assert list(t["token_embd.weight"].shape) == [256, synth.VOCAB_SIZE]
-    from dflash_gguf.engine import Model, check_compatible
+    from dflash_gguf.native.engine import Model, check_compatible
 
     with Model(d / "target.gguf") as tm, Model(d / "drafter.gguf") as dm:
         check_compatible(tm, dm)                                             # llama.cpp accepts the pair
@@ -119,7 +119,7 @@ def test_synthetic_pair_files(small_pairs):
 
 @pytest.mark.parametrize("wtype", synth.TYPES)
 def test_replayed_run_is_lossless_and_hits_the_profile(small_pairs, wtype):
-    from dflash_gguf.engine import Context, ContextOptions, Model
+    from dflash_gguf.native.engine import Context, ContextOptions, Model
     from dflash_gguf.decoding import DFlashDecoder, GenerationStats, OverrideProposer, SpecOptions
 
     d = small_pairs[wtype]

@@ -17,9 +17,9 @@ import llama_cpp.llama_cpp as C
 import numpy as np
 import pytest
 
-from dflash_gguf import _bindings as B
+from dflash_gguf.native import _bindings as B
 from dflash_gguf import paths
-from dflash_gguf.engine import Context, ContextOptions, Model
+from dflash_gguf.native.engine import Context, ContextOptions, Model
 from dflash_gguf.errors import (DFlashError, BufferTooSmallError, InvalidArgumentError, LayerError, NotADrafterError,
                                 PairMismatchError, RowRangeError, TapDisabledError)
 
@@ -317,7 +317,7 @@ def test_a_drafter_of_another_vocabulary_or_width_is_refused(monkeypatch, field,
     is not the target's is refused before any context exists, smaller as well as larger."""
     from dataclasses import replace
 
-    from dflash_gguf.engine import DrafterInfo, check_compatible
+    from dflash_gguf.native.engine import DrafterInfo, check_compatible
 
     with Model(paths.DEMO_DIR / "target.gguf") as tm, Model(paths.DEMO_DIR / "drafter.gguf") as dm:
         real = DrafterInfo.read(dm)
@@ -330,7 +330,7 @@ def test_a_drafter_of_another_vocabulary_or_width_is_refused(monkeypatch, field,
 
 
 def _import_in_subprocess(tmp_path: Path, prelude: str) -> subprocess.CompletedProcess:
-    code = textwrap.dedent(prelude) + "\nimport dflash_gguf._bindings\n"
+    code = textwrap.dedent(prelude) + "\nimport dflash_gguf.native._bindings\n"
     return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                           env=dict(os.environ, PYTHONPATH=f"{tmp_path}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"))
 

@@ -9,7 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from dflash_gguf import build, paths
+from dflash_gguf import paths
+from dflash_gguf.build import native as build
 
 SDIST = paths.cache_dir() / "sdist" / build.SDIST_FILE
 pytestmark = pytest.mark.skipif(not SDIST.exists(), reason="the pinned sdist is not in the build cache "

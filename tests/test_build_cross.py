@@ -8,7 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from dflash_gguf import build, build_cross
+from dflash_gguf.build import native as build
+from dflash_gguf.build import cross as build_cross
 
 pytestmark = pytest.mark.pure
 

@@ -1,10 +1,10 @@
-"""The bundled llama-cpp-python copy's rewrites (:mod:`dflash_gguf.bundle`): every import of ``llama_cpp``
+"""The bundled llama-cpp-python copy's rewrites (:mod:`dflash_gguf.build.bundle`): every import of ``llama_cpp``
 becomes one of ``dflash_gguf._llama_cpp``, the loaders read the renamed libraries and their own variable."""
 from __future__ import annotations
 
 import pytest
 
-from dflash_gguf import bundle
+from dflash_gguf.build import bundle
 
 pytestmark = pytest.mark.pure
 

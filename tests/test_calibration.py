@@ -7,7 +7,7 @@ import json
 import numpy as np
 import pytest
 
-from dflash_gguf.engine import ContextOptions
+from dflash_gguf.native.engine import ContextOptions
 from dflash_gguf.paths import DEMO_DIR as DEMO
 from dflash_gguf.pair import OpenPair
 from dflash_gguf.decoding import SpecOptions, calibration

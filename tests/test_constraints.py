@@ -12,9 +12,9 @@ import numpy as np
 import pytest
 from llama_cpp.llama_grammar import JSON_GBNF
 
-from dflash_gguf.constraints import Constraints, Grammar
+from dflash_gguf.decoding.constraints import Constraints, Grammar
 from dflash_gguf.errors import InvalidArgumentError
-from dflash_gguf.sampling import SamplingParams, distribution
+from dflash_gguf.decoding.sampling import SamplingParams, distribution
 
 from support import KW, assert_served, both, fast, oracle, pair, plain  # noqa: F401 (fixtures)
 
@@ -188,7 +188,7 @@ def test_sampling_under_a_grammar_keeps_the_target_distribution(models):
     rejected, and cut where a planted token is forbidden); the same chain also matches llama_cpp's own
     sampler with that grammar."""
     from dflash_gguf.decoding import DFlashDecoder, GenerationStats, OverrideProposer, SpecOptions
-    from dflash_gguf.engine import Context, ContextOptions, Model
+    from dflash_gguf.native.engine import Context, ContextOptions, Model
     from test_sampling import ALPHA, chi2_pvalue
 
     sp = SAMPLED

@@ -94,8 +94,8 @@ def fake_converter(monkeypatch, models):
 # ---------------------------------------------------------------- good pairs
 @pytest.mark.parametrize("arch,kind", [("qwen3", "dflash"), ("llama", "dflash"), ("qwen3", "dflash2")])
 def test_convert_pair_manifest_and_load(pairs, arch, kind):
-    from dflash_gguf import _bindings as B
-    from dflash_gguf.engine import Model
+    from dflash_gguf.native import _bindings as B
+    from dflash_gguf.native.engine import Model
 
     m, p = pairs(arch, kind)
     assert (m.kind, m.block_size, m.target_layers) == (kind, 8, [1, 3])
@@ -135,8 +135,8 @@ def _llama_block_logits(m, tokens, block, flash_attn=None, out_row0=0):
 
     Returns (GGUF tap layers, taps [P, n_taps, H], logits of block rows out_row0.., drafted ids).
     """
-    from dflash_gguf import _bindings as B
-    from dflash_gguf.engine import Context, ContextOptions, Model
+    from dflash_gguf.native import _bindings as B
+    from dflash_gguf.native.engine import Context, ContextOptions, Model
 
     with Model(m.target.path) as tm, Model(m.drafter.path) as dm:
         opts = ContextOptions(n_ctx=128, n_threads=1, flash_attn=flash_attn)
@@ -226,7 +226,7 @@ def test_drafter_decode_with_out_row0(reference_case):
 # quantized pairs crashed at the first decode with ggml's AMX path before patches/0006 (tests/test_amx.py)
 @pytest.mark.parametrize("qtype,ftype", [("q4_0", 2)])
 def test_quantized_pair_is_lossless(pairs, qtype, ftype):
-    from dflash_gguf.engine import Model
+    from dflash_gguf.native.engine import Model
 
     m, _ = pairs("qwen3", "dflash", quantize=qtype)
     assert (m.target.type, m.drafter.type) == (qtype, qtype)
@@ -238,7 +238,7 @@ def test_quantized_pair_is_lossless(pairs, qtype, ftype):
 
 
 def test_cli_convert_q8_0_then_check(models, tmp_path):
-    from dflash_gguf.engine import Model
+    from dflash_gguf.native.engine import Model
 
     p = models.pair("qwen3", "dflash", 8)
     out = tmp_path / "q8"

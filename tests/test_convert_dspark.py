@@ -23,7 +23,7 @@ import pytest
 import tiny
 from dflash_gguf.convert import PairError, convert_pair, load_manifest, validate_pair
 from dflash_gguf.convert import upstream
-from dflash_gguf.gguf_check import check_manifest
+from dflash_gguf.native.gguf_check import check_manifest
 
 RANK = 8
 

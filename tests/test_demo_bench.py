@@ -32,7 +32,7 @@ def test_demo_pair_is_shipped():
 
 @pytest.fixture(scope="module")
 def demo_contexts():
-    from dflash_gguf.engine import Context, ContextOptions, Model
+    from dflash_gguf.native.engine import Context, ContextOptions, Model
 
     tm, dm = Model(TARGET), Model(DRAFTER)
     opts = ContextOptions(n_ctx=1024, n_batch=64, n_ubatch=64, n_threads=2)

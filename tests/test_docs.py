@@ -68,7 +68,8 @@ def test_every_documented_flag_exists(module):
 
 
 def test_documented_defaults_are_the_codes():
-    from dflash_gguf import Llama, memory
+    from dflash_gguf import Llama
+    from dflash_gguf.native import memory
     from dflash_gguf.decoding.gate import DraftLength  # (the gate docs/drafters.md describes)
 
     readme = (ROOT / "docs" / "memory.md").read_text()
@@ -76,7 +77,7 @@ def test_documented_defaults_are_the_codes():
     # "else 1024 minus the block size": the window the engine derives when draft_window is None and the
     # drafter GGUF has no sliding window of its own (tests/test_drafter_attention.py: one that has)
     assert "else 1024 minus the block size" in " ".join(readme.split())
-    from dflash_gguf.engine import DEFAULT_DRAFT_CACHE
+    from dflash_gguf.native.engine import DEFAULT_DRAFT_CACHE
     assert DEFAULT_DRAFT_CACHE == 1024 and sig["draft_window"].default is None
     # the low-memory preset's "512-cell drafter cache" (window 512 - block: tests/test_api.py checks it)
     assert "512-cell drafter cache" in readme and memory.LOW_MEMORY_DRAFT_CACHE == 512

@@ -87,7 +87,7 @@ def test_choice_errors():
 
 # ---------------------------------------------------------------- the head in llama.cpp
 def _engine_pair(target: Path, drafter: Path):
-    from dflash_gguf.engine import Context, ContextOptions, Model
+    from dflash_gguf.native.engine import Context, ContextOptions, Model
 
     tm, dm = Model(target), Model(drafter)
     opts = ContextOptions(n_ctx=512, n_threads=1)
@@ -100,7 +100,7 @@ def _proposals(target: Path, drafter: Path, prompt_len: int = 24, steps: int = 6
                ids: bool = True, logits: list | None = None) -> list[list[int]]:
     """The drafter's raw block proposals at a few positions of a plain run (no proposer hook); with
     ``ids=False``, ``logits`` (a list) receives each block's rows of logits as the drafter gave them."""
-    from dflash_gguf import _bindings as B
+    from dflash_gguf.native import _bindings as B
     from dflash_gguf.decoding import DFlashDecoder
 
     tm, dm, tctx, dctx = _engine_pair(target, drafter)
@@ -137,8 +137,8 @@ def _proposals(target: Path, drafter: Path, prompt_len: int = 24, steps: int = 6
 def test_draft_ids_from_the_graph_equal_the_logits_scan(models, tmp_path, kind):
     """patches/0013: the drafter's in-graph argmax (what the decoder uses) proposes what scanning its
     logits on the host proposed, with the full head and with a reduced head (ids after the d2t scatter)."""
-    from dflash_gguf import _bindings as B
-    from dflash_gguf.engine import Context, ContextOptions, Model
+    from dflash_gguf.native import _bindings as B
+    from dflash_gguf.native.engine import Context, ContextOptions, Model
     from dflash_gguf.errors import NotADrafterError
 
     p = models.pair("qwen3", kind, 8)

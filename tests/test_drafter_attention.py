@@ -117,8 +117,8 @@ def test_validate_pair_carries_the_reading_into_the_manifest(models, tmp_path, m
 def test_window_reaches_the_gguf_and_the_engine_and_output_stays_exact(models, tmp_path):
     """A real conversion with the window asked for: the GGUF carries it, the drafter's default window
     follows it (12 positions: much shorter than the prompt, so it matters), and DFlash == plain."""
-    from dflash_gguf.engine import ContextOptions
-    from dflash_gguf.gguf_check import parse_gguf
+    from dflash_gguf.native.engine import ContextOptions
+    from dflash_gguf.native.gguf_check import parse_gguf
     from dflash_gguf.pair import open_pair
 
     p, d = _drafter(models, tmp_path, is_causal=False)

@@ -20,9 +20,9 @@ import llama_cpp
 import numpy as np
 import pytest
 
-from dflash_gguf import _bindings as B
-from dflash_gguf.engine import Context, ContextOptions, DrafterInfo, Model
-from dflash_gguf.sampling import SamplingParams
+from dflash_gguf.native import _bindings as B
+from dflash_gguf.native.engine import Context, ContextOptions, DrafterInfo, Model
+from dflash_gguf.decoding.sampling import SamplingParams
 from dflash_gguf.decoding import DFlashDecoder, GenerationStats, OverrideProposer, Request, SpecOptions
 from dflash_gguf.decoding.proposer import DrafterProposer as DFlashProposer
 from support import KW, llama_cpp_greedy, serve

@@ -8,8 +8,8 @@ from dataclasses import replace
 import pytest
 
 from dflash_gguf.requests.served import Call, plain_reason
-from dflash_gguf.sampling import SamplingParams
-from dflash_gguf.stopping import StopOnTokens
+from dflash_gguf.decoding.sampling import SamplingParams
+from dflash_gguf.requests.stopping import StopOnTokens
 
 pytestmark = pytest.mark.pure
 

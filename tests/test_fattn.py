@@ -20,7 +20,7 @@ from dflash_gguf import paths
 
 
 def _grid(extra: list[str], lib_dir: Path | None = None) -> list[dict]:
-    args = ["-m", "dflash_gguf.fattn", *extra] + (["--lib-dir", str(lib_dir)] if lib_dir is not None else [])
+    args = ["-m", "dflash_gguf.kernels.fattn", *extra] + (["--lib-dir", str(lib_dir)] if lib_dir is not None else [])
     p = kernel_child.python(args, {})
     cases = [json.loads(line) for line in p.stdout.splitlines() if line.startswith("{")]
     if p.returncode not in (0, 1):

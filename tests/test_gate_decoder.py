@@ -8,7 +8,7 @@ from collections import Counter
 import numpy as np
 import pytest
 
-from dflash_gguf.engine import Context, ContextOptions, Model
+from dflash_gguf.native.engine import Context, ContextOptions, Model
 from dflash_gguf.decoding.gate import DraftLength
 from dflash_gguf.decoding import DFlashDecoder, GenerationStats, OverrideProposer, Request, SpecOptions
 

@@ -42,7 +42,7 @@ def put_repo(cache: Path, repo_id: str, files: dict[str, Path]) -> Path:
 
 
 def manifest(tmp: Path, target: Path, drafter: Path) -> Path:
-    from dflash_gguf.engine import DrafterInfo, Model
+    from dflash_gguf.native.engine import DrafterInfo, Model
 
     with Model(drafter) as dm:
         info = DrafterInfo.read(dm)   # pair.json must describe the drafter it names

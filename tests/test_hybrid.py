@@ -16,7 +16,7 @@ import itertools
 import numpy as np
 import pytest
 
-from dflash_gguf.engine import Context, ContextOptions, Model
+from dflash_gguf.native.engine import Context, ContextOptions, Model
 from dflash_gguf.errors import InvalidArgumentError
 from dflash_gguf.decoding import DFlashDecoder, GenerationStats, OverrideProposer, SpecOptions
 from support import llama_cpp_greedy

@@ -63,7 +63,7 @@ def _result(p: subprocess.CompletedProcess) -> dict:
 
 
 def test_pip_install_gives_a_working_engine_beside_the_users_own_llama_cpp(tmp_path):
-    from dflash_gguf import bundle
+    from dflash_gguf.build import bundle
 
     venv = tmp_path / "venv"
     subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)

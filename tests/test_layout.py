@@ -22,23 +22,25 @@ PACKAGE = "dflash_gguf"
 SOURCE = Path(__file__).resolve().parents[1]
 
 # the decoding engine and the front doors built on it
-ENGINE = ("dflash_gguf.decoding", "dflash_gguf.engine", "dflash_gguf.api", "dflash_gguf.batch", "dflash_gguf.server")
+ENGINE = ("dflash_gguf.decoding", "dflash_gguf.native.engine", "dflash_gguf.api", "dflash_gguf.batch", "dflash_gguf.server")
 # tools: they drive the engine from outside and are never part of it
 TOOLS = ("dflash_gguf.bench", "dflash_gguf.reliability")
 # the request surface the front doors share (dflash_gguf.requests), but its defaults table: a leaf that the
 # engine's SamplingParams reads too
 REQUESTS = ("dflash_gguf.requests.served", "dflash_gguf.requests.stops", "dflash_gguf.requests.prompts",
-            "dflash_gguf.requests.responses")
+            "dflash_gguf.requests.responses", "dflash_gguf.requests.stopping", "dflash_gguf.requests.logprobs",
+            "dflash_gguf.requests.calls")
 DEFAULTS = "dflash_gguf.requests.defaults"
 # what the decoding engine is built into: the front doors, what builds their runtimes and requests, and the
 # programs that run them
 FRONT_DOORS = ("dflash_gguf.api", "dflash_gguf.batch", "dflash_gguf.server", "dflash_gguf.pair",
-               "dflash_gguf.constructors", "dflash_gguf.runtime", "dflash_gguf.calls", "dflash_gguf.options",
+               "dflash_gguf.constructors", "dflash_gguf.runtime", "dflash_gguf.options",
                "dflash_gguf.cli", "dflash_gguf.demo") + REQUESTS
 # the native handles: the library's bindings and its models and contexts
-NATIVE = ("dflash_gguf._bindings", "dflash_gguf.engine")
+NATIVE = ("dflash_gguf.native._bindings", "dflash_gguf.native.engine")
 # the rules that load without the native build (their tests run under ``pytest --pure``)
-PURE = ("dflash_gguf.decoding.gate", "dflash_gguf.sampling", "dflash_gguf.constraints", "dflash_gguf.stopping",
+PURE = ("dflash_gguf.decoding.gate", "dflash_gguf.decoding.sampling", "dflash_gguf.decoding.constraints",
+        "dflash_gguf.requests.stopping",
         DEFAULTS, "dflash_gguf.requests.served", "dflash_gguf.requests.stops", "dflash_gguf.requests.responses",
         "dflash_gguf.decoding.acceptance", "dflash_gguf.decoding.batch_costs",
         "dflash_gguf.decoding.stats", "dflash_gguf.decoding.confidence", "dflash_gguf.decoding.rollback",

@@ -10,7 +10,8 @@ import llama_cpp
 import pytest
 
 import peer_models
-from dflash_gguf import Llama, gguf_check, paths
+from dflash_gguf import Llama, paths
+from dflash_gguf.native import gguf_check
 from dflash_gguf.errors import ModelFileError
 from support import KW, pair, plain  # noqa: F401 (fixtures)
 

@@ -28,7 +28,7 @@ import time
 import pytest
 
 import tiny
-from dflash_gguf.engine import DEFAULT_DRAFT_CACHE, Context, ContextOptions, Model
+from dflash_gguf.native.engine import DEFAULT_DRAFT_CACHE, Context, ContextOptions, Model
 from dflash_gguf.errors import ContextFullError, ContextOverflowError
 from dflash_gguf.decoding import DFlashDecoder, DrafterProposer, GenerationStats, OverrideProposer
 

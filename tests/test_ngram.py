@@ -15,8 +15,8 @@ from dataclasses import replace
 import numpy as np
 import pytest
 
-from dflash_gguf.engine import Context, ContextOptions, Model
-from dflash_gguf.sampling import SamplingParams
+from dflash_gguf.native.engine import Context, ContextOptions, Model
+from dflash_gguf.decoding.sampling import SamplingParams
 from dflash_gguf.decoding import DFlashDecoder, GenerationStats, Request, SpecOptions
 from dflash_gguf.decoding.ngram import NgramIndex, NgramOptions
 from dflash_gguf.decoding.policy import DraftPolicy

@@ -36,7 +36,7 @@ import pytest
 
 import peer_models
 from dflash_gguf import Llama, paths
-from dflash_gguf.build import SDIST_FILE, SDIST_VERSION
+from dflash_gguf.build.native import SDIST_FILE, SDIST_VERSION
 
 pytestmark = pytest.mark.slow
 

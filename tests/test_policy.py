@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from dflash_gguf.decoding.policy import DraftPolicy
-from dflash_gguf.sampling import SamplingParams
+from dflash_gguf.decoding.sampling import SamplingParams
 
 pytestmark = pytest.mark.pure
 

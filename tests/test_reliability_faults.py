@@ -22,7 +22,8 @@ import pytest
 
 from dflash_gguf import paths
 
-from dflash_gguf import Llama, state_file
+from dflash_gguf import Llama
+from dflash_gguf.native import state_file
 from dflash_gguf.errors import BusyError, StateFileError
 from dflash_gguf.decoding import DrafterProposer, OverrideProposer
 

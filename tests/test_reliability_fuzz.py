@@ -3,7 +3,7 @@
 The fuzzer (``python -m dflash_gguf.reliability.fuzz``) runs every case in a child process, so an
 abort or a segfault shows as a crash instead of killing the test run. CI runs a bounded sample;
 RELIABILITY.md has the full run. The targeted tests below pin each class of file that crashed the
-process before the Python pre-validation (``dflash_gguf.gguf_check``) existed.
+process before the Python pre-validation (``dflash_gguf.native.gguf_check``) existed.
 """
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from dflash_gguf.errors import ModelFileError, PairMismatchError
-from dflash_gguf.gguf_check import T_STRING, T_UINT32, check_gguf, check_manifest, parse_gguf
+from dflash_gguf.native.gguf_check import T_STRING, T_UINT32, check_gguf, check_manifest, parse_gguf
 from dflash_gguf.reliability import fuzz, mutate
 
 pytestmark = [pytest.mark.reliability, pytest.mark.slow]
@@ -98,7 +98,7 @@ def test_crasher_is_a_typed_error(name, tmp_path):
         check_gguf(d / f"{role}.gguf", role=role)
     r = _run_child(f"""
         from dflash_gguf.errors import ModelFileError
-        from dflash_gguf.engine import Model
+        from dflash_gguf.native.engine import Model
         from dflash_gguf.api import Llama
         for fn in (lambda: Model({str(d / f'{role}.gguf')!r}),
                    lambda: Llama({str(d / 'target.gguf')!r}, draft_model_path={str(d / 'drafter.gguf')!r}, verbose=False)):

@@ -17,7 +17,7 @@ from dflash_gguf.requests.responses import (chunk, completion_body, dflash_objec
                                             tool_message, usage, usage_chunk)
 from dflash_gguf.requests.served import SERVED, asked, slots_plain_reason, slots_serve
 from dflash_gguf.requests.stops import StopStrings, stop_list
-from dflash_gguf.sampling import SamplingParams
+from dflash_gguf.decoding.sampling import SamplingParams
 
 pytestmark = pytest.mark.pure
 

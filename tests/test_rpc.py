@@ -23,8 +23,9 @@ from pathlib import Path
 
 import pytest
 
-from dflash_gguf import Llama, paths, rpc
-from dflash_gguf.engine import DrafterInfo, Model
+from dflash_gguf import Llama, paths
+from dflash_gguf.native import rpc
+from dflash_gguf.native.engine import DrafterInfo, Model
 from dflash_gguf.errors import InvalidArgumentError, RpcConnectError, RpcProtocolError
 from dflash_gguf.options import rpc_kwargs
 

@@ -17,8 +17,8 @@ import numpy as np
 import pytest
 
 from dflash_gguf.demo import DEMO_DIR
-from dflash_gguf.engine import Context, ContextOptions, Model
-from dflash_gguf.sampling import SamplingParams, distribution, surprise
+from dflash_gguf.native.engine import Context, ContextOptions, Model
+from dflash_gguf.decoding.sampling import SamplingParams, distribution, surprise
 from dflash_gguf.decoding import DFlashDecoder, GenerationStats, OverrideProposer, SpecOptions
 
 PROMPT = b"def main(argv):\n    parser = argparse.ArgumentParser("
@@ -292,7 +292,7 @@ def test_unseeded_sampling_is_gated_and_keeps_the_target_distribution(monkeypatc
     is charged a cost model in which drafting pays, the prior included, and the unseeded random
     generators are numbered: what the gate chooses is then the same on every machine."""
     from dflash_gguf.decoding import calibration
-    from dflash_gguf.sampling import TokenChooser
+    from dflash_gguf.decoding.sampling import TokenChooser
 
     def model_cost(n):
         return 1e-3 * (1 + 0.1 * n)        # a step drafting n tokens costs a plain step and 10% a token

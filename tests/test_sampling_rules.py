@@ -1,4 +1,4 @@
-"""The sampler chain and rejection sampling of dflash_gguf.sampling on small arrays, with exact
+"""The sampler chain and rejection sampling of dflash_gguf.decoding.sampling on small arrays, with exact
 expectations (tests/test_sampling.py checks the distributions end to end against llama.cpp on real
 decodes; these pin each rule down for ``make mutate``)."""
 from __future__ import annotations
@@ -8,9 +8,9 @@ from dataclasses import replace
 import numpy as np
 import pytest
 
-from dflash_gguf import sampling as S
-from dflash_gguf.constraints import Constraints
-from dflash_gguf.sampling import SamplingParams, TokenChooser, apply_penalties, constrained_argmax, distribution
+from dflash_gguf.decoding import sampling as S
+from dflash_gguf.decoding.constraints import Constraints
+from dflash_gguf.decoding.sampling import SamplingParams, TokenChooser, apply_penalties, constrained_argmax, distribution
 
 pytestmark = pytest.mark.pure
 
@@ -60,7 +60,7 @@ def _apply_llama_cpp(smpl, logits: np.ndarray) -> np.ndarray:
 
     llama_cpp = pytest.importorskip("llama_cpp")    # the reference (absent under --pure)
 
-    from dflash_gguf.constraints import TOKEN_DATA
+    from dflash_gguf.decoding.constraints import TOKEN_DATA
     buf = np.zeros(len(logits), dtype=TOKEN_DATA)
     buf["id"], buf["logit"] = np.arange(len(logits)), logits
     arr = llama_cpp.llama_token_data_array(data=buf.ctypes.data_as(ctypes.POINTER(llama_cpp.llama_token_data)),

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from dflash_gguf import Llama
-from dflash_gguf import logprobs as L
+from dflash_gguf.requests import logprobs as L
 from dflash_gguf.demo import DEMO_DIR
 from support import serve
 

@@ -152,7 +152,7 @@ def test_streams_of_preempted_requests_are_uninterrupted(server, plain):
 def test_a_seeded_sampled_request_under_load_equals_its_answer_alone(server):
     """What a seeded sampled request guarantees: its text is a function of the request and its seed alone -
     served alone, beside other requests, given its cells back and resumed: token for token the same (each
-    position's draw comes from the seed and the position: dflash_gguf.sampling.TokenChooser)."""
+    position's draw comes from the seed and the position: dflash_gguf.decoding.sampling.TokenChooser)."""
     url, srv, _, _ = server
     body = dict(max_tokens=100, temperature=0.9, top_p=0.95, seed=1234, ignore_eos=True)
     alone = _complete(url, PROMPTS[3], **body)
@@ -238,8 +238,8 @@ def test_the_engine_shares_cells_and_preempts_losslessly():
     of 150 tokens (no end token stops them) cannot all fit, so the latest give their cells back and resume -
     greedy ones token for token llama_cpp's alone, a seeded sampled one its own answer alone."""
     from dflash_gguf.decoding import DFlashDecoder, Request, SpecOptions
-    from dflash_gguf.engine import Context, ContextOptions, Model
-    from dflash_gguf.sampling import SamplingParams
+    from dflash_gguf.native.engine import Context, ContextOptions, Model
+    from dflash_gguf.decoding.sampling import SamplingParams
     from support import llama_cpp_greedy
 
     n = 150

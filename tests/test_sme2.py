@@ -2,7 +2,7 @@
 
 Debian 12's qemu-user-static (7.2, tests/test_arm64.py) has SME but not SME2, so ggml never selects
 KleidiAI's SME2 kernels there. QEMU 10.1 and later emulate SME2 under ``-cpu max``;
-``python -m dflash_gguf.build_cross --fetch-qemu-sme2`` (run by ``make test``) fetches one into the
+``python -m dflash_gguf.build.cross --fetch-qemu-sme2`` (run by ``make test``) fetches one into the
 cache. Here, at 256-bit streaming vector length (QEMU's default) and 512-bit (Apple M4's):
 
 * the kernels that run are KleidiAI's SME2 ones, per weight type and row count, seen by breakpoints on
@@ -29,9 +29,9 @@ from pathlib import Path
 
 import pytest
 
-from dflash_gguf import build_cross
+from dflash_gguf.build import cross as build_cross
 from dflash_gguf.demo import DEMO_DIR
-from dflash_gguf.engine import Model
+from dflash_gguf.native.engine import Model
 
 from test_arm64 import (DEMO_PROMPT, GUEST_SCRIPT, KAI, assert_rows_agree, demo_quantized,  # noqa: F401 (a fixture)
                         kai_rows, trace_kernels, x86_tokens)
@@ -46,7 +46,7 @@ N = 16
 
 def _sme2_guest(bits: int):
     if QEMU_SME2 is None:
-        pytest.skip("no qemu-user >= 10.1 (SME2): python -m dflash_gguf.build_cross --fetch-qemu-sme2 fetches "
+        pytest.skip("no qemu-user >= 10.1 (SME2): python -m dflash_gguf.build.cross --fetch-qemu-sme2 fetches "
                     "one from Debian's trixie-backports; make test does, where apt can reach Debian")
     wheel = build_cross.cross_wheel(KAI)
     if wheel is None:
@@ -79,7 +79,7 @@ def assert_sme2_selected(log: list[str], qtype: str):
 
 def test_the_sme2_emulator_is_new_enough_and_not_the_system_one():
     if QEMU_SME2 is None:
-        pytest.skip("no qemu-user >= 10.1 (SME2): python -m dflash_gguf.build_cross --fetch-qemu-sme2")
+        pytest.skip("no qemu-user >= 10.1 (SME2): python -m dflash_gguf.build.cross --fetch-qemu-sme2")
     assert build_cross.qemu_version(QEMU_SME2) >= (10, 1)
     old = build_cross.find_qemu()
     if old is not None and build_cross.qemu_version(old) < (10, 1):

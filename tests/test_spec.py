@@ -8,7 +8,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from dflash_gguf.engine import Context, ContextOptions, Model
+from dflash_gguf.native.engine import Context, ContextOptions, Model
 from dflash_gguf.errors import ContextOverflowError, InvalidArgumentError
 from dflash_gguf.decoding import DFlashDecoder, GenerationStats, OverrideProposer, SpecOptions
 from support import llama_cpp_greedy

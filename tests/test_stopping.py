@@ -1,4 +1,4 @@
-"""Stopping criteria that DFlash serves (dflash_gguf.stopping): our StopOnTokens, llama_cpp's chat
+"""Stopping criteria that DFlash serves (dflash_gguf.requests.stopping): our StopOnTokens, llama_cpp's chat
 formatter criterion recognised by its stop ids, and everything else left to the plain path."""
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from dflash_gguf.decoding.acceptance import sampled_accept
-from dflash_gguf.stopping import StopOnTokens, stop_token_ids
+from dflash_gguf.requests.stopping import StopOnTokens, stop_token_ids
 
 pytestmark = pytest.mark.pure
 

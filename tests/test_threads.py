@@ -1,4 +1,4 @@
-"""Host threads that run ggml's graphs end with their work (dflash_gguf.threads): with ggml's OpenMP build,
+"""Host threads that run ggml's graphs end with their work (dflash_gguf.native.threads): with ggml's OpenMP build,
 a live thread that once ran a graph keeps a pool of workers, and while libgomp manages more threads than
 CPUs every decode sleeps at its barriers (measured on 2 cores: 0.56x; BENCHMARKS.md section 21)."""
 from __future__ import annotations
@@ -11,7 +11,7 @@ import time
 
 import pytest
 
-from dflash_gguf.threads import SerialWorker, run_in_own_thread
+from dflash_gguf.native.threads import SerialWorker, run_in_own_thread
 
 
 def test_building_a_gated_decoder_leaves_no_thread_pool_behind(tmp_path):
@@ -21,7 +21,7 @@ def test_building_a_gated_decoder_leaves_no_thread_pool_behind(tmp_path):
     code = textwrap.dedent(f"""
         import os, time
         from pathlib import Path
-        from dflash_gguf.engine import ContextOptions
+        from dflash_gguf.native.engine import ContextOptions
         from dflash_gguf.paths import DEMO_DIR as DEMO
         from dflash_gguf.pair import OpenPair
         from dflash_gguf.decoding import SpecOptions, calibration

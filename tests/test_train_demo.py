@@ -122,7 +122,7 @@ def test_shipped_dspark_drafter_loads_as_dspark_and_beats_the_dflash_demo_drafte
     and a longer acceptance than the shipped DFlash drafter (on the demo's own prompt alone the two tie)."""
     from dflash_gguf.bench.prompts import load_prompts
     from dflash_gguf.decoding import GenerationStats, SpecOptions
-    from dflash_gguf.engine import ContextOptions
+    from dflash_gguf.native.engine import ContextOptions
     from dflash_gguf.pair import compare_with_plain, open_pair
 
     target = DEMO / "demo" / "target.gguf"

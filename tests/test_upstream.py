@@ -15,7 +15,7 @@ import pytest
 
 from dflash_gguf import paths
 from dflash_gguf.bench.upstream import upstream_generated
-from dflash_gguf.engine import Context, ContextOptions, Model
+from dflash_gguf.native.engine import Context, ContextOptions, Model
 from dflash_gguf.decoding import DFlashDecoder, GenerationStats
 
 TOOLS = paths.tools_dir()

@@ -27,8 +27,8 @@ import pytest
 import kernel_child
 
 from dflash_gguf import paths
-from dflash_gguf.cpu import cpu_flags
-from dflash_gguf.mulmat import BUFT_TYPES, default_lib_dir
+from dflash_gguf.kernels.cpu import cpu_flags
+from dflash_gguf.kernels.mulmat import BUFT_TYPES, default_lib_dir
 
 FLAGS = cpu_flags()
 pytestmark = [pytest.mark.slow,
@@ -50,7 +50,7 @@ GRID_ENV = {"GGML_CPU_AMX": "0", "GGML_CPU_X86MM": None}
 
 
 def _grid(extra: list[str], lib_dir: Path | None = None) -> list[dict]:
-    args = ["-m", "dflash_gguf.mulmat", "--buft", "CPU_X86MM", *extra]
+    args = ["-m", "dflash_gguf.kernels.mulmat", "--buft", "CPU_X86MM", *extra]
     if lib_dir is not None:
         args += ["--lib-dir", str(lib_dir)]
     p = kernel_child.python(args, GRID_ENV)
@@ -73,7 +73,7 @@ def _bad(cases: list[dict]) -> list[str]:
 def native_types() -> list[str]:
     """The types the installed build's kernels claim on this CPU (``mulmat.claimed_types``, asked in a
     child): all four, except on AVX2 without VNNI, where Q8_0 stays on ggml's kernels."""
-    code = ("from dflash_gguf.mulmat import Ggml, claimed_types, default_lib_dir; "
+    code = ("from dflash_gguf.kernels.mulmat import Ggml, claimed_types, default_lib_dir; "
             "print(','.join(claimed_types(Ggml(default_lib_dir()), 'CPU_X86MM')))")
     p = kernel_child.python(["-c", code], {}, timeout=60)
     assert p.returncode == 0, p.stderr

@@ -76,8 +76,8 @@ def main(argv=None) -> int:
     logging.basicConfig(level=logging.DEBUG if a.verbose else logging.INFO, format="%(message)s")
     logging.getLogger("dflash_gguf.llama_cpp").setLevel(logging.DEBUG if a.verbose else logging.ERROR)
     from dflash_gguf.demo import demo_pair
-    from dflash_gguf.engine import Context, ContextOptions, Model
-    from dflash_gguf.logs import set_log_handler
+    from dflash_gguf.native.engine import Context, ContextOptions, Model
+    from dflash_gguf.native.logs import set_log_handler
     from dflash_gguf.decoding import DFlashDecoder, SpecOptions
 
     set_log_handler()

@@ -98,7 +98,7 @@ def measure(target: Path, drafter: Path, steps, *, tokens: int, trials: int, thr
     from dflash_gguf.bench.scale.run import PROMPT, _gen
     from dflash_gguf.decoding import DFlashDecoder, SpecOptions
     from dflash_gguf.decoding.history import kept
-    from dflash_gguf.engine import Context, ContextOptions, Model
+    from dflash_gguf.native.engine import Context, ContextOptions, Model
 
     tm = Model(target)
     ids = tm.tokenize(PROMPT.encode(), add_bos=False)
@@ -164,7 +164,7 @@ def measure(target: Path, drafter: Path, steps, *, tokens: int, trials: int, thr
 
 def main(argv: list[str] | None = None) -> int:
     from dflash_gguf.bench.scale.synth import make_pair
-    from dflash_gguf.cpu import cpu_model
+    from dflash_gguf.kernels.cpu import cpu_model
 
     ap = argparse.ArgumentParser(prog="python -m dflash_gguf.bench.confidence", description=__doc__.split("\n\n")[0])
     ap.add_argument("--shape", default="1.7b", help="bench.scale shape (0.6b, 1.7b, ...)")

@@ -63,7 +63,7 @@ def _status() -> dict:
 def child(spec: dict) -> dict:
     from dflash_gguf.native.llama import llama_cpp
 
-    from dflash_gguf import logs
+    from dflash_gguf.native import logs
 
     lines: list[str] = []
 
@@ -78,7 +78,7 @@ def child(spec: dict) -> dict:
     logs.set_log_handler(lg)
     base = _status()
     if spec["kwargs"] == "LOW_MEMORY":
-        from dflash_gguf.memory import LOW_MEMORY
+        from dflash_gguf.native.memory import LOW_MEMORY
         kwargs = dict(LOW_MEMORY)
     else:
         kwargs = dict(spec["kwargs"])

@@ -43,7 +43,7 @@ PROMPTS = [
 def _ours(target: str, drafter: str | None, prompts: list[list[int]], n: int, ngram, threads) -> dict:
     from dflash_gguf.decoding import DFlashDecoder, GenerationStats, SpecOptions
     from dflash_gguf.decoding.ngram import NgramOptions
-    from dflash_gguf.engine import Context, ContextOptions, Model
+    from dflash_gguf.native.engine import Context, ContextOptions, Model
 
     out: dict = {}
     with Model(target) as tm:
@@ -157,7 +157,7 @@ def _upstream(target: str, texts: list[str], echoes: list[bytes], plain: list[by
 
 
 def main(argv: list[str] | None = None) -> int:
-    from dflash_gguf.logs import set_log_handler
+    from dflash_gguf.native.logs import set_log_handler
 
     ap = argparse.ArgumentParser(prog="python -m dflash_gguf.bench.ngram", description=__doc__.split("\n\n")[0])
     ap.add_argument("--target", default=str(_DEMO / "target.gguf"))
@@ -171,7 +171,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--json", help="write the rows here")
     a = ap.parse_args(argv)
     set_log_handler()
-    from dflash_gguf.engine import Model
+    from dflash_gguf.native.engine import Model
     with Model(a.target) as tm:
         prompts = [tm.tokenize(p.encode()) for p in PROMPTS]
     ngram = (a.max_ngram, a.n_pred)

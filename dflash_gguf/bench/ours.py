@@ -85,7 +85,7 @@ def profile(tctx, dctx, prompt_ids: list[int], repeats: int = 15, max_rows: int 
     """Verify cost vs rows and draft cost vs block length, at a position just past a real prompt."""
     import numpy as np
 
-    from dflash_gguf import _bindings as B
+    from dflash_gguf.native import _bindings as B
     from dflash_gguf.decoding import DFlashDecoder
 
     dec = DFlashDecoder(tctx, dctx)

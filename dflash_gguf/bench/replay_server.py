@@ -24,7 +24,7 @@ log = logging.getLogger("dflash_gguf.bench.replay_server")
 def references(llm, prompts: list[str], n_tokens: int) -> list[list[int]]:
     """Each prompt's tokens as the server's completions tokenize it, then its plain greedy continuation
     (``n_tokens``) on ``llm``'s own context."""
-    from dflash_gguf.threads import run_in_own_thread
+    from dflash_gguf.native.threads import run_in_own_thread
 
     def run() -> list[list[int]]:
         out = []
@@ -34,7 +34,7 @@ def references(llm, prompts: list[str], n_tokens: int) -> list[list[int]]:
             out.append(list(ids) + list(llm.decoder.generate(ids, n_tokens, use_draft=False)))
         return out
 
-    # on a thread that ends with the work: a thread that once decoded slows the slots' (dflash_gguf.threads)
+    # on a thread that ends with the work: a thread that once decoded slows the slots' (dflash_gguf.native.threads)
     return run_in_own_thread(run, name="dflash-replay-refs")
 
 

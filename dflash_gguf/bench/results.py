@@ -9,7 +9,7 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from dflash_gguf.cpu import cpu_flags, cpu_model
+from dflash_gguf.kernels.cpu import cpu_flags, cpu_model
 from dflash_gguf.decoding.stats import GenerationStats
 
 

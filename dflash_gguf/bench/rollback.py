@@ -35,7 +35,7 @@ class _Grab(logging.Handler):
 
 
 def measure(target: str, drafter: str, blocks: list[int], n_gen: int, threads: int | None) -> list[dict]:
-    from dflash_gguf.engine import Context, ContextOptions, Model
+    from dflash_gguf.native.engine import Context, ContextOptions, Model
     from dflash_gguf.decoding import DFlashDecoder, GenerationStats, SpecOptions
     from dflash_gguf.decoding.rollback import recurrent_state_bytes
 
@@ -110,7 +110,7 @@ def table(rows: list[dict], caps: list[float]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from dflash_gguf.logs import set_log_handler
+    from dflash_gguf.native.logs import set_log_handler
 
     ap = argparse.ArgumentParser(prog="python -m dflash_gguf.bench.rollback", description=__doc__.split("\n\n")[0])
     ap.add_argument("--target", required=True, help="a hybrid target GGUF (e.g. from examples/make_gdn_pair.py)")

@@ -44,7 +44,7 @@ def _free_port() -> int:
 
 
 def start_servers(n: int, threads: int) -> tuple[list[subprocess.Popen], list[str]]:
-    from dflash_gguf import rpc
+    from dflash_gguf.native import rpc
     from dflash_gguf.errors import RpcConnectError
 
     exe = rpc.server_binary()

@@ -38,8 +38,8 @@ GATED = "lattice+gate"   # unseeded requests: the speed gate chooses the draft l
 
 def measure(target: str, drafter: str, prompts: list[str], temperatures: list[float], seeds: int, n_gen: int,
             threads: int | None) -> list[dict]:
-    from dflash_gguf.engine import Context, ContextOptions, Model
-    from dflash_gguf.sampling import SamplingParams
+    from dflash_gguf.native.engine import Context, ContextOptions, Model
+    from dflash_gguf.decoding.sampling import SamplingParams
     from dflash_gguf.decoding import DFlashDecoder, SpecOptions
 
     rows = []
@@ -155,7 +155,7 @@ def table(rows: list[dict]) -> str:
 def main(argv: list[str] | None = None) -> int:
     from dflash_gguf.bench.prompts import load_prompts
     from dflash_gguf.bench.results import machine_info, versions
-    from dflash_gguf.logs import set_log_handler
+    from dflash_gguf.native.logs import set_log_handler
 
     ap = argparse.ArgumentParser(prog="python -m dflash_gguf.bench.sampling", description=__doc__.split("\n\n")[0])
     ap.add_argument("--target", default=str(_DATA / "demo" / "target.gguf"))

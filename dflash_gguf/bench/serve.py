@@ -332,7 +332,7 @@ def bench(pair: str, servers: list[str], clients: list[int], n_requests: int, n_
 def engine_only(pair: str, clients: list[int], n_tokens: int, threads: int, ctx: int) -> list[dict]:
     """The batched engine in this process, no HTTP: C sequences of ``n_tokens`` greedy tokens each in one
     ``generate_batch`` (plain and with the drafter), after a warm-up batch."""
-    from dflash_gguf.engine import Context, ContextOptions, Model
+    from dflash_gguf.native.engine import Context, ContextOptions, Model
     from dflash_gguf.decoding import DFlashDecoder, Request, SpecOptions
 
     target, drafter = pair_files(pair)

@@ -73,7 +73,7 @@ def _run(llm, case: dict, i: int, n_tokens: int):
 
 @contextlib.contextmanager
 def _no_cut():
-    from dflash_gguf.constraints import Constraints
+    from dflash_gguf.decoding.constraints import Constraints
 
     real = Constraints.allowed_prefix
     Constraints.allowed_prefix = lambda self, draft: len(draft)
@@ -128,7 +128,7 @@ def row_costs(shape: str, wtype: str, repeats: int) -> list[dict]:
     from dflash_gguf.native.llama import llama_grammar
 
     from dflash_gguf.bench.scale import synth
-    from dflash_gguf.constraints import Grammar
+    from dflash_gguf.decoding.constraints import Grammar
 
     target = synth.make_pair(shape, wtype) / "target.gguf"
     llm = llama_cpp.Llama(str(target), n_ctx=64, vocab_only=True, verbose=False)

@@ -2,7 +2,7 @@
 
 ggml's CPU backend is built with OpenMP; libgomp keeps a pool of workers for every host thread that has
 run a parallel region, for as long as that thread lives, and while it manages more threads than the
-process has CPUs its workers sleep at barriers instead of spinning (``dflash_gguf.threads``). This bench
+process has CPUs its workers sleep at barriers instead of spinning (``dflash_gguf.native.threads``). This bench
 decodes one token at a time (``llama_cpp.Llama.eval``, plain decoding of the target) on one worker
 thread, in rounds of three phases:
 
@@ -28,7 +28,7 @@ import threading
 import time
 from pathlib import Path
 
-from dflash_gguf.threads import SerialWorker
+from dflash_gguf.native.threads import SerialWorker
 
 log = logging.getLogger("dflash_gguf.bench.threads")
 

@@ -95,7 +95,7 @@ def _run_watch_rss(cmd: list[str], tmp: Path, timeout: float) -> tuple[int, byte
 def spec_type(draft: Path) -> str:
     """Upstream's ``--spec-type`` for a drafter GGUF: ``draft-dspark`` for one with a Markov head (its
     driver reads a DSpark block differently), else ``draft-dflash`` (DFlash2 is told apart inside)."""
-    from dflash_gguf.gguf_check import drafter_kind, parse_gguf
+    from dflash_gguf.native.gguf_check import drafter_kind, parse_gguf
 
     return "draft-dspark" if drafter_kind(parse_gguf(draft)) == "dspark" else "draft-dflash"
 

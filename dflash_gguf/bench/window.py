@@ -43,7 +43,7 @@ def long_prompts(model, n_tokens: int, n_prompts: int) -> list[list[int]]:
 def sweep(target: str, drafter: str, windows: list[int], lengths: list[int], n_gen: int, n_prompts: int,
           threads: int | None) -> list[dict]:
     from dflash_gguf.bench.ours import top2_gap
-    from dflash_gguf.engine import Context, ContextOptions, Model
+    from dflash_gguf.native.engine import Context, ContextOptions, Model
     from dflash_gguf.decoding import DFlashDecoder, GenerationStats, SpecOptions
     from dflash_gguf.decoding.decoder import common_prefix_len
 
@@ -103,7 +103,7 @@ def table(rows: list[dict]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from dflash_gguf.logs import set_log_handler
+    from dflash_gguf.native.logs import set_log_handler
     from dflash_gguf.pair import pair_files
 
     ap = argparse.ArgumentParser(prog="python -m dflash_gguf.bench.window", description=__doc__.split("\n\n")[0])

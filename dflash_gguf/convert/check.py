@@ -46,7 +46,7 @@ def check_pair(pair_dir: str | os.PathLike, *, n_tokens: int = 32, prompt: bytes
 
 def _run(m, name: str, n_tokens: int, prompt: bytes, threads: int | None) -> CheckResult:
     from dflash_gguf.convert import draft_vocab
-    from dflash_gguf.engine import ContextOptions, Model
+    from dflash_gguf.native.engine import ContextOptions, Model
     from dflash_gguf.pair import compare_with_plain, open_pair
 
     with Model(m.target.path) as probe:

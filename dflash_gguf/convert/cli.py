@@ -77,7 +77,7 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     level = logging.DEBUG if args.verbose else logging.WARNING if args.quiet else logging.INFO
     logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(message)s", datefmt="%H:%M:%S")
-    from dflash_gguf.logs import set_log_handler
+    from dflash_gguf.native.logs import set_log_handler
 
     set_log_handler()       # llama.cpp's own log (quantizer, loader) goes to logging at DEBUG
     if args.list:

@@ -14,7 +14,8 @@ from dflash_gguf.pair import (FORMAT, FORMAT_VERSION, MANIFEST, PairFile, PairMa
 
 
 def converter_version() -> dict:
-    from dflash_gguf import __version__, build, paths
+    from dflash_gguf import __version__, paths
+    from dflash_gguf.build import native as build
 
     return {"dflash_gguf": __version__, "llama_cpp_python_sdist": build.SDIST_VERSION,
             "patch_series": paths.patch_series_hash()}

@@ -6,7 +6,7 @@ Two facts decide it, each read from where it is defined:
   tree's own ``convert_hf_to_gguf.py`` (``ModelBase``'s registered text-model classes carry
   ``model_arch``; gguf-py's ``MODEL_ARCH_NAMES`` names it);
 - whether llama.cpp's graph for that architecture records the layer inputs a drafter taps: the
-  library's one list, :func:`dflash_gguf._bindings.tappable_archs`.
+  library's one list, :func:`dflash_gguf.native._bindings.tappable_archs`.
 
 Reading the registry imports the converter (torch, transformers and every model module: seconds),
 so it runs once in a subprocess and the map is cached on disk, keyed by the tree and its converter
@@ -95,7 +95,7 @@ def converter_archs() -> dict[str, str]:
 
 def tappable() -> tuple[str, ...]:
     """GGUF architectures whose layers a drafter can tap (the library's list)."""
-    from dflash_gguf import _bindings
+    from dflash_gguf.native import _bindings
 
     return _bindings.tappable_archs()
 

@@ -28,7 +28,7 @@ def sampled_accept(draft: Sequence[int], logits_row: Callable[[int], np.ndarray]
                    q: Sequence[tuple[np.ndarray, np.ndarray]] | None = None) -> list[int]:
     """Tokens committed by a sampled step (speculative rejection sampling).
 
-    ``chooser`` is a :class:`dflash_gguf.sampling.TokenChooser`: ``verify(logits, token, history, q)``
+    ``chooser`` is a :class:`dflash_gguf.decoding.sampling.TokenChooser`: ``verify(logits, token, history, q)``
     keeps a drafted token with probability min(1, p/q) (p(token) for a deterministic proposal,
     ``q=None``) and otherwise resamples from the residual, ``pick(logits, history)`` samples the
     bonus token after a fully accepted block. ``q[i]``: (token ids, probabilities) the i-th token

@@ -43,13 +43,13 @@ from typing import Any, Iterator, Protocol, Sequence
 
 import numpy as np
 
-from dflash_gguf import _bindings as B
+from dflash_gguf.native import _bindings as B
 from dflash_gguf import paths
-from dflash_gguf.cpu import cpu_flags, cpu_model
+from dflash_gguf.kernels.cpu import cpu_flags, cpu_model
 from dflash_gguf.decoding.proposer import DrafterProposer, Proposer
-from dflash_gguf.engine import Context
+from dflash_gguf.native.engine import Context
 from dflash_gguf.decoding.gate import DraftLength
-from dflash_gguf.threads import run_in_own_thread
+from dflash_gguf.native.threads import run_in_own_thread
 
 log = logging.getLogger("dflash_gguf.decoding")
 

@@ -43,13 +43,13 @@ from typing import Iterator, Sequence
 
 import numpy as np
 
-from dflash_gguf import _bindings as B
-from dflash_gguf.constraints import Constraints
-from dflash_gguf.engine import Context, DrafterInfo, clamp_n_draft
+from dflash_gguf.native import _bindings as B
+from dflash_gguf.decoding.constraints import Constraints
+from dflash_gguf.native.engine import Context, DrafterInfo, clamp_n_draft
 from dflash_gguf.errors import BusyError, ContextOverflowError, InvalidArgumentError
 from dflash_gguf.decoding.gate import DraftLength
 from dflash_gguf.decoding import calibration
-from dflash_gguf.sampling import SamplingParams, TokenChooser
+from dflash_gguf.decoding.sampling import SamplingParams, TokenChooser
 from dflash_gguf.decoding.acceptance import cut_at_stop, greedy_accept, sampled_accept
 from dflash_gguf.decoding.features import FeatureFeed
 from dflash_gguf.decoding.policy import DraftPolicy
@@ -485,7 +485,7 @@ class DFlashDecoder(Prompts, Scheduling):
             self.policy.request_ended(self, own_proposals=type(self.proposer) is DrafterProposer)
 
     def _check_servers(self) -> None:
-        """Raise RpcLostError if a model of this decoder lost an rpc-server (dflash_gguf.rpc)."""
+        """Raise RpcLostError if a model of this decoder lost an rpc-server (dflash_gguf.native.rpc)."""
         for ctx in (self.target, self.drafter):
             check = getattr(ctx.model, "rpc_check", None) if ctx is not None else None
             if check is not None:

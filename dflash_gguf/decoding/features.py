@@ -12,7 +12,7 @@ request that decodes plainly to its end, then a new prompt - are never injected,
 gate decodes plainly never runs the drafter between its probes. Buffered rows always cover the
 contiguous positions ``[start, start + n)``, right after the drafter's cache.
 
-A drafter context with a window (``Context.window``, see :func:`dflash_gguf.engine.drafter_options`)
+A drafter context with a window (``Context.window``, see :func:`dflash_gguf.native.engine.drafter_options`)
 keeps the features of the last ``window`` positions only: before rows are written, older positions
 leave its cache, and rows that would leave it at once (the head of a long prompt) are never injected.
 Positions stay absolute, as the drafter was trained. One feed per sequence (``seq``): its rows of a
@@ -22,8 +22,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from dflash_gguf import _bindings as B
-from dflash_gguf.engine import Context, DrafterInfo
+from dflash_gguf.native import _bindings as B
+from dflash_gguf.native.engine import Context, DrafterInfo
 from dflash_gguf.errors import DFlashError
 
 MAX_BYTES = 4 << 20    # rows are injected when the buffer would pass this (per sequence; it grows by doubling

@@ -21,7 +21,7 @@ step costs (its prior measured by :mod:`.calibration`) and how often the drafter
 (:mod:`.history`). And, for drafters with a confidence head (DSpark), the per-token confidence calibrated
 online against what the target accepts (:mod:`.confidence`), which cuts each block to the rows whose
 expected tokens pay for their verify cost. Every request takes part, seeded sampled ones too: their
-text does not depend on what is drafted (:class:`dflash_gguf.sampling.TokenChooser`), so neither on this
+text does not depend on what is drafted (:class:`dflash_gguf.decoding.sampling.TokenChooser`), so neither on this
 machine's timings.
 """
 from __future__ import annotations
@@ -36,7 +36,7 @@ from dflash_gguf.decoding.batch_costs import batch_prior
 from dflash_gguf.decoding.confidence import Calibration, allocate, rows_cost
 from dflash_gguf.decoding.ngram import StepCosts, best_length
 from dflash_gguf.decoding.gate import DraftLength
-from dflash_gguf.sampling import SamplingParams
+from dflash_gguf.decoding.sampling import SamplingParams
 
 if TYPE_CHECKING:
     from dflash_gguf.decoding.sequence import Slot, Step

@@ -13,8 +13,8 @@ from typing import Callable, Sequence
 
 import numpy as np
 
-from dflash_gguf import _bindings as B
-from dflash_gguf.engine import Context
+from dflash_gguf.native import _bindings as B
+from dflash_gguf.native.engine import Context
 
 
 class Proposer:
@@ -79,7 +79,7 @@ class LatticeProposer:
     def propose(self, drafter: Context, seq: int, pos: int, pending: int, n: int, out: np.ndarray,
                 rng: np.random.Generator, temperature: float,
                 limits=None) -> tuple[int, list[tuple[np.ndarray, np.ndarray]]]:
-        """``limits``: the request's :class:`~dflash_gguf.constraints.Constraints`; with a grammar, each row
+        """``limits``: the request's :class:`~dflash_gguf.decoding.constraints.Constraints`; with a grammar, each row
         draws only among the candidates it allows after the tokens drawn before (the block ends at a row
         where it allows none), and that masked distribution is the row's q."""
         got = B.check(B.lib.llama_dflash_draft_lattice(drafter.cptr, seq, pos, pending, n,
@@ -168,7 +168,7 @@ class MarkovProposer:
                 limits=None) -> tuple[int, list[tuple[np.ndarray, np.ndarray]]]:
         """Draw ``n`` tokens into ``out`` from the drafter's logits rows ``row0 .. row0 + n - 1`` of its last
         decode (``chain``: their argmax ids, the graph's own chain after ``anchor``). ``limits``: the request's
-        :class:`~dflash_gguf.constraints.Constraints`; with a grammar each row draws only among the
+        :class:`~dflash_gguf.decoding.constraints.Constraints`; with a grammar each row draws only among the
         candidates it allows after the tokens drawn before (the block ends at a row where it allows none).
         Returns how many were drawn and each one's (ids, q)."""
         t = temperature if temperature > 0 else 1.0

@@ -17,7 +17,7 @@ import numpy as np
 from dflash_gguf.errors import InvalidArgumentError, RollbackError
 
 if TYPE_CHECKING:      # the rules need no native library (tests/test_rollback_rules.py runs without it)
-    from dflash_gguf.engine import Context
+    from dflash_gguf.native.engine import Context
 
 KINDS = ("seq_rm", "snapshot", "checkpoint")
 

@@ -27,7 +27,7 @@ import numpy as np
 from dflash_gguf.decoding.sequence import Request, TakenStep
 from dflash_gguf.decoding.stats import GenerationStats
 from dflash_gguf.errors import DecodeError
-from dflash_gguf.sampling import SamplingParams
+from dflash_gguf.decoding.sampling import SamplingParams
 
 log = logging.getLogger("dflash_gguf.decoding")
 

@@ -6,13 +6,13 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 
-from dflash_gguf.constraints import Constraints
+from dflash_gguf.decoding.constraints import Constraints
 from dflash_gguf.decoding.features import FeatureFeed
 from dflash_gguf.decoding.ngram import NgramIndex, Rates
 from dflash_gguf.decoding.rollback import Rollback
 from dflash_gguf.decoding.stats import GenerationStats
 from dflash_gguf.decoding.gate import DraftLength
-from dflash_gguf.sampling import SamplingParams, TokenChooser
+from dflash_gguf.decoding.sampling import SamplingParams, TokenChooser
 
 
 NO_HEAD = np.zeros(0, dtype=np.int32)

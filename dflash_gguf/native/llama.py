@@ -1,7 +1,7 @@
 """The llama-cpp-python this package runs on, and the one place that says which.
 
 Installed from a wheel (``pip install dflash-gguf`` or ``pip install .``), the package carries its own
-patched copy, ``dflash_gguf._llama_cpp`` (:mod:`dflash_gguf.bundle`), and runs on it whatever ``llama_cpp``
+patched copy, ``dflash_gguf._llama_cpp`` (:mod:`dflash_gguf.build.bundle`), and runs on it whatever ``llama_cpp``
 the environment also has. A development checkout has no copy: it runs on the environment's
 ``llama_cpp``, which ``python -m dflash_gguf.build`` (``make build``) replaces with the patched build.
 Every module of the package imports llama-cpp-python from here, never by its top-level name.

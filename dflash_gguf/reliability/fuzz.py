@@ -40,7 +40,7 @@ from pathlib import Path
 from typing import Callable
 
 from dflash_gguf import paths
-from dflash_gguf.gguf_check import drafter_kind, parse_gguf
+from dflash_gguf.native.gguf_check import drafter_kind, parse_gguf
 from dflash_gguf.reliability import mutate as M
 
 log = logging.getLogger("dflash_gguf.reliability.fuzz")
@@ -241,9 +241,10 @@ def _worker(no_precheck: bool) -> int:
     os.dup2(2, 1)
     sys.stdout = sys.stderr
     logging.basicConfig(level=logging.ERROR, stream=sys.stderr)
-    from dflash_gguf.logs import set_log_handler
+    from dflash_gguf.native.logs import set_log_handler
     set_log_handler()
-    from dflash_gguf import api, engine
+    from dflash_gguf import api
+    from dflash_gguf.native import engine
     from dflash_gguf.errors import DFlashError
     if no_precheck:   # measure what llama.cpp alone does with the file
         api.check_gguf = engine.check_gguf = lambda *a, **k: None
@@ -252,7 +253,7 @@ def _worker(no_precheck: bool) -> int:
     kw = dict(n_ctx=128, n_batch=64, n_threads=1, n_threads_batch=1, verbose=False, seed=0)
 
     def stage_model(d: Path):
-        from dflash_gguf.engine import Context, ContextOptions, Model
+        from dflash_gguf.native.engine import Context, ContextOptions, Model
         from dflash_gguf.decoding import DFlashDecoder
         opts = ContextOptions(n_ctx=128, n_batch=64, n_ubatch=64, n_threads=1)
         with Model(d / "target.gguf") as t, Model(d / "drafter.gguf") as dm:

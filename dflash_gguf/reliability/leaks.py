@@ -116,7 +116,7 @@ def llama_phase(target: str, drafter: str, generations: int, reopen: int, seed: 
 
 
 def engine_phase(target: str, drafter: str, cycles: int, per_mark: int) -> list[dict]:
-    from dflash_gguf.engine import Context, ContextOptions, Model
+    from dflash_gguf.native.engine import Context, ContextOptions, Model
     from dflash_gguf.decoding import DFlashDecoder
 
     opts = ContextOptions(n_ctx=256, n_batch=64, n_ubatch=64, n_threads=1)
@@ -205,7 +205,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.full:
         args.generations, args.reopen, args.cycles = 1000, 100, 300
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s", datefmt="%H:%M:%S")
-    from dflash_gguf.logs import set_log_handler
+    from dflash_gguf.native.logs import set_log_handler
     set_log_handler()
     rep = run(args.model, args.draft, args.generations, args.reopen, args.cycles, rss_tol_mib=args.rss_tol_mib,
               gc_tol=args.gc_tol, max_tokens=args.max_tokens)

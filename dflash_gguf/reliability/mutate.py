@@ -12,7 +12,7 @@ import struct
 from dataclasses import dataclass
 from typing import Callable
 
-from dflash_gguf.gguf_check import (KV, T_ARRAY, T_INT32, T_STRING, T_UINT32, T_UINT64, _INTEGER, _SCALAR,
+from dflash_gguf.native.gguf_check import (KV, T_ARRAY, T_INT32, T_STRING, T_UINT32, T_UINT64, _INTEGER, _SCALAR,
                                     GGUFHeader, TensorInfo)
 
 HUGE = (2 ** 31 - 1, 2 ** 32 - 1, 2 ** 40, 2 ** 63 - 1, 2 ** 64 - 1)

@@ -418,7 +418,7 @@ def main(argv: list[str] | None = None) -> int:
         print(summary(reclassify(json.loads(args.report.read_text()))))
         return 0
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s", datefmt="%H:%M:%S")
-    from dflash_gguf.logs import set_log_handler
+    from dflash_gguf.native.logs import set_log_handler
     set_log_handler()
     archs, kinds = args.archs.split(","), args.kinds.split(",")
     blocks = [int(b) for b in args.blocks.split(",")]

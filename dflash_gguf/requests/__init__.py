@@ -9,6 +9,6 @@ and the server (its one-at-a-time route and its ``--parallel`` slots).
 * :mod:`.responses`: the shapes of an answer: finish reason, usage, the ``dflash`` object, completion
   bodies and stream chunks (OpenAI's, as llama_cpp gives them).
 
-Nothing is imported here: the decoding engine reads the defaults (:class:`dflash_gguf.sampling.SamplingParams`)
+Nothing is imported here: the decoding engine reads the defaults (:class:`dflash_gguf.decoding.sampling.SamplingParams`)
 without loading the rest.
 """

@@ -2,7 +2,7 @@
 
 One table for every front door: the server (both routes: the slots take these, the ``Llama`` has them as
 llama_cpp's keyword defaults), ``Llama.generate`` (llama_cpp's signature), :class:`dflash_gguf.batch.BatchLlama`,
-the command line and :class:`dflash_gguf.sampling.SamplingParams`. ``create_completion`` (and ``generate``)
+the command line and :class:`dflash_gguf.decoding.sampling.SamplingParams`. ``create_completion`` (and ``generate``)
 and ``create_chat_completion`` differ only in the temperature; our own entry points (``BatchLlama``, the
 command line, ``SamplingParams``) take :data:`COMPLETION`'s filters but are greedy unless asked
 (:data:`GREEDY`). A leaf: it imports nothing of the package.

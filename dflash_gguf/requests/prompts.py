@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Sequence
 
-from dflash_gguf.calls import check_template_kwargs
+from dflash_gguf.requests.calls import check_template_kwargs
 
 
 def formatted_prompt(fmt, messages: Sequence[dict], tokenize, **extra) -> tuple[list[int], list[str]]:

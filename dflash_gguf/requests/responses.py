@@ -12,7 +12,7 @@ import time
 import uuid
 from typing import TYPE_CHECKING
 
-from dflash_gguf.logprobs import chat_logprobs
+from dflash_gguf.requests.logprobs import chat_logprobs
 
 if TYPE_CHECKING:
     from dflash_gguf.decoding.stats import GenerationStats

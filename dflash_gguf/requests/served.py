@@ -2,7 +2,7 @@
 
 DFlash serves a generation only where its output is exactly what ``llama_cpp.Llama`` gives (the
 same tokens greedy, the same distribution sampled); grammars and logits processors (``logit_bias``)
-are applied on every verify row (:mod:`dflash_gguf.constraints`), and with ``logits_all=True`` the
+are applied on every verify row (:mod:`dflash_gguf.decoding.constraints`), and with ``logits_all=True`` the
 prompt's and every kept token's logits rows fill llama_cpp's scores (its logprobs read them).
 Everything else falls back to the plain path, and the reason is reported (the ``"dflash"`` object of
 a response, ``Llama.last_dflash_stats``): :func:`plain_reason`, for every generation of a
@@ -15,7 +15,7 @@ The server's ``--parallel`` slots (one batched engine) serve a request whose fie
 go into the chat template, a named ``tool_choice``'s grammar on the reply, the reply a tool call (as
 llama_cpp's chat handlers do); ``echo`` as llama_cpp (the non-streamed text starts with the prompt; a
 stream leaves it out; a token-id prompt's text detokenized); ``logprobs`` / ``top_logprobs``: the generated
-tokens' (:mod:`dflash_gguf.logprobs`), with or without ``--logits-all``. Not in the slots: the
+tokens' (:mod:`dflash_gguf.requests.logprobs`), with or without ``--logits-all``. Not in the slots: the
 log-probabilities of an echoed prompt (its rows), and a chat whose prompt the slots cannot build (a
 ``chat_handler`` of the ``Llama``'s own, a chat format without a formatter:
 :func:`dflash_gguf.requests.prompts.chat_prompt` says None).
@@ -25,8 +25,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Mapping
 
-from dflash_gguf.sampling import SamplingParams
-from dflash_gguf.stopping import stop_token_ids
+from dflash_gguf.decoding.sampling import SamplingParams
+from dflash_gguf.requests.stopping import stop_token_ids
 
 # request fields the batched engine serves (every sampling field llama_cpp has; a field added to the
 # server's schema and not here goes to the Llama)

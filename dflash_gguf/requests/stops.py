@@ -1,6 +1,6 @@
 """Stop strings over a request's tokens: the consumer that ends a request once its text holds one.
 
-Stop tokens (a chat template's end-of-turn, ``StopOnTokens``) are the decoder's own: :mod:`dflash_gguf.stopping`.
+Stop tokens (a chat template's end-of-turn, ``StopOnTokens``) are the decoder's own: :mod:`dflash_gguf.requests.stopping`.
 """
 from __future__ import annotations
 

@@ -82,7 +82,7 @@ from dflash_gguf.server.metrics import Metrics
 from dflash_gguf.server.responses import (POLL_S, BadRequest, ServingError, error_body, error_response, plain_json,
                                           validation_message)
 from dflash_gguf.server.schemas import ChatRequest, CompletionRequest
-from dflash_gguf.threads import SerialWorker
+from dflash_gguf.native.threads import SerialWorker
 
 log = logging.getLogger("dflash_gguf.server")
 _END = object()
@@ -118,7 +118,7 @@ class _Server:
         self.created = int(time.time())
         self.lock = asyncio.Lock()
         # the only thread touching llm, at a time: it ends when idle, so that its OpenMP pool does not slow the
-        # slots' engine thread once it is done (dflash_gguf.threads)
+        # slots' engine thread once it is done (dflash_gguf.native.threads)
         self.worker = SerialWorker(name="llama")
         self.metrics = Metrics()
         self.waiting = 0
@@ -460,7 +460,8 @@ def create_app(llm, model_id: str | None = None, *, max_queue: int | None = None
 
     def no_eog(kw: dict) -> None:
         """llama-server's ``ignore_eos``: the end-of-generation tokens masked (constraints.masked)."""
-        from dflash_gguf.constraints import end_of_generation_ids, masked
+        from dflash_gguf.decoding.constraints import masked
+        from dflash_gguf.native.engine import end_of_generation_ids
 
         if srv.eog is None:
             srv.eog = end_of_generation_ids(llm._model.vocab, llm.n_vocab())

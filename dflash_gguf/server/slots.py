@@ -36,17 +36,17 @@ from typing import Any
 
 from fastapi.responses import JSONResponse, StreamingResponse
 
-from dflash_gguf.constraints import request_constraints, tool_call_grammar
+from dflash_gguf.decoding.constraints import request_constraints, tool_call_grammar
 from dflash_gguf.server.responses import POLL_S, error_body, error_response
-from dflash_gguf.engine import Context, ContextOptions, Model
+from dflash_gguf.native.engine import Context, ContextOptions, Model
 from dflash_gguf.runtime import Runtime
-from dflash_gguf.logprobs import Collector, CompletionLogprobs
+from dflash_gguf.requests.logprobs import Collector, CompletionLogprobs
 from dflash_gguf.requests.defaults import sampling
 from dflash_gguf.requests.responses import (chunk, completion_body, dflash_object, finish_reason, text_chunk_frame,
                                             usage, usage_chunk)
 from dflash_gguf.requests.served import slots_plain_reason, slots_serve
 from dflash_gguf.requests.stops import StopStrings
-from dflash_gguf.sampling import SamplingParams
+from dflash_gguf.decoding.sampling import SamplingParams
 from dflash_gguf.decoding.sequence import Request
 from dflash_gguf.decoding.stats import GenerationStats
 

@@ -85,8 +85,8 @@ def _pick_pair(gg: Path, tgt: Path, dft: Path) -> None:
 # ----------------------------------------------------------------------------- 7 verify
 def verify(work: Path, a) -> dict:
     sys.path.insert(0, str(REPO))
-    from dflash_gguf.engine import ContextOptions
-    from dflash_gguf.logs import set_log_handler
+    from dflash_gguf.native.engine import ContextOptions
+    from dflash_gguf.native.logs import set_log_handler
     from dflash_gguf.bench.ours import top2_gap
     from dflash_gguf.bench.window import NEAR_TIE
     from dflash_gguf.pair import compare_with_plain, open_pair
@@ -171,8 +171,8 @@ def align_check(work: Path, a, mask_id: int) -> dict:
     tau_torch = (acc + steps) / steps
 
     sys.path.insert(0, str(REPO))
-    from dflash_gguf.engine import Context, ContextOptions, Model
-    from dflash_gguf.logs import set_log_handler
+    from dflash_gguf.native.engine import Context, ContextOptions, Model
+    from dflash_gguf.native.logs import set_log_handler
     from dflash_gguf.decoding import DFlashDecoder, GenerationStats
 
     set_log_handler()
@@ -384,7 +384,7 @@ def _drafter_at(tm, dm, opts, prompt: list[int]):
     """A drafter context (on a target context of its own) holding the features of ``prompt[:-1]``, ready
     to draft the block after ``prompt[-1]``; both contexts are closed on leaving."""
     from dflash_gguf.decoding import DFlashDecoder
-    from dflash_gguf.engine import Context
+    from dflash_gguf.native.engine import Context
 
     tctx = Context(tm, opts)
     dctx = Context(dm, opts, other=tctx)
@@ -423,9 +423,9 @@ def lattice_check(work: Path, a, mask_id: int, n_prompts: int = 4) -> dict:
     import torch
 
     sys.path.insert(0, str(REPO))
-    from dflash_gguf import _bindings as B
-    from dflash_gguf.engine import ContextOptions, Model
-    from dflash_gguf.logs import set_log_handler
+    from dflash_gguf.native import _bindings as B
+    from dflash_gguf.native.engine import ContextOptions, Model
+    from dflash_gguf.native.logs import set_log_handler
 
     target, dr = torch_pair(work, a)
     W = target.model.embed_tokens.weight
@@ -480,9 +480,9 @@ def dspark_check(work: Path, a, mask_id: int, n_prompts: int = 8) -> dict:
     import torch
 
     sys.path.insert(0, str(REPO))
-    from dflash_gguf import _bindings as B
-    from dflash_gguf.engine import ContextOptions, Model
-    from dflash_gguf.logs import set_log_handler
+    from dflash_gguf.native import _bindings as B
+    from dflash_gguf.native.engine import ContextOptions, Model
+    from dflash_gguf.native.logs import set_log_handler
 
     target, dr = torch_pair(work, a)
     W = target.model.embed_tokens.weight

@@ -30,7 +30,7 @@ BINS = (0.0, 0.2, 0.4, 0.6, 0.8, 0.9, 1.0)
 def run_drafter(target: Path, drafter: Path, prompts: list[dict], tokens: int, threads: int, trace: bool) -> dict:
     from dflash_gguf.decoding import GenerationStats, SpecOptions
     from dflash_gguf.decoding.proposer import DrafterProposer
-    from dflash_gguf.engine import ContextOptions
+    from dflash_gguf.native.engine import ContextOptions
     from dflash_gguf.pair import compare_with_plain, open_pair
 
     class Tracing(DrafterProposer):
@@ -105,7 +105,7 @@ def main(argv=None) -> int:
     a = ap.parse_args(argv)
     sys.path.insert(0, str(REPO))
     from dflash_gguf.bench.prompts import load_prompts
-    from dflash_gguf.logs import set_log_handler
+    from dflash_gguf.native.logs import set_log_handler
 
     set_log_handler()
     prompts = load_prompts(a.prompts)

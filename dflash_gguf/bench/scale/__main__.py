@@ -181,7 +181,7 @@ def _load() -> str:
 def main(argv: list[str] | None = None) -> int:
     a = _parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s", datefmt="%H:%M:%S")
-    from dflash_gguf.logs import set_log_handler
+    from dflash_gguf.native.logs import set_log_handler
 
     set_log_handler()     # llama.cpp's own log goes to logging at DEBUG
     shapes = [s.strip() for s in a.shapes.split(",") if s.strip()]

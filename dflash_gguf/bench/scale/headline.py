@@ -40,9 +40,9 @@ def measure(target: Path, drafter: Path, *, tokens: int = 64, trials: int = 3, t
     """Plain vs gated DFlash (one decoder for every call, as a ``Llama`` keeps it), trials interleaved."""
     from dflash_gguf.bench.scale.replay import ReplayProposer, expected_tau, parse_profile
     from dflash_gguf.bench.scale.run import PROMPT, _gen
-    from dflash_gguf.cpu import cpu_model
+    from dflash_gguf.kernels.cpu import cpu_model
     from dflash_gguf.decoding import DFlashDecoder, OverrideProposer, SpecOptions
-    from dflash_gguf.engine import Context, ContextOptions, Model
+    from dflash_gguf.native.engine import Context, ContextOptions, Model
 
     name, cum = parse_profile(profile)
     t0 = time.perf_counter()
@@ -110,7 +110,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--json", action="store_true", help="print the result as JSON")
     a = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s", datefmt="%H:%M:%S")
-    from dflash_gguf.logs import set_log_handler
+    from dflash_gguf.native.logs import set_log_handler
 
     set_log_handler()
     dv = None if a.draft_vocab.lower() == "off" else int(a.draft_vocab)

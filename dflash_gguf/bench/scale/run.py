@@ -36,7 +36,7 @@ def _ms(x: float) -> float:
 
 
 def measure_costs(tctx, dctx, prompt_ids: list[int], n_draft: int, repeats: int, max_rows: int = 16) -> dict:
-    from dflash_gguf import _bindings as B
+    from dflash_gguf.native import _bindings as B
     from dflash_gguf.decoding import DFlashDecoder
 
     dec = DFlashDecoder(tctx, dctx)
@@ -81,7 +81,7 @@ def _gen(dec, prompt_ids, n, stats=None):
 
 def run_case(case: dict) -> dict:
     from dflash_gguf.bench.scale.replay import ReplayProposer, expected_tau, parse_profile
-    from dflash_gguf.engine import Context, ContextOptions, Model
+    from dflash_gguf.native.engine import Context, ContextOptions, Model
     from dflash_gguf.decoding import DFlashDecoder, DrafterProposer, OverrideProposer, SpecOptions
 
     n_tok, trials, threads = case["tokens"], case["trials"], case.get("threads")
@@ -185,7 +185,7 @@ def run_case(case: dict) -> dict:
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s", datefmt="%H:%M:%S")
-    from dflash_gguf.logs import set_log_handler
+    from dflash_gguf.native.logs import set_log_handler
 
     set_log_handler()
     case = json.loads(Path(argv[0]).read_text())

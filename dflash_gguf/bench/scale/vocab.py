@@ -27,7 +27,7 @@ log = logging.getLogger("dflash_gguf.bench.scale")
 
 DEMO_DIR = paths.DEMO_DIR
 def _run(target: Path, drafter: Path, prompts: list[str], n_tok: int, threads: int) -> tuple[float, int, list]:
-    from dflash_gguf.engine import Context, ContextOptions, Model
+    from dflash_gguf.native.engine import Context, ContextOptions, Model
     from dflash_gguf.decoding import DFlashDecoder, GenerationStats
 
     with Model(target) as tm, Model(drafter) as dm:
@@ -66,7 +66,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("-t", "--threads", type=int, default=2)
     a = ap.parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s: %(message)s", datefmt="%H:%M:%S")
-    from dflash_gguf.logs import set_log_handler
+    from dflash_gguf.native.logs import set_log_handler
 
     set_log_handler()
     m = load_manifest(a.pair)

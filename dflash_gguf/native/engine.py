@@ -1,7 +1,7 @@
 """Native handles: a loaded GGUF model and a llama.cpp context, as small owner objects.
 
 Loading and context creation go through llama-cpp-python's ctypes API (it owns the struct
-layouts); the hot loop uses the cffi handles of :mod:`dflash_gguf._bindings`.
+layouts); the hot loop uses the cffi handles of :mod:`dflash_gguf.native._bindings`.
 """
 from __future__ import annotations
 
@@ -14,15 +14,21 @@ from pathlib import Path
 from dflash_gguf.native.llama import llama_low as C
 import numpy as np
 
-from dflash_gguf import _bindings as B
-from dflash_gguf.constraints import end_of_generation_ids
+from dflash_gguf.native import _bindings as B
 from dflash_gguf.errors import (DFlashError, InvalidArgumentError, ModelFileError, PairMismatchError,
                                RollbackError, UnsupportedError)
-from dflash_gguf.gguf_check import check_gguf
+from dflash_gguf.native.gguf_check import check_gguf
 
-log = logging.getLogger("dflash_gguf.engine")
+log = logging.getLogger("dflash_gguf.native.engine")
 
 PARTIAL_ONLY = 1  # LLAMA_STATE_SEQ_FLAGS_PARTIAL_ONLY
+
+
+def end_of_generation_ids(vocab, n_vocab: int) -> list[int]:
+    """The end-of-generation token ids of a llama.cpp vocabulary of ``n_vocab`` tokens (``llama_vocab_is_eog``)."""
+    from dflash_gguf.native.llama import llama_cpp
+
+    return [t for t in range(n_vocab) if llama_cpp.llama_vocab_is_eog(vocab, t)]
 
 
 class _Handle:
@@ -90,7 +96,7 @@ class Model(_Handle):
         params.n_gpu_layers = n_gpu_layers
         if not use_mmap:   # this llama_cpp has load_mode, not use_mmap (a ctypes struct takes unknown names silently)
             params.load_mode = C.LLAMA_LOAD_MODE_NONE
-        if devices:   # a NULL-terminated ggml_backend_dev_t array (dflash_gguf.rpc.RpcDevices.address)
+        if devices:   # a NULL-terminated ggml_backend_dev_t array (dflash_gguf.native.rpc.RpcDevices.address)
             params.devices = devices
         ptr = C.llama_model_load_from_file(str(self.path).encode(), params)
         if not ptr:

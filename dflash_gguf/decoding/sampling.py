@@ -5,7 +5,7 @@ is one), penalties over the tokens generated so far (last ``penalty_last_n``), a
 at ``temperature == 0``; otherwise top-k -> typical -> top-p -> min-p -> temperature -> sample, or
 mirostat (v1 or v2, in place of all those filters and of the temperature, as llama_cpp builds it).
 ``temperature < 0`` samples from the raw distribution. Processors and grammar come from
-:class:`dflash_gguf.constraints.Constraints`; here a grammar is a test ``allowed(ids) -> bool per id``.
+:class:`dflash_gguf.decoding.constraints.Constraints`; here a grammar is a test ``allowed(ids) -> bool per id``.
 
 Acceptance of a drafted token ``d`` drawn from a proposal ``q`` against the target distribution
 ``p`` is the standard rejection rule: accept with probability ``min(1, p[d] / q[d])``; on rejection
@@ -231,7 +231,7 @@ def distribution(logits: np.ndarray, sp: SamplingParams, allowed: Allowed | None
 
 class TokenChooser:
     """Picks target tokens for one generation call: greedy or sampled, with penalties, and with a
-    request's logits processors and grammar (``constraints``, a :class:`dflash_gguf.constraints.Constraints`).
+    request's logits processors and grammar (``constraints``, a :class:`dflash_gguf.decoding.constraints.Constraints`).
 
     A sampled token is drawn with the random numbers of its own position in the generation (a stream of
     the request's seed and the position): the token at a position is the target's draw from its

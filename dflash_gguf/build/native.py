@@ -38,10 +38,11 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from dflash_gguf import build_cross, paths
+from dflash_gguf import paths
+from dflash_gguf.build import cross as build_cross
 from dflash_gguf.pair import sha256_file
 
-log = logging.getLogger("dflash_gguf.build")
+log = logging.getLogger("dflash_gguf.build.native")
 
 SDIST_NAME = "llama-cpp-python"
 SDIST_VERSION = "0.3.36"
@@ -230,7 +231,7 @@ def prepare_tree(sdist: Path, key: str, series: str, force: bool) -> Path:
                 git_marker.unlink()          # submodule pointers: would confuse git apply
         apply_patches(tree, paths.patch_files())
         (tree / STAMP_HEADER).write_text(
-            "// written by dflash_gguf.build after the patch series applied\n"
+            "// written by dflash_gguf.build.native after the patch series applied\n"
             f'#define LLAMA_DFLASH_SERIES "{series}"\n')
         root.parent.mkdir(parents=True, exist_ok=True)
         os.replace(tmp, root)

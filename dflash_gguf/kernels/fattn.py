@@ -3,12 +3,12 @@
 The CPU flash-attention path every decode of fewer than 64 query rows takes (a one-token decode, a
 block verify, several sequences' blocks in one batch) is patched twice in the series: patch 0016 sums
 F16 V in fp32, patch 0020 steps over runs of masked KV cells 16 at a time. This module drives the op
-through ggml's C API (ctypes, :class:`dflash_gguf.mulmat.Ggml`) with masks like a unified KV cache's
+through ggml's C API (ctypes, :class:`dflash_gguf.kernels.mulmat.Ggml`) with masks like a unified KV cache's
 (several sequences' cells interleaved in runs; a query row may attend to its own sequence's cells
 only) and compares every output with float64 softmax attention over exactly the allowed cells:
 
-    python -m dflash_gguf.fattn                        # the check grid, JSON lines, exit 1 on a mismatch
-    python -m dflash_gguf.fattn --time 20 --kv 2400 --seqs 8 --rows 8
+    python -m dflash_gguf.kernels.fattn                        # the check grid, JSON lines, exit 1 on a mismatch
+    python -m dflash_gguf.kernels.fattn --time 20 --kv 2400 --seqs 8 --rows 8
 
 ``--time`` times one op with the interleaved mask beside the same allowed cells packed into one
 sequence's span (what a cache with one stream per sequence gives each row), so ``--lib-dir`` A/Bs a
@@ -27,7 +27,7 @@ from pathlib import Path
 
 import numpy as np
 
-from dflash_gguf.mulmat import GGML_TYPES, Ggml, _InitParams, cpu_backend, default_lib_dir, parse_rows, report
+from dflash_gguf.kernels.mulmat import GGML_TYPES, Ggml, _InitParams, cpu_backend, default_lib_dir, parse_rows, report
 
 log = logging.getLogger(__name__)
 

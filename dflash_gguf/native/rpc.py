@@ -32,7 +32,7 @@ from typing import Sequence
 from dflash_gguf.errors import (InvalidArgumentError, RpcConnectError, RpcLostError, RpcProtocolError,
                                 UnsupportedError)
 
-log = logging.getLogger("dflash_gguf.rpc")
+log = logging.getLogger("dflash_gguf.native.rpc")
 
 CONNECT_TIMEOUT_S = 5.0   # connect, HELLO and DEVICE_COUNT together, per server
 PROTO_MAJOR, PROTO_MINOR = 7, 0   # ggml-rpc.h RPC_PROTO_{MAJOR,MINOR}_VERSION of the pinned tree
@@ -138,7 +138,7 @@ class _Ggml:
     def __init__(self):
         from dflash_gguf.native.llama import llama_cpp
 
-        from dflash_gguf import _bindings as B
+        from dflash_gguf.native import _bindings as B
 
         if not llama_cpp.llama_supports_rpc():
             raise UnsupportedError("this llama.cpp build has no RPC backend: rebuild with "
@@ -185,7 +185,7 @@ _OPEN: weakref.WeakSet = weakref.WeakSet()   # models on rpc-servers, closed at 
 def _close_at_exit() -> None:
     """Free models on rpc-servers before the interpreter finalizes: freeing sends commands that ggml's
     dispatcher thread completes, and a thread that logs through a Python callback (llama_cpp's, or
-    dflash_gguf.logs') during finalization is ended by Python, leaving the free waiting forever."""
+    dflash_gguf.native.logs') during finalization is ended by Python, leaving the free waiting forever."""
     for obj in list(_OPEN):
         try:
             obj.close()

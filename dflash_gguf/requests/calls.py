@@ -58,7 +58,7 @@ def check_template_kwargs(extra: dict) -> None:
 def check_grammar(llm: llama_cpp.Llama, grammar) -> None:
     """Raise ValueError (InvalidArgumentError) for a grammar llama.cpp cannot parse (llama_cpp would crash
     on it)."""
-    from dflash_gguf.constraints import Grammar
+    from dflash_gguf.decoding.constraints import Grammar
 
     Grammar.of(llm, grammar).close()
 

@@ -13,7 +13,7 @@ the bindings load them by those names, from their own folder, and read ``DFLASH_
 llama_cpp's ``LLAMA_CPP_LIB_PATH``, which belongs to the user's copy). Imports inside the copy are
 rewritten from ``llama_cpp`` to ``dflash_gguf._llama_cpp``; nothing else in llama-cpp-python changes.
 
-The libraries come from :mod:`dflash_gguf.build`'s cached wheel (the same build ``make build`` installs
+The libraries come from :mod:`dflash_gguf.build.native`'s cached wheel (the same build ``make build`` installs
 into a development environment), so a second install of the same patch series takes seconds.
 """
 from __future__ import annotations
@@ -28,7 +28,7 @@ import tempfile
 import zipfile
 from pathlib import Path
 
-log = logging.getLogger("dflash_gguf.bundle")
+log = logging.getLogger("dflash_gguf.build.bundle")
 
 PACKAGE = "_llama_cpp"                 # dflash_gguf._llama_cpp
 DOTTED = f"dflash_gguf.{PACKAGE}"
@@ -170,7 +170,7 @@ CMAKE_ARGS_ENV = "DFLASH_GGUF_CMAKE_ARGS"  # extra CMake -D flags, space-separat
 def patched_wheel() -> Path:
     """The patched llama-cpp-python wheel of this package's patch series (built once, then cached), for
     this machine's CPU or the backend ``DFLASH_GGUF_PLATFORM`` names."""
-    from dflash_gguf import build
+    from dflash_gguf.build import native as build
 
     opts = build.BuildOptions(platform=os.environ.get(PLATFORM_ENV) or "cpu",
                               cmake_args=os.environ.get(CMAKE_ARGS_ENV, "").split())

@@ -2,7 +2,7 @@
 
 llama-cpp-python's sampler chain is ``logits_processor`` (``logit_bias`` becomes one) -> penalties ->
 grammar -> greedy, or top-k -> typical -> top-p -> min-p -> temperature -> sample.
-:class:`dflash_gguf.sampling.TokenChooser` runs that chain on every verify row; this module holds
+:class:`dflash_gguf.decoding.sampling.TokenChooser` runs that chain on every verify row; this module holds
 the two parts that are not pure functions of the row's logits:
 
 * :class:`Grammar` - one llama.cpp grammar sampler (``llama_sampler_init_grammar``, as ``llama_cpp``
@@ -100,14 +100,6 @@ def logit_bias_processor(bias: dict) -> Callable:
         out[ids] = scores[ids] + add
         return out
     return processor
-
-
-def end_of_generation_ids(vocab, n_vocab: int) -> list[int]:
-    """The end-of-generation token ids of a llama.cpp vocabulary of ``n_vocab`` tokens (``llama_vocab_is_eog``)."""
-    from dflash_gguf.native.llama import llama_cpp
-
-    return [t for t in range(n_vocab) if llama_cpp.llama_vocab_is_eog(vocab, t)]
-
 
 def masked(bias: dict | None, ids) -> dict:
     """``bias`` (a ``logit_bias``) with a bias of -inf on ``ids``, over any it gives them: llama-server's

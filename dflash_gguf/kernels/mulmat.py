@@ -6,10 +6,10 @@ multiplies them with their own kernels. This module drives one such path through
 compares each result with the plain CPU path (ggml's reference kernels for the same quantized
 weights) and with an exact float64 product of the dequantized weights:
 
-    python -m dflash_gguf.mulmat --buft CPU_X86MM                 # default grid, JSON lines, exit 1 on a mismatch
-    python -m dflash_gguf.mulmat --buft CPU_X86MM --types q4_0 --rows 1-33 --k 2048 --n 96
-    python -m dflash_gguf.mulmat --buft CPU_X86MM --time 20 --k 2048 --n 6144 --rows 1,2,4,8,16
-    python -m dflash_gguf.mulmat --buft CPU_X86MM --extreme      # the largest integer sums a kernel can meet
+    python -m dflash_gguf.kernels.mulmat --buft CPU_X86MM                 # default grid, JSON lines, exit 1 on a mismatch
+    python -m dflash_gguf.kernels.mulmat --buft CPU_X86MM --types q4_0 --rows 1-33 --k 2048 --n 96
+    python -m dflash_gguf.kernels.mulmat --buft CPU_X86MM --time 20 --k 2048 --n 6144 --rows 1,2,4,8,16
+    python -m dflash_gguf.kernels.mulmat --buft CPU_X86MM --extreme      # the largest integer sums a kernel can meet
 
 ``--extreme`` writes every weight at its type's largest quant (and largest scales) and makes every
 activation row one constant, positive or negative, so that each int8 activation is +-127: the
@@ -91,7 +91,7 @@ _TO_FLOAT = ctypes.CFUNCTYPE(None, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_in
 
 class Ggml:
     """The few ggml entry points the checks need (MUL_MAT here, FLASH_ATTN_EXT in
-    :mod:`dflash_gguf.fattn`), bound with ctypes."""
+    :mod:`dflash_gguf.kernels.fattn`), bound with ctypes."""
 
     def __init__(self, lib_dir: Path):
         mode = ctypes.RTLD_GLOBAL

@@ -19,7 +19,7 @@ _FIX = ("reinstall dflash-gguf (`pip install --force-reinstall dflash-gguf`, or 
         "(`make build`), which installs the patched llama-cpp-python into the environment")
 
 ffi = cffi.FFI()
-ffi.cdef(resources.files("dflash_gguf").joinpath("_cffi/dflash.cdef").read_text())
+ffi.cdef(resources.files("dflash_gguf").joinpath("native/_cffi/dflash.cdef").read_text())
 
 
 def _library_path() -> str:

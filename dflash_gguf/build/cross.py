@@ -1,6 +1,6 @@
 """Arm64 side of the build: KleidiAI offline, the aarch64 wheel, and an emulated aarch64 Python.
 
-Used by :mod:`dflash_gguf.build` (``--cross aarch64-linux-gnu``, ``--platform kleidiai``) and by
+Used by :mod:`dflash_gguf.build.native` (``--cross aarch64-linux-gnu``, ``--platform kleidiai``) and by
 the arm64 tests. Three parts:
 
 * **KleidiAI offline**: ``--kleidiai-src`` takes the unpacked source *or* its release archive
@@ -43,7 +43,7 @@ from pathlib import Path
 
 from dflash_gguf import paths
 
-log = logging.getLogger("dflash_gguf.build_cross")
+log = logging.getLogger("dflash_gguf.build.cross")
 
 KLEIDIAI_VERSION = "1.24.0"
 KLEIDIAI_COMMIT = "0b2ee513397578a272a4e8a6c12589ef6534371c"
@@ -337,7 +337,7 @@ def make_wheel(tree: Path, bindir: Path, out_dir: Path, version: str, plat: str 
             files.append((f"llama_cpp/{f.relative_to(pkg).as_posix()}", f.read_bytes()))
     for arc_name, real in sorted(wheel_libraries(bindir).items()):
         files.append((f"llama_cpp/lib/{arc_name}", real.read_bytes()))
-    wheel_meta = ("Wheel-Version: 1.0\nGenerator: dflash_gguf.build_cross\nRoot-Is-Purelib: false\n"
+    wheel_meta = ("Wheel-Version: 1.0\nGenerator: dflash_gguf.build.cross\nRoot-Is-Purelib: false\n"
                   f"Tag: py3-none-{plat}\n")
     files += [(f"{dist}.dist-info/METADATA", pkg_info.encode()), (f"{dist}.dist-info/WHEEL", wheel_meta.encode())]
     record = [_record_line(a, d) for a, d in files] + [f"{dist}.dist-info/RECORD,,"]
@@ -469,7 +469,7 @@ def cross_wheel(variant: str) -> Path | None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m dflash_gguf.build_cross",
+    ap = argparse.ArgumentParser(prog="python -m dflash_gguf.build.cross",
                                  description="Prepare (and print) the emulated aarch64 Python for a cross-built wheel.")
     ap.add_argument("--wheel", help="aarch64 wheel (default: the last --cross build's)")
     ap.add_argument("--variant", default="aarch64-linux-gnu",

@@ -1,13 +1,13 @@
 """Memory settings: the low-memory preset of :class:`dflash_gguf.Llama` (README "Memory").
 
 The drafter's own sizing (block-sized batches, window + block cache) is in
-:func:`dflash_gguf.engine.drafter_options`; the rollback memory cap in :mod:`dflash_gguf.decoding.rollback`.
+:func:`dflash_gguf.native.engine.drafter_options`; the rollback memory cap in :mod:`dflash_gguf.decoding.rollback`.
 """
 from __future__ import annotations
 
 import logging
 
-log = logging.getLogger("dflash_gguf.memory")
+log = logging.getLogger("dflash_gguf.native.memory")
 
 # Llama(..., low_memory=True): what it sets unless given (measured in BENCHMARKS.md section 7)
 LOW_MEMORY = {

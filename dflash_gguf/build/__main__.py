@@ -1,0 +1,4 @@
+from dflash_gguf.build.native import main
+
+if __name__ == "__main__":
+    main()
