@@ -7,7 +7,6 @@ Importing this module loads no native library; :func:`open_pair` does.
 """
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 from dataclasses import dataclass, field
@@ -16,6 +15,7 @@ from typing import TYPE_CHECKING, Sequence
 
 from dflash_gguf.errors import ManifestError
 from dflash_gguf.native.gguf_check import check_manifest
+from dflash_gguf.paths import sha256_file
 
 if TYPE_CHECKING:
     from dflash_gguf.native.engine import ContextOptions, Model
@@ -48,14 +48,6 @@ class PairManifest:
     target_layers: list[int]    # GGUF convention: input of layer i (= HF target_layer_ids + 1)
     mask_token_id: int
     data: dict
-
-
-def sha256_file(path: str | os.PathLike, chunk: int = 1 << 20) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as fh:
-        while block := fh.read(chunk):
-            h.update(block)
-    return h.hexdigest()
 
 
 def load_manifest(pair_dir: str | os.PathLike, *, verify: bool = False) -> PairManifest:

@@ -16,6 +16,15 @@ def file_identity(path: str | os.PathLike) -> list:
     return [str(Path(path).resolve()), st.st_size, st.st_mtime_ns]
 
 
+def sha256_file(path: str | os.PathLike, chunk: int = 1 << 20) -> str:
+    """The sha256 of a file's bytes, read in chunks (a pair's GGUFs, a downloaded sdist)."""
+    h = hashlib.sha256()
+    with open(path, "rb") as fh:
+        while block := fh.read(chunk):
+            h.update(block)
+    return h.hexdigest()
+
+
 def write_json(path: Path, data) -> None:
     """Write ``data`` as JSON to ``path`` whole or not at all: readers see the old file or the new one."""
     path.parent.mkdir(parents=True, exist_ok=True)

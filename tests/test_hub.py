@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from dflash_gguf import Llama
-from dflash_gguf.pair import sha256_file
+from dflash_gguf.paths import sha256_file
 from support import KW, pair, plain  # noqa: F401 (fixtures)
 
 hub = pytest.importorskip("huggingface_hub", reason="huggingface_hub (the [hub] extra) is not installed")

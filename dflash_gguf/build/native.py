@@ -40,7 +40,7 @@ from pathlib import Path
 
 from dflash_gguf import paths
 from dflash_gguf.build import cross as build_cross
-from dflash_gguf.pair import sha256_file
+from dflash_gguf.paths import sha256_file
 
 log = logging.getLogger("dflash_gguf.build.native")
 

@@ -10,7 +10,8 @@ import time
 from pathlib import Path
 
 from dflash_gguf.pair import (FORMAT, FORMAT_VERSION, MANIFEST, PairFile, PairManifest,  # noqa: F401
-                              load_manifest, sha256_file)
+                              load_manifest)
+from dflash_gguf.paths import sha256_file
 
 
 def converter_version() -> dict:
