@@ -1,5 +1,8 @@
-"""The package's layout, read from its source: no import circles, the engine never needs a tool, and
-no import runs back up from the decoding engine or the native handles to what is built on them.
+"""The package's layout, read from its source: no import circles, the engine never needs a tool, no
+import runs back up the layers (the leaves; the build and the kernels; the native handles; the decoding
+engine; the runtime and the request surface; the front doors; the programs that drive them), and the
+package's root holds only its public surface and two leaves: every other module sits in a folder named
+for what it holds.
 
 Every module of ``dflash_gguf`` is parsed (never imported: no native library is loaded) and each of its
 imports resolved to the module it loads - ``import x`` and ``from x import y``, relative ones, those
@@ -21,8 +24,21 @@ pytestmark = pytest.mark.pure
 PACKAGE = "dflash_gguf"
 SOURCE = Path(__file__).resolve().parents[1]
 
+# the modules the package's root holds: its public surface and two leaves every layer reads
+ROOT = ("dflash_gguf", "dflash_gguf.__main__", "dflash_gguf.api", "dflash_gguf.batch", "dflash_gguf.pair",
+        "dflash_gguf.constructors", "dflash_gguf.runtime", "dflash_gguf.hub", "dflash_gguf.cli", "dflash_gguf.options",
+        "dflash_gguf.demo", "dflash_gguf.errors", "dflash_gguf.paths")
+# the leaves: the typed errors and where things live (files, caches, the patch series)
+LEAVES = ("dflash_gguf.errors", "dflash_gguf.paths")
+# the native handles: the library's bindings, its models and contexts, and what runs beside them
+NATIVE = ("dflash_gguf.native",)
+# ggml's kernels checked and switched from Python, and the build of the patched library
+KERNELS = ("dflash_gguf.kernels",)
+BUILD = ("dflash_gguf.build",)
 # the decoding engine and the front doors built on it
-ENGINE = ("dflash_gguf.decoding", "dflash_gguf.native.engine", "dflash_gguf.api", "dflash_gguf.batch", "dflash_gguf.server")
+ENGINE = ("dflash_gguf.decoding", "dflash_gguf.native", "dflash_gguf.kernels", "dflash_gguf.requests",
+          "dflash_gguf.runtime", "dflash_gguf.api", "dflash_gguf.batch", "dflash_gguf.server", "dflash_gguf.pair",
+          "dflash_gguf.constructors", "dflash_gguf.hub", "dflash_gguf.cli", "dflash_gguf.options")
 # tools: they drive the engine from outside and are never part of it
 TOOLS = ("dflash_gguf.bench", "dflash_gguf.reliability")
 # the request surface the front doors share (dflash_gguf.requests), but its defaults table: a leaf that the
@@ -34,10 +50,21 @@ DEFAULTS = "dflash_gguf.requests.defaults"
 # what the decoding engine is built into: the front doors, what builds their runtimes and requests, and the
 # programs that run them
 FRONT_DOORS = ("dflash_gguf.api", "dflash_gguf.batch", "dflash_gguf.server", "dflash_gguf.pair",
-               "dflash_gguf.constructors", "dflash_gguf.runtime", "dflash_gguf.options",
-               "dflash_gguf.cli", "dflash_gguf.demo") + REQUESTS
-# the native handles: the library's bindings and its models and contexts
-NATIVE = ("dflash_gguf.native._bindings", "dflash_gguf.native.engine")
+               "dflash_gguf.constructors", "dflash_gguf.runtime", "dflash_gguf.options", "dflash_gguf.hub",
+               "dflash_gguf.cli", "dflash_gguf.demo", "dflash_gguf.convert") + REQUESTS
+# the package's layers, bottom first: a module imports from its own layer and the layers below, never above
+# (imports inside functions too). Every module has one: the longest name of the table that holds it.
+LAYERS = (
+    LEAVES + (DEFAULTS, PACKAGE),            # the package itself: its version, and names that load on first use
+    BUILD + KERNELS,
+    NATIVE,
+    ("dflash_gguf.decoding",),
+    ("dflash_gguf.runtime", "dflash_gguf.requests"),
+    ("dflash_gguf.__main__", "dflash_gguf.api", "dflash_gguf.batch", "dflash_gguf.server",
+     "dflash_gguf.pair", "dflash_gguf.constructors", "dflash_gguf.hub", "dflash_gguf.options", "dflash_gguf.cli",
+     "dflash_gguf.convert"),
+    TOOLS + ("dflash_gguf.demo",),           # the demo ends with a benchmark's line: a program beside the tools
+)
 # the rules that load without the native build (their tests run under ``pytest --pure``)
 PURE = ("dflash_gguf.decoding.gate", "dflash_gguf.decoding.sampling", "dflash_gguf.decoding.constraints",
         "dflash_gguf.requests.stopping",
@@ -228,13 +255,53 @@ def test_the_native_handles_import_nothing_built_on_them():
     assert not bad, "the native handles load what is built on them:\n  " + "\n  ".join(bad)
 
 
+def _outside(found: dict[str, list[Import]], sources: tuple[str, ...], allowed: tuple[str, ...]) -> list[str]:
+    """The package's modules that a module of ``sources`` imports outside ``sources`` and ``allowed``."""
+    return [f"{m} -> {i.target} (line {i.line})" for m in sorted(found) if _in(m, sources) for i in found[m]
+            if _in(i.target, (PACKAGE,)) and not _in(i.target, sources + allowed)]
+
+
+def test_the_lower_folders_import_only_themselves_and_the_leaves():
+    """The native handles, the kernels and the build stand on nothing of the package but the leaves (the
+    typed errors, where things live); the kernels not even on those; the leaves on nothing."""
+    found = imports()
+    bad = (_outside(found, NATIVE, LEAVES) + _outside(found, BUILD, LEAVES) + _outside(found, KERNELS, ())
+           + _outside(found, LEAVES, ()))
+    assert not bad, "a lower folder loads what is above it:\n  " + "\n  ".join(bad)
+
+
+def _layer(module: str) -> int | None:
+    best = max(((len(a), n) for n, areas in enumerate(LAYERS) for a in areas if module == a or
+                (a != PACKAGE and module.startswith(a + "."))), default=None)
+    return best[1] if best else None
+
+
+def test_no_import_runs_back_up_the_layers():
+    """Each module imports from its own layer and those below it: leaves, build and kernels, native
+    handles, decoding engine, runtime and request surface, front doors, programs that drive them."""
+    found = imports()
+    unplaced = [m for m in found if _layer(m) is None]
+    assert not unplaced, f"modules no layer holds: {unplaced}"
+    bad = [f"{m} (layer {_layer(m)}) -> {i.target} (layer {_layer(i.target)}, line {i.line}"
+           f"{', in a function' if i.deferred else ''})"
+           for m in sorted(found) for i in found[m] if i.target in found and _layer(i.target) > _layer(m)]
+    assert not bad, "imports that run back up:\n  " + "\n  ".join(bad)
+
+
+def test_the_root_holds_only_the_public_surface_and_the_leaves():
+    """A new module goes into the folder named for what it holds, not into the package's root."""
+    found = imports()
+    root = {m for m in found if m.count(".") <= 1 and not (Path(SOURCE / PACKAGE / m.rpartition(".")[2]).is_dir())}
+    assert root == set(ROOT), root ^ set(ROOT)
+
+
 def test_the_pure_rules_load_without_the_native_build():
     """Loading one of these loads no native library (imports inside functions run later, if at all)."""
     found = imports()
     assert all(m in found for m in PURE), [m for m in PURE if m not in found]
     chains = reached(_graph(found, deferred=False), list(PURE))
     bad = [" -> ".join(chains[m] + [i.target]) for m in sorted(chains) for i in found[m]
-           if not i.deferred and (i.target in NATIVE_LIBRARIES or _in(i.target, NATIVE))]
+           if not i.deferred and (i.target in NATIVE_LIBRARIES or _in(i.target, NATIVE + KERNELS + BUILD))]
     assert not bad, "a pure rule loads the native build:\n  " + "\n  ".join(bad)
 
 
