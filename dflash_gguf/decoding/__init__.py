@@ -8,6 +8,8 @@ target verifies, :mod:`.acceptance` decides what is kept, :mod:`.rollback` trims
 from measured step costs and acceptance; :mod:`.history`: acceptance kept per pair) and a DSpark drafter's
 calibrated confidence (:mod:`.confidence`); :mod:`.calibration` measures this machine's step costs once per
 pair, the gate's starting point; :mod:`.batch_costs` scales them to a batch of sequences.
+Every verify row is judged under a request's rules: :mod:`.sampling` (llama.cpp's sampler chain, lossless
+rejection sampling) and :mod:`.constraints` (its grammar and logits processors).
 :mod:`.acceptance`, :mod:`.batch_costs` and :mod:`.stats` need no native library; the names below load on first use.
 """
 from __future__ import annotations
