@@ -5,7 +5,6 @@ answer alone: greedy ones llama_cpp's, seeded sampled ones their own answer serv
 pair; a small ``-c`` so that the cache runs out)."""
 from __future__ import annotations
 
-import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 

@@ -17,7 +17,8 @@ first token and of the whole request. Servers:
 
 ``--defaults``: every server as its own defaults start it - no ``-np`` (ours: 4 slots, upstream: ``-np -1``, 4
 slots; both one KV cache of ``-c`` cells shared by the slots), ``-c`` the whole cache, not a slot's; the
-client counts then only set the load, and each server is started once and measured at every count in turn. Every run records the server's resident memory after it
+client counts then only set the load, and each server is started once and measured at every count in turn.
+Every run records the server's resident memory after it
 (``rss_mib``) and its peak since start (``peak_rss_mib``, the kernel's VmHWM), from /proc.
 
 Pairs: ``demo`` (the shipped trained pair), or ``bench.scale`` pairs by shape and type (e.g. ``0.6b:q4_0``;

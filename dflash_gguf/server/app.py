@@ -29,7 +29,8 @@ shared by the slots - no second copy of the target's state. Requests the slots d
 request without slots, are served one at a time in arrival order (an asyncio lock, held for the whole
 request including every chunk of a stream) with the cache to themselves (the slots finish what runs first:
 llama_cpp's own path removes positions of every sequence); llama.cpp runs on one dedicated worker thread, so
-/health, /metrics and /v1/models answer while a generation runs. A client that disconnects, streaming or not, stops its generation at
+/health, /metrics and /v1/models answer while a generation runs. A client that disconnects, streaming or not,
+stops its generation at
 the next token (``Llama.interrupt``); the DFlash engine rolls both caches back and the next request
 is served normally.
 
