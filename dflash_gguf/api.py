@@ -677,6 +677,6 @@ Llama.__init__.__signature__ = _signature(llama_cpp.Llama.__init__, draft_model_
                                           draft_use_mmap=False, draft_window=None, low_memory=False,
                                           rollback_memory_mb=None, rpc_servers=None, draft_rpc_servers=None,
                                           prompt_lookup=False, prompt_lookup_num_pred_tokens=10,
-                                          prompt_lookup_max_ngram_size=2)
+                                          prompt_lookup_max_ngram_size=2, n_seq_max=1)
 
 __all__ = ["Llama", "check_grammar", "pair_files"]
