@@ -439,7 +439,7 @@ def guest_python(wheel: Path, cpu: str = "max", qemu: str | None = None) -> tupl
     root = sysroot()
     pyver = json.loads((root / ".complete").read_text())["python"]
     site = guest_site(wheel, pyver)
-    env = {"PYTHONPATH": os.pathsep.join([str(site), str(Path(__file__).resolve().parent.parent)]),
+    env = {"PYTHONPATH": os.pathsep.join([str(site), str(Path(__file__).resolve().parents[2])]),
            "PYTHONNOUSERSITE": "1", "PYTHONDONTWRITEBYTECODE": "1", "LANG": "C.UTF-8",
            "DFLASH_GGUF_CACHE": str(paths.cache_dir()), "HOME": os.environ.get("HOME", "/root")}
     return [qemu, "-cpu", cpu, "-L", str(root), str(root / "usr" / "bin" / f"python{pyver}")], env
