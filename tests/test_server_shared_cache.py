@@ -160,7 +160,10 @@ def test_a_seeded_sampled_request_under_load_equals_its_answer_alone(server):
     ids = None
     with _Preempted(srv.slots) as seen, ThreadPoolExecutor(8) as pool:
         loads = [pool.submit(_complete, url, p, max_tokens=150, ignore_eos=True) for p in PROMPTS[4:7]]
-        time.sleep(0.5)      # admitted last: the first to give its cells back
+        deadline = time.monotonic() + 120
+        while srv.slots.busy() < 3:          # the three long requests run: the seeded one is admitted last,
+            assert time.monotonic() < deadline, "the load requests never started"
+            time.sleep(0.005)                # so it is the first to give its cells back
         again = pool.submit(_complete, url, PROMPTS[3], **body).result()
         [f.result() for f in loads]
         ids = [p for p in seen.prompts]
