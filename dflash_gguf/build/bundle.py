@@ -144,14 +144,14 @@ def bundle(wheel: Path, dest: Path) -> Path:
         for new, f in keep.items():
             f.rename(libdir / new)
         _relink(libdir, renames)
+        leftover = []
         for py in pkg.rglob("*.py"):
             text = py.read_text(encoding="utf-8")
             out = rewrite_loader(rewrite_imports(text), py.name)
             if out != text:
                 py.write_text(out, encoding="utf-8")
-        leftover = [f"{py.relative_to(pkg)}:{i + 1}" for py in pkg.rglob("*.py")
-                    for i, line in enumerate(py.read_text(encoding="utf-8").splitlines())
-                    if re.match(r"\s*(import|from) llama_cpp\b", line)]
+            leftover += [f"{py.relative_to(pkg)}:{i + 1}" for i, line in enumerate(out.splitlines())
+                         if re.match(r"\s*(import|from) llama_cpp\b", line)]
         if leftover:
             raise BundleError(f"imports of llama_cpp left in the bundled copy: {', '.join(leftover[:5])}")
         final = dest / PACKAGE
@@ -174,13 +174,7 @@ def patched_wheel() -> Path:
 
     opts = build.BuildOptions(platform=os.environ.get(PLATFORM_ENV) or "cpu",
                               cmake_args=os.environ.get(CMAKE_ARGS_ENV, "").split())
-    if opts.platform in build.GPU_PLATFORMS:
-        build.gpu_prerequisites(opts.platform)
-    series = build.paths.patch_series_hash()
-    key = build.build_key(series, opts)
-    sdist = build.fetch_sdist(opts)
-    tree = build.prepare_tree(sdist, key, series, False)
+    _, key, tree = build.patched_tree(opts)
     wheel = build.build_wheel(tree, key, opts)
-    # the converter runs llama.cpp's scripts and gguf-py from this tree (dflash_gguf.paths.upstream_tree)
-    build.paths.upstream_pointer().write_text(str(tree / "vendor" / "llama.cpp"))
+    build.remember_tree(tree)   # the converter runs llama.cpp's scripts and gguf-py from this tree
     return wheel

@@ -335,6 +335,12 @@ def install(wheel: Path, tree: Path, key: str) -> None:
         _pip_install(["--force-reinstall", "--no-deps", str(gguf_py)])
         _pip_install([str(gguf_py)])
         gguf_marker.write_text(f"{key}:{sys.prefix}")
+    remember_tree(tree)
+
+
+def remember_tree(tree: Path) -> None:
+    """Record ``tree`` as the patched llama.cpp the converter runs (its scripts and gguf-py:
+    :func:`dflash_gguf.paths.upstream_tree`)."""
     paths.upstream_pointer().parent.mkdir(parents=True, exist_ok=True)
     paths.upstream_pointer().write_text(str(tree / "vendor" / "llama.cpp"))
 
@@ -398,17 +404,23 @@ def build_ggml_variant(tree: Path, key: str, name: str, opts: BuildOptions) -> P
     return bindir
 
 
-def build(opts: BuildOptions) -> dict:
-    """Run the whole build; returns a summary dict."""
-    t0 = time.time()
+def patched_tree(opts: BuildOptions) -> tuple[str, str, Path]:
+    """This package's patch series applied to the pinned sdist (cached): its series hash, the build key for
+    ``opts`` and the patched tree; a GPU platform's prerequisites are checked before any long build."""
     series = paths.patch_series_hash()
     key = build_key(series, opts)
     log.info("build key %s (patch series %s…, flags %s)", key, series[:12], " ".join(opts.all_cmake_args()))
-    sdist = fetch_sdist(opts)
-    tree = prepare_tree(sdist, key, series, opts.force)
-    summary: dict = {"key": key, "series": series, "tree": str(tree)}
+    tree = prepare_tree(fetch_sdist(opts), key, series, opts.force)
     if opts.platform in GPU_PLATFORMS:
         gpu_prerequisites(opts.platform)
+    return series, key, tree
+
+
+def build(opts: BuildOptions) -> dict:
+    """Run the whole build; returns a summary dict."""
+    t0 = time.time()
+    series, key, tree = patched_tree(opts)
+    summary: dict = {"key": key, "series": series, "tree": str(tree)}
     if not opts.cross:
         wheel = build_wheel(tree, key, opts)
         install(wheel, tree, key)
