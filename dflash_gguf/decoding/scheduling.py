@@ -62,7 +62,7 @@ class Scheduling:
             return True
         if any(s.order < 0 for s in self._filling):    # a preempted request resumes first
             return False
-        block = max(self.n_draft, self.n_copy) + 1
+        block = self._block_cells()
         held = sum(max(len(s.cache) + len(s.head), len(s.prompt)) + block for s in self._running_slots())
         return held + n_prompt + block <= self.n_cells
 
@@ -72,6 +72,10 @@ class Scheduling:
 
     def _running_slots(self) -> list:
         return self._active + list(self._filling)
+
+    def _block_cells(self) -> int:
+        """Cells one step of a running request may add: its longest block (drafted or copied) and its token."""
+        return max(self.n_draft, self.n_copy) + 1
 
     def admit(self, r: Request, index: int = -1, slot: int | None = None) -> bool:
         """Start request ``r`` on a free slot - the one whose caches share the longest prefix with its
@@ -200,19 +204,17 @@ class Scheduling:
         recently admitted requests (:meth:`_preempt`) - until the running requests' blocks fit; True when the
         next prompt chunk fits too (else it waits a step). A request alone goes on whatever it needs: alone it
         never holds more than the cache (its positions are bounded by ``n_ctx``)."""
-        block = max(self.n_draft, self.n_copy) + 1
+        block = self._block_cells()
 
         def need() -> int:
             return (sum(len(s.cache) + len(s.head) + block for s in self._active)
                     + sum(len(s.cache) for s in self._filling) + sum(len(s.cache) for s in self._free))
 
         while need() > self.n_cells:
-            idle = [s for s in self._free if s.cache]
+            if self._free_idle_prefixes():
+                continue
             holders = [s for s in self._running_slots() if s.cache or s.head is not None and len(s.head)]
-            if idle:
-                for s in idle:
-                    self._reset_seq(s)
-            elif len(holders) > 1:
+            if len(holders) > 1:
                 self._preempt(max(holders, key=lambda q: abs(q.order)))
             else:
                 break
@@ -223,18 +225,23 @@ class Scheduling:
         # its next chunk, or all of it with the tail its first step decodes, and that step's block
         chunk = len(f.todo) if (whole or len(f.todo) <= self.PREFILL_CHUNK + self.tap_rows) else self.PREFILL_CHUNK
         while need() + chunk + block > self.n_cells:
-            idle = [s for s in self._free if s.cache]
+            if self._free_idle_prefixes():
+                continue
             others = [s for s in self._running_slots() if s is not f and s.cache and abs(s.order) > abs(f.order)]
-            if idle:
-                for s in idle:
-                    self._reset_seq(s)
-            elif others:
+            if others:
                 self._preempt(max(others, key=lambda q: abs(q.order)))
             elif self._active:
                 return False           # it waits for room; the running requests go on
             else:
                 return True            # alone (or the others hold nothing): as it always could
         return True
+
+    def _free_idle_prefixes(self) -> bool:
+        """Drop the prefixes idle slots keep for reuse (the first cells to give way); False when none holds any."""
+        idle = [s for s in self._free if s.cache]
+        for s in idle:
+            self._reset_seq(s)
+        return bool(idle)
 
     def _preempt(self, s) -> None:
         """The request on ``s`` gives its cells back and waits to resume: everything it holds (its prompt and
