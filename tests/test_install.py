@@ -9,6 +9,7 @@ its own libraries.
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -53,7 +54,9 @@ print("RESULT " + json.dumps(r))
 
 
 def _run(py: Path, *args: str, timeout: int = 900) -> subprocess.CompletedProcess:
-    return subprocess.run([str(py), *args], capture_output=True, text=True, timeout=timeout, cwd="/")
+    # the installed package, not a checkout on the caller's PYTHONPATH
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    return subprocess.run([str(py), *args], capture_output=True, text=True, timeout=timeout, cwd="/", env=env)
 
 
 def _result(p: subprocess.CompletedProcess) -> dict:
