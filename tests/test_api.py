@@ -532,3 +532,34 @@ def test_a_new_llama_of_a_pair_starts_from_its_kept_acceptance(monkeypatch, tmp_
         assert gate.steps > 0 and gate.tries[0] >= DraftLength.FEW_DRAWS
     finally:
         second.close()
+
+
+def test_proposals_not_the_drafters_own_start_the_gates_afresh_and_are_not_kept(monkeypatch, tmp_path):
+    """A replay or an oracle in place of the drafter (``decoder.proposer = ...``) is not the pair's acceptance:
+    the gates drop what was recalled of the drafter's and the pair's kept history is left as it was."""
+    from dflash_gguf.decoding import calibration
+    from dflash_gguf.decoding.proposer import OverrideProposer
+    from dflash_gguf.demo import DEMO_DIR
+
+    monkeypatch.setenv("DFLASH_GGUF_CACHE", str(tmp_path))
+    monkeypatch.setattr(calibration, "step_costs",
+                        lambda dec: np.array([1e-3 * (1 + 0.1 * n) for n in range(dec.n_draft + 1)]))
+    monkeypatch.setattr(calibration, "check_prior", lambda *a: True)
+    target, drafter = str(DEMO_DIR / "target.gguf"), str(DEMO_DIR / "drafter.gguf")
+    first = Llama(target, draft_model_path=drafter, n_ctx=512, verbose=False)
+    try:
+        first.create_completion("def main(", max_tokens=64, temperature=0)
+    finally:
+        first.close()
+    (kept,) = (tmp_path / "acceptance").glob("*.json")
+    before = kept.read_bytes()
+    second = Llama(target, draft_model_path=drafter, n_ctx=512, verbose=False)
+    try:
+        assert second._decoder.gate.tries.sum() > 0                      # recalled
+        second._decoder.proposer = OverrideProposer(lambda ctx, n: [0] * n)   # never right
+        assert second._decoder.gate.tries.sum() == 0
+        second.create_completion("def add(", max_tokens=64, temperature=0)
+        assert second._decoder.gate.tries.sum() > 0
+    finally:
+        second.close()
+    assert kept.read_bytes() == before

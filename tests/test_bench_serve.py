@@ -135,3 +135,41 @@ def test_the_replay_server_drafts_its_prompts_continuations_at_the_profile(model
             assert spec["choices"][0]["text"] == plain["choices"][0]["text"], (profile, p)
             d = spec["dflash"]
             assert d["drafted"] > 0 and d["accepted"] == (d["drafted"] if right else 0), (profile, p, d)
+
+
+def test_the_replay_server_replays_recorded_steps_with_their_confidences(models, monkeypatch, tmp_path):
+    """``--replay traces:FILE``: each block is right for its recorded step's accepted count and carries the
+    step's confidences, which the slots then calibrate against what the target kept, although the drafter
+    itself has no confidence head; the text is plain decoding's."""
+    from fastapi.testclient import TestClient
+
+    from dflash_gguf.bench import replay_server
+    from dflash_gguf.server import cli
+
+    pair = models.pair()
+    prompts = ["def add(a, b):\n", "import os\n"]
+    book = tmp_path / "prompts.json"
+    book.write_text(json.dumps(prompts))
+    for accepted in (5, 0):
+        traces = tmp_path / f"traces-{accepted}.json"
+        traces.write_text(json.dumps([{"accepted": accepted, "confidence": [0.9] * accepted + [0.1] * (5 - accepted)}]))
+        got, seen = {}, {}
+
+        def fake_serve(app, args, got=got, seen=seen):
+            with TestClient(app) as c:
+                for p in prompts:
+                    body = {"prompt": p, "max_tokens": 16, "temperature": 0}
+                    got[p] = [c.post("/v1/completions", json={**body, "dflash": d}).json() for d in (True, False)]
+            dec = app.state.server.slots.decoder
+            seen["n_draft"], seen["scored"] = dec.n_draft, dec.confidence[True].tries.sum()
+
+        monkeypatch.setattr(cli, "serve", fake_serve)
+        argv = ["-m", str(pair.target), "-md", str(pair.drafter), "-np", "2", "-c", "256", "-t", "1",
+                "--no-draft-adaptive", "--replay", f"traces:{traces}", "--replay-prompts", str(book),
+                "--replay-tokens", "16"]
+        assert replay_server.main(argv) == 0
+        assert seen["n_draft"] == 5 and seen["scored"] > 0      # the trace's block; its scores calibrated
+        for p, (spec, plain) in got.items():
+            assert spec["choices"][0]["text"] == plain["choices"][0]["text"], (accepted, p)
+            d = spec["dflash"]
+            assert d["drafted"] > 0 and d["accepted"] == d["drafted"] * accepted // 5, (accepted, p, d)

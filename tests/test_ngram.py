@@ -518,3 +518,37 @@ def test_the_prompt_lookup_benchmark_checks_every_column_against_plain_decoding(
     if tools is not None and (tools / "llama-speculative-simple").exists():
         assert all(rows[m]["same"] for m in ("upstream ngram-simple", "upstream ngram-map-k", "upstream ngram-mod"))
         assert rows["upstream ngram-simple"]["passes"] < rows["plain"]["passes"]
+
+
+def test_the_lookup_table_says_what_prompt_lookup_proposes_along_a_text():
+    """bench.ngram's ``copy_table``: after every prefix of the text, the plain scan's match length and how
+    many of its tokens the text goes on with."""
+    from dflash_gguf.bench.ngram import copy_table
+    from dflash_gguf.decoding.ngram import find_candidate
+
+    rng = np.random.default_rng(3)
+    prompt = [int(t) for t in rng.integers(0, 6, 40)]
+    text = [int(t) for t in rng.integers(0, 6, 30)]
+    for k, (m, a) in enumerate(copy_table(prompt, text, 2, 5)):
+        match = find_candidate(prompt + text[:k], 2, 5)
+        assert m == len(match)
+        assert match[:a] == text[k:k + a] and (a == len(match) or k + a == len(text) or match[a] != text[k + a])
+
+
+def test_replayed_lookups_copy_as_recorded_and_stay_exact(qwen3):
+    """A decoder whose copies come from bench.ngram's ``CopyBook``: matches as long as the table says, right
+    for as many tokens as it says (or none), and the text is still plain decoding's."""
+    from dflash_gguf.bench.ngram import CopyBook
+
+    tm, plain, _ = qwen3
+    prompt = tm.tokenize(TEXTS[2])
+    ref = prompt + run(plain, prompt, 40, stop_tokens=[])[0]
+    dec = DFlashDecoder(plain.target, None, SpecOptions(ngram=NGRAM))
+    table = [(4, 2)] * 20 + [(0, 0)] * 20       # no match near the end, where max_tokens would shorten one
+    for wrong in (False, True):
+        dec.copy_index = CopyBook([ref], [len(prompt)], [table], tm.n_vocab, never_right=wrong)
+        dec.reset()
+        got, st = run(dec, prompt, 30, stop_tokens=[])
+        assert got == ref[len(prompt):len(prompt) + 30]
+        assert st.copy_steps > 0 and st.copied == 4 * st.copy_steps
+        assert st.copy_accepted == (0 if wrong else 2 * st.copy_steps)

@@ -67,30 +67,52 @@ def load_traces(spec: str) -> tuple[str, list[tuple[list[float], int]]]:
     return path.stem if spec != "demo-dspark" else "demo-dspark", steps
 
 
-class TraceReplay(DrafterProposer):
-    """Runs the drafter (its cost is paid), then proposes ``reference``'s continuation made wrong at the
-    recorded step's accepted count, with the recorded confidences (``confidence=False``: none, for the
-    history-only policy; ``oracle``: proposes only the tokens that will be accepted)."""
+class TraceBook(DrafterProposer):
+    """Recorded steps replayed over several references (a server's requests: each a prompt followed by its
+    plain continuation), for any number of sequences at once. Runs the drafter (its cost is paid), then
+    gives each sequence the next recorded step: the continuation of the reference its context is a prefix
+    of, made wrong at the step's accepted count, with the step's confidences (``confidence=False``: none,
+    for the history-only policy; ``oracle``, one sequence: proposes only the tokens that will be accepted).
+    A context no reference starts with (another prompt) gets a wrong block, counted in ``diverged``."""
 
-    def __init__(self, reference: list[int], steps, n_vocab: int, start: int = 0, confidence: bool = True,
+    def __init__(self, references: list[list[int]], steps, n_vocab: int, start: int = 0, confidence: bool = True,
                  oracle: bool = False):
-        self.ref, self.steps, self.n_vocab = reference, steps, n_vocab
+        self.refs = [[int(t) for t in r] for r in references]
+        self.steps, self.n_vocab = steps, n_vocab
         self.i = start
         self.confidence = confidence
         self.oracle = oracle
+        self.blocks = 0
+        self.diverged = 0
 
     def propose(self, drafter, seqs, pos, pending, n, out, context, conf=None):
         n = super().propose(drafter, seqs, pos, pending, n, out, context)
         for j in range(len(seqs)):
             c, a = self.steps[self.i % len(self.steps)]
             self.i += 1
+            self.blocks += 1
             a = min(a, n)
-            out[j, :n] = block_right_for(self.ref, len(context(j)) + 1, n, a, self.n_vocab)
-            if conf is not None:
+            ctx = context(j) + [int(pending[j])]
+            L = len(ctx)
+            ref = next((r for r in self.refs if L <= len(r) and r[L - 1] == ctx[-1] and r[:L] == ctx), None)
+            if ref is None:
+                self.diverged += 1
+                out[j, :n] = (ctx[-1] + 1) % self.n_vocab
+            else:
+                out[j, :n] = block_right_for(ref, L, n, a, self.n_vocab)
+            if conf is not None and self.confidence:
                 conf[j, :n] = (c + [c[-1]] * n)[:n]
             if self.oracle:
                 return a
         return n
+
+
+class TraceReplay(TraceBook):
+    """:class:`TraceBook` of one reference (prompt + plain continuation)."""
+
+    def __init__(self, reference: list[int], steps, n_vocab: int, start: int = 0, confidence: bool = True,
+                 oracle: bool = False):
+        super().__init__([reference], steps, n_vocab, start, confidence, oracle)
 
 
 def measure(target: Path, drafter: Path, steps, *, tokens: int, trials: int, threads: int | None,

@@ -14,6 +14,14 @@ drafter-free n-gram modes (``--spec-type ngram-simple`` / ``ngram-map-k`` with t
 lengths, ``ngram-mod`` with its defaults; ``--no-upstream`` leaves them out). For ours: target passes, tokens per target
 pass, copied / kept tokens; for every column decode tokens/s and its ratio to plain measured in the same
 run (counts are exact on any machine, times only on a quiet one).
+
+``--replay-shape 1.7b:q4_0`` adds the same lookup at a real model's shape (``bench.scale``'s random-weight
+target, no drafter): the demo target's greedy texts say what the lookup proposes after every token (how long
+a match and how much of it is right, :func:`copy_table`), and the scale target's requests copy exactly that
+much, right as often (:class:`CopyBook`: the target's own continuation, made wrong where the demo's match
+was), so the verify rows cost what they cost at that shape. Columns: plain, whole matches, the speed gate,
+and the speed gate with every copy wrong (what lookup costs where copying does not pay), over ``--trials``
+interleaved rounds.
 """
 from __future__ import annotations
 
@@ -79,6 +87,114 @@ def _ours(target: str, drafter: str | None, prompts: list[list[int]], n: int, ng
         finally:
             if dm is not None:
                 dm.close()
+    return out
+
+
+def copy_table(prompt: list[int], ref: list[int], max_ngram: int, n_pred: int) -> list[tuple[int, int]]:
+    """What prompt lookup proposes along a greedy text: for ``k = 0, 1, ...`` tokens of ``ref`` generated
+    after ``prompt``, ``(m, a)``: the match's length and how many of its first tokens are ``ref``'s next."""
+    from dflash_gguf.decoding.ngram import NgramIndex
+
+    idx = NgramIndex(max_ngram, 1, prompt)
+    out = []
+    for k in range(len(ref)):
+        match = idx.propose(n_pred)
+        a = 0
+        while a < len(match) and k + a < len(ref) and match[a] == ref[k + a]:
+            a += 1
+        out.append((len(match), a))
+        idx.extend([ref[k]])
+    return out
+
+
+class CopyBook:
+    """Recorded lookups replayed on another target: a decoder's ``copy_index`` (called per request as
+    ``NgramIndex`` is). A request whose prompt starts reference ``i`` (prompt + the target's own greedy
+    continuation) gets, after ``k`` generated tokens, a match as long as ``tables[i][k]`` says, right for as
+    many tokens (``never_right``: none), then wrong; other prompts find no match."""
+
+    def __init__(self, refs: list[list[int]], n_prompt: list[int], tables: list[list[tuple[int, int]]], n_vocab: int,
+                 never_right: bool = False):
+        self.refs, self.n_prompt, self.tables = refs, n_prompt, tables
+        self.n_vocab, self.never_right = n_vocab, never_right
+
+    def __call__(self, max_ngram: int, min_ngram: int, prompt) -> "_Replayed":
+        prompt = [int(t) for t in prompt]
+        for ref, n_p, table in zip(self.refs, self.n_prompt, self.tables):
+            if len(prompt) == n_p and ref[:n_p] == prompt:
+                return _Replayed(self, ref, n_p, table, prompt)
+        return _Replayed(self, [], len(prompt), [], prompt)
+
+
+class _Replayed:
+    def __init__(self, book: CopyBook, ref: list[int], n_prompt: int, table: list[tuple[int, int]], tokens: list[int]):
+        self.book, self.ref, self.n_prompt, self.table, self.tokens = book, ref, n_prompt, table, tokens
+
+    def extend(self, tokens) -> None:
+        self.tokens.extend(int(t) for t in tokens)
+
+    def propose(self, n: int) -> list[int]:
+        from dflash_gguf.bench.scale.replay import block_right_for
+
+        k = len(self.tokens) - self.n_prompt
+        if n <= 0 or not 0 <= k < len(self.table):
+            return []
+        m, a = self.table[k]
+        m = min(m, n)
+        return block_right_for(self.ref, len(self.tokens), m, 0 if self.book.never_right else min(a, m),
+                               self.book.n_vocab) if m else []
+
+
+def _replayed(shape: str, demo_prompts: list[list[int]], demo_texts: list[list[int]], n: int, ngram,
+              threads, trials: int) -> dict:
+    """The demo target's lookups (:func:`copy_table`) replayed on ``shape``'s scale target: plain decoding,
+    whole matches, the speed gate, the speed gate with every copy wrong; ``trials`` interleaved rounds."""
+    import statistics
+
+    from dflash_gguf.bench.scale.synth import make_pair
+    from dflash_gguf.decoding import DFlashDecoder, GenerationStats, SpecOptions
+    from dflash_gguf.decoding.ngram import NgramOptions
+    from dflash_gguf.native.engine import Context, ContextOptions, Model
+
+    name, _, wtype = shape.partition(":")
+    pair = make_pair(name, wtype or "q4_0")
+    tables = [copy_table(p, t, ngram[0], ngram[1]) for p, t in zip(demo_prompts, demo_texts)]
+    ng = NgramOptions(max_ngram=ngram[0], n_pred=ngram[1])
+    with Model(pair / "target.gguf") as tm:
+        prompts = [tm.tokenize(p.encode()) for p in PROMPTS]
+        opts = ContextOptions(n_ctx=max(map(len, prompts)) + n + ngram[1] + 64, n_batch=256, n_ubatch=256,
+                              n_threads=threads)
+        with Context(tm, opts) as tc:
+            plain = DFlashDecoder(tc, None)
+            refs = []
+            for p in prompts:
+                plain.reset()
+                refs.append(p + list(plain.generate(p, n + ngram[1] + 1, stop_tokens=[])))
+            modes = {"plain": plain}
+            for mode, spec, wrong in (("ngram", {}, False), ("ngram+gate", dict(adaptive=True), False),
+                                      ("ngram+gate, copies wrong", dict(adaptive=True), True)):
+                modes[mode] = DFlashDecoder(tc, None, SpecOptions(ngram=ng, **spec))
+                modes[mode].copy_index = CopyBook(refs, list(map(len, prompts)), tables, tm.n_vocab, wrong)
+            rates: dict[str, list[float]] = {m: [] for m in modes}
+            out = {m: dict(generated=0, passes=0, copied=0, copy_accepted=0, seconds=0.0, same=True) for m in modes}
+            for trial in range(trials + 1):              # round 0 warms every decoder up: not counted
+                for mode, dec in modes.items():
+                    tot, secs = GenerationStats(), 0.0
+                    for p, ref in zip(prompts, refs):
+                        dec.reset()
+                        st = GenerationStats()
+                        got = list(dec.generate(p, n, stats=st, stop_tokens=[]))
+                        out[mode]["same"] &= got == ref[len(p):len(p) + n]
+                        secs += st.t_decode
+                        tot.merge(st)
+                    if trial:
+                        rates[mode].append(tot.n_generated / secs)
+                        out[mode].update(generated=tot.n_generated, passes=tot.passes, copied=tot.copied,
+                                         copy_accepted=tot.copy_accepted)
+    for mode, r in out.items():
+        r["tok_s"] = statistics.median(rates[mode])
+        r["spread"] = [min(rates[mode]), max(rates[mode])]
+        r["x_plain"] = r["tok_s"] / statistics.median(rates["plain"]) if mode != "plain" else 1.0
     return out
 
 
@@ -168,6 +284,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("-t", "--threads", type=int, default=None)
     ap.add_argument("--no-llama-cpp", action="store_true", help="leave out llama-cpp-python's columns")
     ap.add_argument("--no-upstream", action="store_true", help="leave out upstream's n-gram modes")
+    ap.add_argument("--replay-shape", metavar="SHAPE:TYPE",
+                    help="also replay the demo target's lookups on this bench.scale target (e.g. 1.7b:q4_0)")
+    ap.add_argument("--trials", type=int, default=3, help="interleaved rounds of the replay (--replay-shape)")
     ap.add_argument("--json", help="write the rows here")
     a = ap.parse_args(argv)
     set_log_handler()
@@ -196,10 +315,23 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{mode:22s} {same:>4s} {passes if passes is not None else '-':>6} "
               f"{(r['generated'] / passes) if passes else float('nan'):8.2f} {r.get('copied', '-'):>6} "
               f"{r.get('copy_accepted', '-'):>5} {tps:8.1f} {ratio:>7}")
+    same = all(r.get("same", r.get("texts") == ref) for r in res.values())
+    doc = {k: {x: y for x, y in v.items() if x != "texts"} for k, v in res.items()}
+    if a.replay_shape:
+        rep = _replayed(a.replay_shape, prompts, ref, a.n_gen, ngram, a.threads, a.trials)
+        print(f"\nthe demo target's lookups replayed on the {a.replay_shape} scale target (random weights, no "
+              f"drafter), medians of {a.trials} interleaved rounds")
+        print(f"{'mode':26s} {'same':>4s} {'passes':>6s} {'tok/pass':>8s} {'copied':>6s} {'kept':>5s} {'tok/s':>8s} "
+              f"{'min-max':>11s} {'x plain':>7s}")
+        for mode, r in rep.items():
+            print(f"{mode:26s} {'yes' if r['same'] else 'NO':>4s} {r['passes']:>6} {r['generated'] / r['passes']:8.2f} "
+                  f"{r['copied']:>6} {r['copy_accepted']:>5} {r['tok_s']:8.2f} "
+                  f"{r['spread'][0]:5.1f}-{r['spread'][1]:<5.1f} {r['x_plain']:7.2f}")
+        same = same and all(r["same"] for r in rep.values())
+        doc["replay"] = {"shape": a.replay_shape, "trials": a.trials, "modes": rep}
     if a.json:
-        Path(a.json).write_text(json.dumps({k: {x: y for x, y in v.items() if x != "texts"} for k, v in res.items()},
-                                           indent=1))
-    return 0 if all(r.get("same", r.get("texts") == ref) for r in res.values()) else 1
+        Path(a.json).write_text(json.dumps(doc, indent=1))
+    return 0 if same else 1
 
 
 if __name__ == "__main__":

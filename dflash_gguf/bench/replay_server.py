@@ -9,6 +9,11 @@ after one of those prompts is that continuation, right as often as the profile s
 runs every step (its cost is paid, its cache fed), so the speed is the engine's at that acceptance.
 A request whose prompt is not in the list drafts wrong blocks (counted in the log at exit).
 
+``--replay traces:SPEC`` replays recorded steps instead of a profile (``bench.confidence``'s traces:
+``demo-dspark``, the shipped DSpark demo drafter's, or a JSON file): each block is right for the step's
+recorded accepted count and comes with the step's per-token confidences, so the slots cut their blocks
+by the calibrated confidence as they would with that drafter's confidence head.
+
 Benchmarks only: ``python -m dflash_gguf.bench.serve --replay demo`` starts it.
 """
 from __future__ import annotations
@@ -47,7 +52,9 @@ def main(argv: list[str] | None = None) -> int:
     ap: argparse.ArgumentParser = parser("python -m dflash_gguf.bench.replay_server")
     g = ap.add_argument_group("replay")
     g.add_argument("--replay", required=True, metavar="PROFILE",
-                   help="acceptance profile: demo, strong, none, p1,p2,... or a JSON list file (bench.scale's)")
+                   help="acceptance profile: demo, demo-dspark, strong, none, p1,p2,... or a JSON list file "
+                        "(bench.scale's); traces:SPEC (demo-dspark or a JSON file of steps): recorded steps with "
+                        "their confidences (bench.confidence's)")
     g.add_argument("--replay-prompts", type=Path, required=True, metavar="FILE",
                    help="JSON list of the completion prompts the benchmark sends")
     g.add_argument("--replay-tokens", type=int, required=True, metavar="N",
@@ -57,7 +64,14 @@ def main(argv: list[str] | None = None) -> int:
     setup_logging(args.verbose, logging.INFO)
     if args.parallel is None:
         ap.error("--replay needs --parallel N (the slots' engine is where the blocks are replayed)")
-    name, cum = parse_profile(args.replay)
+    traces = args.replay.startswith("traces:")
+    if traces:
+        from dflash_gguf.bench.confidence import TraceBook, load_traces
+        name, steps = load_traces(args.replay.removeprefix("traces:"))
+        if args.draft_n_max is None:     # the recorded drafter's block: positions past it were never scored
+            args.draft_n_max = max(len(c) for c, _a in steps)
+    else:
+        name, cum = parse_profile(args.replay)
     prompts = json.loads(args.replay_prompts.read_text())
     app, llm = build(args)
     slots = app.state.server.slots
@@ -65,15 +79,21 @@ def main(argv: list[str] | None = None) -> int:
         ap.error("--replay needs a drafter (-md)")
     n = slots.decoder.n_draft
     refs = references(llm, prompts, args.replay_tokens + n + 1)
-    book = ReplayBook(refs, cum, slots.model.n_vocab, seed=args.replay_seed)
-    slots.decoder.proposer = OverrideProposer(book)
-    log.info("replaying profile %s (acceptance length %.2f at %d drafted) over %d prompts", name,
-             expected_tau(cum, n), n, len(refs))
+    if traces:
+        book = TraceBook(refs, steps, slots.model.n_vocab, start=997 * args.replay_seed)
+        slots.decoder.proposer = book
+        log.info("replaying %d recorded steps of %s (mean accepted %.2f) with their confidences over %d prompts",
+                 len(steps), name, sum(a for _c, a in steps) / len(steps), len(refs))
+    else:
+        book = ReplayBook(refs, cum, slots.model.n_vocab, seed=args.replay_seed)
+        slots.decoder.proposer = OverrideProposer(book)
+        log.info("replaying profile %s (acceptance length %.2f at %d drafted) over %d prompts", name,
+                 expected_tau(cum, n), n, len(refs))
     try:
         serve(app, args)
     finally:
         log.info("replayed %d blocks, %d of them after a context no prompt's continuation starts",
-                 book.steps, book.diverged)
+                 book.blocks if traces else book.steps, book.diverged)
     return 0
 
 

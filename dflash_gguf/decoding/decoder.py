@@ -95,13 +95,16 @@ class DFlashDecoder(Prompts, Scheduling):
     # prompt tokens a joining request prefills per step of the others (admit/step, run): what the running
     # requests' next token waits for at most (about 0.6 s at the 1.7B Qwen3 shape on 2 Zen 4 cores)
     PREFILL_CHUNK = 128
+    # where prompt lookup's matches come from: made per request as ``copy_index(max_ngram, min_ngram, prompt)``
+    # (a benchmark puts a replay in its place)
+    copy_index = NgramIndex
 
     def __init__(self, target: Context, drafter: Context | None, opts: SpecOptions | None = None,
                  proposer: Proposer | None = None):
         self.target = target
         self.drafter = drafter
         self.opts = opts or SpecOptions()
-        self.proposer = proposer or DrafterProposer()
+        self._proposer = proposer or DrafterProposer()
         self.info: DrafterInfo | None = None
         self.n_draft = 0
         self.n_seq = target.n_seq
@@ -204,6 +207,22 @@ class DFlashDecoder(Prompts, Scheduling):
     def confidence(self):
         """What the target made of the drafter's confidence scores (None: the drafter gives none)."""
         return self.policy.confidence
+
+    @property
+    def proposer(self) -> Proposer:
+        """Where each step's drafted tokens come from (:mod:`.proposer`)."""
+        return self._proposer
+
+    @proposer.setter
+    def proposer(self, proposer: Proposer) -> None:
+        # proposals not the drafter's own (a replay, an oracle) start the gates afresh and are not kept as the
+        # pair's acceptance; one that scores its tokens (a replayed trace) is read through the confidence from
+        # then on, whatever the drafter (the calibration of the scores starts empty)
+        self._proposer = proposer
+        if type(proposer) is not DrafterProposer:
+            self.policy.forget_history()
+        if proposer.confidence and self.n_draft > 0:
+            self.policy.score_tokens()
 
     # ------------------------------------------------------------------ the one-sequence view (slot 0)
     @property
@@ -446,7 +465,7 @@ class DFlashDecoder(Prompts, Scheduling):
         s.copy = None
         if use_draft and self.n_copy:
             o = self.opts.ngram
-            s.copy = NgramIndex(o.max_ngram, o.min_ngram, prompt)
+            s.copy = self.copy_index(o.max_ngram, o.min_ngram, prompt)
             s.copy_rates, s.draft_rates, s.copy_declined = Rates(self.n_copy), Rates(max(self.n_draft, 1)), 0
         s.copied = []
         s.done = False

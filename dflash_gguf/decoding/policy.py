@@ -71,7 +71,9 @@ class DraftPolicy:
         self.costs: np.ndarray | None = None   # one sequence's step costs: the batch gates' priors come from them
         # what the target made of the drafter's scores (one calibration for greedy requests, one for sampled
         # ones: a sampled token is kept less often)
-        self.confidence = {True: Calibration(), False: Calibration()} if confident else None
+        self.confidence: dict[bool, Calibration] | None = None
+        if confident:
+            self.score_tokens()
         self._prev: DraftLength | None = None   # the gate of the last step (None: something else ran since)
         self._prior_checked = True
         self._stale: Callable[[DraftLength], bool] | None = None
@@ -90,11 +92,28 @@ class DraftPolicy:
             self.gate = DraftLength(self.n_draft, costs)
             self.gate_sampled = DraftLength(self.n_draft, costs)
 
+    def score_tokens(self) -> None:
+        """Blocks come with a confidence per drafted token from now on (a proposer that scores its tokens)."""
+        if self.confidence is None:
+            self.confidence = {True: Calibration(), False: Calibration()}
+
     def keep_history(self, pair: history.Pair) -> None:
         """Start from the acceptance ``pair``'s earlier decoders kept, and keep this one's as it grows."""
         self._keep = True
         history.recall(pair, {"greedy": self.gate, "sampled": self.gate_sampled})
         self._kept_draws = self.draws()
+
+    def forget_history(self) -> None:
+        """Gates as a new pair's, no longer kept: the proposals are not the drafter's own from now on (a
+        replay, an oracle), so neither what was recalled of its acceptance nor what they show is the pair's."""
+        if not self._keep:
+            return
+        self._keep = False
+        if self.gate is not None:
+            self.gate = DraftLength(self.n_draft, self.costs)
+            self.gate_sampled = DraftLength(self.n_draft, self.costs)
+        self.batch_gates.clear()
+        self._prev = None
 
     def gate_for(self, sp: SamplingParams) -> DraftLength | None:
         """The gate that chooses for a request sampled with ``sp`` (None: fixed blocks)."""
