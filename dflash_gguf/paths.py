@@ -5,7 +5,10 @@ import hashlib
 import importlib.util
 import json
 import os
+import shutil
+import tempfile
 from pathlib import Path
+from typing import Callable
 
 _PKG = Path(__file__).resolve().parent
 
@@ -61,6 +64,26 @@ def cache_dir() -> Path:
     d = Path(os.environ.get("DFLASH_GGUF_CACHE") or Path.home() / ".cache" / "dflash-gguf")
     d.mkdir(parents=True, exist_ok=True)
     return d
+
+
+def make_once(dest: Path, marker: str, stamp: str, fill: Callable[[Path], None], force: bool = False) -> bool:
+    """Make the folder ``dest`` in the cache unless ``dest/marker`` says it was made (``force``: anew).
+    ``fill`` writes it into a temporary folder that then takes its place whole, so an interrupted fill
+    leaves no half-made ``dest``; ``marker`` then records ``stamp``. Returns whether it was made now."""
+    done = dest / marker
+    if done.exists() and not force:
+        return False
+    shutil.rmtree(dest, ignore_errors=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f"{dest.name}-", dir=cache_dir()))
+    try:
+        fill(tmp)
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        os.replace(tmp, dest)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    done.write_text(stamp)
+    return True
 
 
 def install_marker() -> Path | None:

@@ -42,6 +42,28 @@ def test_archive_is_unpacked_once_into_the_cache(tmp_path):
     assert build_cross.kleidiai_source(str(arc)) == src and (src / "marker").exists()
 
 
+def test_a_cache_folder_is_made_whole_or_not_at_all(tmp_path):
+    """``paths.make_once`` (the unpacked KleidiAI and the patched llama.cpp tree): made once, marked; a fill
+    that fails leaves neither the folder nor its temporary copy behind."""
+    from dflash_gguf import paths
+
+    dest = paths.cache_dir() / "made" / "here"
+    calls = []
+
+    def fill(tmp: Path) -> None:
+        calls.append(tmp)
+        (tmp / "file").write_text("x")
+    assert paths.make_once(dest, ".done", "stamp", fill) and (dest / ".done").read_text() == "stamp"
+    assert not paths.make_once(dest, ".done", "stamp", fill) and len(calls) == 1 and (dest / "file").exists()
+
+    def broken(tmp: Path) -> None:
+        (tmp / "half").write_text("x")
+        raise OSError("disk full")
+    with pytest.raises(OSError):
+        paths.make_once(dest, ".done", "stamp", broken, force=True)
+    assert not dest.exists() and sorted(p.name for p in paths.cache_dir().iterdir()) == ["made"]
+
+
 def test_folder_is_used_in_place(tmp_path):
     d = tmp_path / "kleidiai"
     d.mkdir()

@@ -260,19 +260,11 @@ def kleidiai_source(arg: str | os.PathLike) -> Path:
         log.warning("KleidiAI archive %s (sha256 %s…) is not a known v%s archive; its version is checked "
                     "from its CMakeLists.txt", p.name, digest[:12], KLEIDIAI_VERSION)
     dest = paths.cache_dir() / "kleidiai" / digest[:16]
-    done = dest / ".unpacked"
-    if not done.exists():
-        shutil.rmtree(dest, ignore_errors=True)
-        tmp = Path(tempfile.mkdtemp(prefix="kleidiai-", dir=paths.cache_dir()))
-        try:
-            with tarfile.open(p) as tf:
-                tf.extractall(tmp, filter="data")
-            dest.parent.mkdir(parents=True, exist_ok=True)
-            os.replace(tmp, dest)
-        except BaseException:
-            shutil.rmtree(tmp, ignore_errors=True)
-            raise
-        done.write_text(digest)
+
+    def unpack(tmp: Path) -> None:
+        with tarfile.open(p) as tf:
+            tf.extractall(tmp, filter="data")
+    paths.make_once(dest, ".unpacked", digest, unpack)
     tops = [d for d in dest.iterdir() if d.is_dir()]
     root = tops[0] if len(tops) == 1 and not (dest / "CMakeLists.txt").exists() else dest
     return _check_kleidiai_tree(root)

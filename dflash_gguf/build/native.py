@@ -215,13 +215,8 @@ def apply_patches(tree: Path, patches: list[Path]) -> None:
 def prepare_tree(sdist: Path, key: str, series: str, force: bool) -> Path:
     """Unpack the sdist, apply the patch series and stamp it. Returns the patched sdist root."""
     root = paths.cache_dir() / "src" / key
-    done = root / ".dflash-prepared"
-    if done.exists() and not force:
-        return root / f"llama_cpp_python-{SDIST_VERSION}"
-    if root.exists():
-        shutil.rmtree(root)
-    tmp = Path(tempfile.mkdtemp(prefix="prep-", dir=paths.cache_dir()))
-    try:
+
+    def fill(tmp: Path) -> None:
         log.info("unpacking %s", sdist.name)
         with tarfile.open(sdist) as tf:
             tf.extractall(tmp, filter="data")
@@ -233,12 +228,7 @@ def prepare_tree(sdist: Path, key: str, series: str, force: bool) -> Path:
         (tree / STAMP_HEADER).write_text(
             "// written by dflash_gguf.build.native after the patch series applied\n"
             f'#define LLAMA_DFLASH_SERIES "{series}"\n')
-        root.parent.mkdir(parents=True, exist_ok=True)
-        os.replace(tmp, root)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    done.write_text(series)
+    paths.make_once(root, ".dflash-prepared", series, fill, force)
     return root / f"llama_cpp_python-{SDIST_VERSION}"
 
 
