@@ -173,3 +173,19 @@ def test_the_replay_server_replays_recorded_steps_with_their_confidences(models,
             assert spec["choices"][0]["text"] == plain["choices"][0]["text"], (accepted, p)
             d = spec["dflash"]
             assert d["drafted"] > 0 and d["accepted"] == d["drafted"] * accepted // 5, (accepted, p, d)
+
+
+def test_a_scale_pair_with_a_reduced_head_is_named_by_its_rows(monkeypatch, tmp_path):
+    """``--pairs 1.7b:q4_0:dv32768``: the scale pair whose drafter has a reduced head of 32,768 rows; a third
+    part that is not ``dvN`` is refused before any pair is made."""
+    from dflash_gguf.bench.scale import synth
+
+    made = []
+    monkeypatch.setattr(synth, "make_pair", lambda shape, wtype: made.append((shape, wtype)) or tmp_path / "p")
+    monkeypatch.setattr(synth, "reduced_pair", lambda pair, n: pair.with_name(f"{pair.name}-dv{n}"))
+    with pytest.raises(SystemExit, match="dvN"):
+        serve.pair_files("1.7b:q4_0:32768")
+    assert made == []
+    assert serve.pair_files("1.7b:q4_0:dv32768") == (tmp_path / "p-dv32768" / "target.gguf",
+                                                     tmp_path / "p-dv32768" / "drafter.gguf")
+    assert serve.pair_files("0.6b:q8_0")[1] == tmp_path / "p" / "drafter.gguf" and made[-1] == ("0.6b", "q8_0")

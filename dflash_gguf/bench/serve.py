@@ -67,8 +67,14 @@ def pair_files(spec: str) -> tuple[Path, Path]:
         from dflash_gguf.demo import DEMO_DIR
         return DEMO_DIR / "target.gguf", DEMO_DIR / "drafter.gguf"
     from dflash_gguf.bench.scale import synth
-    shape, _, wtype = spec.partition(":")
+    shape, _, rest = spec.partition(":")
+    wtype, _, head = rest.partition(":")
+    # SHAPE:TYPE:dvN - the drafter with a reduced head of N rows, as the converter writes by default
+    if head and not (head.startswith("dv") and head[2:].isdigit()):
+        raise SystemExit(f"pair {spec!r}: the third part is the drafter's head, dvN (e.g. dv32768)")
     d = synth.make_pair(shape, wtype or "q4_0")
+    if head:
+        d = synth.reduced_pair(d, int(head[2:]))
     return d / "target.gguf", d / "drafter.gguf"
 
 
@@ -429,7 +435,8 @@ def memory_table(rows: list[dict], servers: list[str]) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m dflash_gguf.bench.serve", description=__doc__.split("\n\n")[0])
-    ap.add_argument("--pairs", nargs="+", default=["demo"], help="demo and/or scale pairs SHAPE:TYPE (e.g. 0.6b:q4_0)")
+    ap.add_argument("--pairs", nargs="+", default=["demo"], help="demo and/or scale pairs SHAPE:TYPE[:dvN] (e.g. 0.6b:q4_0; 1.7b:q4_0:dv32768 for the "
+                         "drafter with a reduced head of 32,768 rows)")
     ap.add_argument("--servers", nargs="+", default=list(DEFAULT_SERVERS), choices=SERVERS)
     ap.add_argument("--clients", default="1,2,4,8", help="concurrent client counts (each server runs -np C)")
     ap.add_argument("--requests", type=int, default=8, help="requests per run (at least one per client)")
