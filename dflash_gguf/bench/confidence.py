@@ -19,7 +19,11 @@ is the first call of a new decoder whose gate starts from what the warmed-up one
 (``history (kept)``, ``confidence (kept)``: what a new ``Llama`` of the pair gets from
 :mod:`dflash_gguf.decoding.history`).
 
+``--sequences B`` decodes B requests together instead (a server's slots without HTTP: the batch's gates
+and the confidence's allocation of rows across sequences), without the oracle and the first calls.
+
     python -m dflash_gguf.bench.confidence --shape 1.7b --type q4_0 --traces demo-dspark -t 2
+    python -m dflash_gguf.bench.confidence --shape 1.7b --type q4_0 --draft-vocab 32768 --sequences 2 -t 2
 """
 from __future__ import annotations
 
@@ -184,6 +188,75 @@ def measure(target: Path, drafter: Path, steps, *, tokens: int, trials: int, thr
             "over_plain": {k: round(v / med["plain"], 3) for k, v in med.items()}}
 
 
+def measure_batch(target: Path, drafter: Path, steps, *, sequences: int, tokens: int, trials: int,
+                  threads: int | None, n_draft: int) -> dict:
+    """The policies at ``sequences`` sequences decoded together (a server's slots, without HTTP): each a
+    prompt of ``bench.serve``'s, its recorded steps replayed (:class:`TraceBook`); plain decoding, fixed
+    lengths, the history gate and the confidence, the same batch of requests in turn, medians over
+    ``trials`` rounds (round 0 warms the gates up and is not counted) and each round's ratio to its plain."""
+    from dflash_gguf.bench.serve import PROMPTS
+    from dflash_gguf.decoding import DFlashDecoder, GenerationStats, Request, SpecOptions
+    from dflash_gguf.native.engine import Context, ContextOptions, Model
+
+    tm, dm = Model(target), Model(drafter)
+    prompts = [tm.tokenize(PROMPTS[i % len(PROMPTS)].encode()) for i in range(sequences)]
+    opts = ContextOptions(n_ctx=max(map(len, prompts)) + tokens + n_draft + 64, n_batch=512, n_ubatch=512,
+                          n_threads=threads, n_seq=sequences)
+    tctx = Context(tm, opts)
+    dctx = Context(dm, opts, other=tctx)
+    plain = DFlashDecoder(tctx, None)
+    plain.reset()
+    outs = plain.generate_batch([Request(p, tokens + n_draft + 1, stop_tokens=[]) for p in prompts])
+    refs = [p + o for p, o in zip(prompts, outs)]
+    lengths = sorted({1, 2, 3, 4, n_draft // 2, n_draft} - {0})
+    decs = {"plain": plain}
+    for k in lengths:
+        decs[f"fixed {k}"] = DFlashDecoder(tctx, dctx, SpecOptions(n_draft=k),
+                                           TraceBook(refs, steps, tm.n_vocab, confidence=False))
+    decs["history"] = DFlashDecoder(tctx, dctx, SpecOptions(n_draft=n_draft, adaptive=True),
+                                    TraceBook(refs, steps, tm.n_vocab, confidence=False))
+    decs["confidence"] = DFlashDecoder(tctx, dctx, SpecOptions(n_draft=n_draft, adaptive=True),
+                                       TraceBook(refs, steps, tm.n_vocab))
+    tps: dict[str, list[float]] = {k: [] for k in decs}
+    tau: dict[str, list[float]] = {k: [] for k in decs}
+    exact = True
+    try:
+        for trial in range(trials + 1):
+            for name, dec in decs.items():
+                if isinstance(dec.proposer, TraceBook):
+                    dec.proposer.i = trial * 997
+                dec.reset()          # the decoders share the contexts: each starts from empty caches
+                reqs = [Request(p, tokens, stop_tokens=[]) for p in prompts]
+                for r in reqs:
+                    r.stats = GenerationStats()
+                t0 = time.perf_counter()
+                got = dec.generate_batch(reqs)
+                wall = time.perf_counter() - t0
+                exact = exact and all(g == r[len(p):len(p) + tokens] for g, r, p in zip(got, refs, prompts))
+                st = GenerationStats()
+                for r in reqs:
+                    st.merge(r.stats)
+                if trial:
+                    tps[name].append(sum(map(len, got)) / wall)
+                    tau[name].append(st.n_generated / st.passes if st.passes else 1.0)
+    finally:
+        for c in (dctx, tctx):
+            c.close()
+        dm.close()
+        tm.close()
+    ratio = {k: [x / b for x, b in zip(v, tps["plain"])] for k, v in tps.items()}
+    med = {k: statistics.median(v) for k, v in ratio.items()}
+    best = max((k for k in med if k.startswith("fixed")), key=med.get)
+    return {"sequences": sequences,
+            "tokens_per_second": {k: round(statistics.median(v), 2) for k, v in tps.items()},
+            "over_plain": {k: round(v, 3) for k, v in med.items()},
+            "over_plain_spread": {k: [round(min(v), 3), round(max(v), 3)] for k, v in ratio.items()},
+            "tau": {k: round(statistics.median(v), 2) for k, v in tau.items()},
+            "best_fixed": best, "all_equal_plain": exact,
+            "confidence_over_history": round(med["confidence"] / med["history"], 3),
+            "confidence_over_best_fixed": round(med["confidence"] / med[best], 3)}
+
+
 def main(argv: list[str] | None = None) -> int:
     from dflash_gguf.bench.scale.synth import make_pair
     from dflash_gguf.kernels.cpu import cpu_model
@@ -196,12 +269,36 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--trials", type=int, default=5)
     ap.add_argument("-t", "--threads", type=int, default=None)
     ap.add_argument("--n-draft", type=int, default=8, help="tokens a block drafts (the DSpark demo drafter: 8)")
+    ap.add_argument("--sequences", type=int, default=1,
+                    help="decode this many sequences together (a server's slots: fixed lengths, the history gate "
+                         "and the confidence against plain decoding of as many; no oracle)")
+    ap.add_argument("--draft-vocab", type=int, default=None, metavar="N",
+                    help="the drafter with a reduced head of N rows (the converter's default: 32768)")
     ap.add_argument("--json", type=Path, help="also write the result here")
     a = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", datefmt="%H:%M:%S")
     name, steps = load_traces(a.traces)
     pair = make_pair(a.shape, a.type)
+    if a.draft_vocab:
+        from dflash_gguf.bench.scale.synth import reduced_pair
+        pair = reduced_pair(pair, a.draft_vocab)
     t0 = time.perf_counter()
+    if a.sequences > 1:
+        r = measure_batch(pair / "target.gguf", pair / "drafter.gguf", steps, sequences=a.sequences,
+                          tokens=a.tokens, trials=a.trials, threads=a.threads, n_draft=a.n_draft)
+        r.update(shape=a.shape, type=a.type, draft_vocab=a.draft_vocab, traces=name, cpu=cpu_model(),
+                 threads=a.threads, seconds=round(time.perf_counter() - t0, 1))
+        print(f"{a.shape} {a.type}{f' dv{a.draft_vocab}' if a.draft_vocab else ''}, {name} traces, {a.sequences} "
+              f"sequences together, {r['cpu']}, {a.threads} threads (synthetic weights, replayed steps)")
+        print(f"{'policy':<12} {'tok/s':>7} {'x plain':>8} {'min-max':>12} {'tok/pass':>8}")
+        for k, v in r["tokens_per_second"].items():
+            lo, hi = r["over_plain_spread"][k]
+            print(f"{k:<12} {v:>7.2f} {r['over_plain'][k]:>8.3f} {lo:>5.2f}-{hi:<6.2f} {r['tau'][k]:>8.2f}")
+        print(f"confidence / history {r['confidence_over_history']}x, / best fixed ({r['best_fixed']}) "
+              f"{r['confidence_over_best_fixed']}x; every output equal to plain decoding: {r['all_equal_plain']}")
+        if a.json:
+            a.json.write_text(json.dumps(r, indent=2))
+        return 0 if r["all_equal_plain"] else 1
     r = measure(pair / "target.gguf", pair / "drafter.gguf", steps, tokens=a.tokens, trials=a.trials,
                 threads=a.threads, n_draft=a.n_draft)
     r.update(shape=a.shape, type=a.type, traces=name, n_steps=len(steps), cpu=cpu_model(), threads=a.threads,
