@@ -1611,3 +1611,55 @@ def test_only_a_plain_probes_second_step_checks_plains_prior():
     assert _second_step(0, probe=False)._plain_on_prior()
     k = _second_step(2, probe=True)
     assert k.cost[2] == 14.0 and k._plain_on_prior()
+
+
+def _batch_of_two(g: G, steps: int, right: bool, true_costs: np.ndarray) -> list[tuple[int, bool]]:
+    """``steps`` steps of a 2-sequence batch's gate: (drafted, whether the whole batch drafted) for each.
+    A probe drafts for one sequence (the step costs a plain share plus half a drafting one, per sequence);
+    the whole batch drafting n costs ``true_costs[n]`` per sequence; every token right, or none."""
+    out = []
+    for _ in range(steps):
+        n = g.choose()
+        whole = n > 0 and not g.probing
+        a = n if right else 0
+        if n == 0:
+            g.record(0, 0, float(true_costs[0]), batch=2)
+        elif g.probing:
+            g.record(n, a, float(true_costs[0] + true_costs[n]) / 2, batch=2)
+        else:
+            g.record(n, a, float(true_costs[n]), batch=2)
+            g.record(n, a, float(true_costs[n]), same_step=True, batch=2)
+        out.append((n, whole))
+    return out
+
+
+def test_a_batch_gate_measures_its_whole_batch_drafting_before_calling_drafting_futile():
+    """A batch size's prior is scaled from one sequence's costs and may rate drafting so dear that not even
+    every token right would pay (1.5x too dear at the 1.7B shape on AVX2). Once the drafter's probes are
+    right, the whole batch drafts a short block twice: the second step's cost replaces the prior's, the
+    other drafting lengths' priors move by the same factor, and where drafting pays the plan drafts."""
+    prior = np.array([1.0, 3.0, 4.0, 5.0, 6.0])          # per sequence: 5 tokens for 6 plain steps' time
+    true = np.array([1.0, 1.2, 1.6, 2.0, 2.4])
+    g = G(4, prior)
+    g.batch = 2
+    assert not g._could_pay()
+    steps = _batch_of_two(g, 60, True, true)
+    whole = [i for i, (n, w) in enumerate(steps) if w]
+    assert whole and whole[0] < 20
+    k = steps[whole[0]][0]
+    assert g.cost[k] == pytest.approx(true[k], rel=0.1)     # (then tracked by later steps)
+    assert all(g.cost[j] < 0.6 * prior[j] for j in range(1, 5))   # every drafting cost measured or moved with k's
+    assert sum(n for n, w in steps[-20:] if w) > 0           # and the batch drafts
+    assert g._plan > 0
+
+
+def test_a_batch_gate_never_drafts_its_whole_batch_for_a_drafter_never_right():
+    """A never-right drafter's probes find nothing: no step of the whole batch drafting is run to measure the
+    prior (and one sequence's gate measures no batch)."""
+    prior = np.array([1.0, 3.0, 4.0, 5.0, 6.0])
+    true = np.array([1.0, 1.2, 1.6, 2.0, 2.4])
+    g = G(4, prior)
+    g.batch = 2
+    assert not any(w for _n, w in _batch_of_two(g, 400, False, true))
+    one = G(4, prior)
+    assert not one._batch_prior_unchecked()

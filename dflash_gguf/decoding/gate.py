@@ -141,6 +141,9 @@ class DraftLength:
         self.scheduled = False                      # the last choice was the schedule's (a warm-up step, an
                                                     # acceptance or a cost probe), not the plan's
         self._plain_checked = False                 # a plain probe's second step did not lower plain's prior
+        self.batch = 1                              # the sequences of the steps this gate chooses for (a batch
+                                                    # size's gate: DraftPolicy sets it)
+        self._cost_probed = False                   # ... whose whole batch drafted to measure its prior (once)
         self._probe_step = -1                       # the last step that was a cost probe's second
         self._run: int | None = None                # the length of the last step recorded (None: a new run)
         self._streak = 0                            # ... and how many steps of it in a row
@@ -170,6 +173,14 @@ class DraftLength:
             # right again?), a full block while drafting shorter ones, plain decoding while drafting
             # full blocks
             self._next_probe = self.steps + self.probe_every
+            if not self._plan and self._batch_prior_unchecked():
+                # a batch's drafting cost is still its prior's word, scaled from one sequence's (at the 1.7B
+                # Q4_0 shape on AVX2 about 1.5x what two sequences' drafting steps cost: it called drafting
+                # futile and 2-token blocks, 1.26x plain, never ran): the whole batch drafts a short block
+                # twice, the second step's cost replacing the prior's (and moving the other lengths' with it)
+                self._cost_probed = True
+                self._again = self.probe_len
+                return self.probe_len
             if not self._plan:
                 self.probing = True
                 # acceptance: one step (its cost is the prior's or a warm-up's); the whole block while its deep
@@ -187,6 +198,11 @@ class DraftLength:
         if w is None:
             return self.n_max
         return max(1, self.n_max // 2) if w == "half" else min(int(w), self.n_max)
+
+    def _batch_prior_unchecked(self) -> bool:
+        """Whether this batch size's gate plans on its drafting costs' prior alone while the drafter has got
+        tokens right: no step of its whole batch drafting has been measured (nor a cost probe run)."""
+        return self.batch > 1 and self._right and not self._cost_probed and self.probe_len in self._prior
 
     def _explore_deep(self) -> bool:
         """Whether a probe while decoding plainly drafts the whole block, not a short one: where whole
@@ -380,6 +396,11 @@ class DraftLength:
                 # is re-probed soon
                 steady = plan == self._plan
                 self.probe_every = min(self.probe_every * 2, self.PROBE_MAX) if steady else self.PROBE_EVERY
+                if plan == 0 and self._batch_prior_unchecked():
+                    # plain decoding on the word of a batch prior the drafter's right probes leave in doubt:
+                    # the cost probe soon (_scheduled), not the longest gap that futility would set
+                    self._next_probe = min(self._next_probe, self.steps + self.PROBE_SOON)
+                    hopeless = futile = False
                 if hopeless or (plan == 0 and steady and self.probe_every >= self.PROBE_MAX):
                     # a drafter that looks never right, or one whose every token right would not pay (a
                     # target so small that a block's rows cost as much as its tokens): probed no faster
@@ -600,6 +621,15 @@ class DraftLength:
         # the prior (measured once, perhaps on a busier machine or a shorter context) stands in until
         # the first steady step of that length, as a first step after a switch does without a prior
         w = 1.0 if n in self._prior else self.COST_EMA
+        if self.batch > 1 and n > 0 and n in self._prior and c > 0:
+            # the first measure of a drafting length's prior at a batch size: the other drafting lengths'
+            # priors were scaled from one sequence's costs by the same model (batch_costs), so they are off by
+            # about as much (1.4-1.6x at every length of two sequences' steps, 1.7B on AVX2); one sequence's
+            # prior measured each length itself
+            f = seconds / c
+            for k in range(1, self.n_max + 1):
+                if k != n and k in self._prior:
+                    self.cost[k] *= f
         self._prior.discard(n)
         new = (1 - w) * c + w * seconds
         if n == self._plan and self._probe_step != self.steps and c > 0 and not switched:

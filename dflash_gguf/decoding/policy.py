@@ -215,6 +215,7 @@ class DraftPolicy:
             # the gate that has seen the most of it
             gate = self.batch_gates[b] = DraftLength(
                 self.n_draft, batch_prior(self.costs, b) if self.costs is not None else None)
+            gate.batch = b
             seen = [g for g in (self.gate, *self.batch_gates.values()) if g is not None and g is not gate]
             if seen:
                 gate.learn_acceptance(max(seen, key=lambda g: g.tries.sum()))
