@@ -1646,6 +1646,7 @@ def test_a_batch_gate_measures_its_whole_batch_drafting_before_calling_drafting_
     steps = _batch_of_two(g, 60, True, true)
     whole = [i for i, (n, w) in enumerate(steps) if w]
     assert whole and whole[0] < 20
+    assert steps[whole[0] - 1][0] == 0                        # once it has planned plain decoding on the prior
     k = steps[whole[0]][0]
     assert g.cost[k] == pytest.approx(true[k], rel=0.1)     # (then tracked by later steps)
     assert all(g.cost[j] < 0.6 * prior[j] for j in range(1, 5))   # every drafting cost measured or moved with k's
@@ -1663,3 +1664,40 @@ def test_a_batch_gate_never_drafts_its_whole_batch_for_a_drafter_never_right():
     assert not any(w for _n, w in _batch_of_two(g, 400, False, true))
     one = G(4, prior)
     assert not one._batch_prior_unchecked()
+
+
+def test_a_batch_gates_dearer_whole_batch_is_measured_once():
+    """Where the whole batch's drafting step costs more than even its prior said, the prior stands (a
+    probe's second step may lower a cost, not raise it) and the batch is not made to draft again to ask."""
+    prior = np.array([1.0, 3.0, 4.0, 5.0, 6.0])
+    g = G(4, prior)
+    g.batch = 2
+    steps = _batch_of_two(g, 300, True, prior * np.array([1.0, 1.5, 1.5, 1.5, 1.5]))
+    assert sum(w for _n, w in steps) == 2 and g._plan == 0
+
+
+@pytest.mark.parametrize("first", [1, 2])
+def test_a_batch_gates_first_measure_of_a_drafting_length_moves_the_other_drafting_priors(first):
+    """A batch size's drafting priors come from one model (batch_costs) and are off together: the first
+    steady measure of one drafting length scales the drafting lengths still on the prior by the same factor,
+    and leaves measured lengths and plain decoding's cost alone (one sequence's gate: each length its own)."""
+    prior = np.array([0.05, 0.15, 0.2, 0.25, 0.3])
+    g = G(4, prior)
+    g.batch = 2
+    for _ in range(G.SETTLE[0] + 2):
+        g.record(0, 0, 0.04)                                # plain measured: the drafting priors stay
+    np.testing.assert_allclose(g.cost[1:], prior[1:])
+    for _ in range(2):
+        g.record(first, first, prior[first] / 2)            # the second step is steady: half the prior
+    want = prior / 2
+    want[0] = g.cost[0]
+    np.testing.assert_allclose(g.cost, want)
+    for _ in range(2):
+        g.record(4, 4, want[4] * 0.8)                       # a later first measure: only the priors move
+    moved = want * np.array([1, 0.8, 0.8, 0.8, 0.8])
+    moved[first] = want[first]
+    np.testing.assert_allclose(g.cost, moved)
+    one = G(4, prior)
+    for _ in range(2):
+        one.record(first, first, prior[first] / 2)
+    np.testing.assert_allclose(np.delete(one.cost, first), np.delete(prior, first))

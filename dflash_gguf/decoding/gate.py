@@ -168,19 +168,19 @@ class DraftLength:
         if self.steps <= self._warmup:
             w = self._warmup_plan[self.steps - 1]
             self.probing = self._prior_warmup      # with a prior the warm-up only asks for acceptance
+        elif self._plan == 0 and self._batch_prior_unchecked():
+            # plain decoding planned on a batch size's drafting costs as its prior says them, scaled from one
+            # sequence's (at the 1.7B Q4_0 shape on AVX2 about 1.5x what two sequences' drafting steps cost:
+            # drafting looked futile and 2-token blocks, 1.26x plain, never ran): the whole batch drafts a
+            # short block twice, the second step's cost replacing the prior's and moving the other lengths'
+            self._cost_probed = True
+            self._again = self.probe_len
+            return self.probe_len
         elif self.steps >= self._next_probe:
             # probe what the plan does not use: a short block while decoding plainly (is the drafter
             # right again?), a full block while drafting shorter ones, plain decoding while drafting
             # full blocks
             self._next_probe = self.steps + self.probe_every
-            if not self._plan and self._batch_prior_unchecked():
-                # a batch's drafting cost is still its prior's word, scaled from one sequence's (at the 1.7B
-                # Q4_0 shape on AVX2 about 1.5x what two sequences' drafting steps cost: it called drafting
-                # futile and 2-token blocks, 1.26x plain, never ran): the whole batch drafts a short block
-                # twice, the second step's cost replacing the prior's (and moving the other lengths' with it)
-                self._cost_probed = True
-                self._again = self.probe_len
-                return self.probe_len
             if not self._plan:
                 self.probing = True
                 # acceptance: one step (its cost is the prior's or a warm-up's); the whole block while its deep
@@ -396,11 +396,6 @@ class DraftLength:
                 # is re-probed soon
                 steady = plan == self._plan
                 self.probe_every = min(self.probe_every * 2, self.PROBE_MAX) if steady else self.PROBE_EVERY
-                if plan == 0 and self._batch_prior_unchecked():
-                    # plain decoding on the word of a batch prior the drafter's right probes leave in doubt:
-                    # the cost probe soon (_scheduled), not the longest gap that futility would set
-                    self._next_probe = min(self._next_probe, self.steps + self.PROBE_SOON)
-                    hopeless = futile = False
                 if hopeless or (plan == 0 and steady and self.probe_every >= self.PROBE_MAX):
                     # a drafter that looks never right, or one whose every token right would not pay (a
                     # target so small that a block's rows cost as much as its tokens): probed no faster
