@@ -435,7 +435,8 @@ def memory_table(rows: list[dict], servers: list[str]) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m dflash_gguf.bench.serve", description=__doc__.split("\n\n")[0])
-    ap.add_argument("--pairs", nargs="+", default=["demo"], help="demo and/or scale pairs SHAPE:TYPE[:dvN] (e.g. 0.6b:q4_0; 1.7b:q4_0:dv32768 for the "
+    ap.add_argument("--pairs", nargs="+", default=["demo"],
+                    help="demo and/or scale pairs SHAPE:TYPE[:dvN] (e.g. 0.6b:q4_0; 1.7b:q4_0:dv32768 for the "
                          "drafter with a reduced head of 32,768 rows)")
     ap.add_argument("--servers", nargs="+", default=list(DEFAULT_SERVERS), choices=SERVERS)
     ap.add_argument("--clients", default="1,2,4,8", help="concurrent client counts (each server runs -np C)")
