@@ -37,7 +37,7 @@ from pathlib import Path
 
 import numpy as np
 
-from dflash_gguf.bench.scale.replay import block_right_for
+from dflash_gguf.bench.scale.replay import block_right_for, reference_for
 from dflash_gguf.decoding.proposer import DrafterProposer
 
 log = logging.getLogger("dflash_gguf.bench.confidence")
@@ -97,13 +97,12 @@ class TraceBook(DrafterProposer):
             self.blocks += 1
             a = min(a, n)
             ctx = context(j) + [int(pending[j])]
-            L = len(ctx)
-            ref = next((r for r in self.refs if L <= len(r) and r[L - 1] == ctx[-1] and r[:L] == ctx), None)
+            ref = reference_for(self.refs, ctx)
             if ref is None:
                 self.diverged += 1
                 out[j, :n] = (ctx[-1] + 1) % self.n_vocab
             else:
-                out[j, :n] = block_right_for(ref, L, n, a, self.n_vocab)
+                out[j, :n] = block_right_for(ref, len(ctx), n, a, self.n_vocab)
             if conf is not None and self.confidence:
                 conf[j, :n] = (c + [c[-1]] * n)[:n]
             if self.oracle:
@@ -205,7 +204,6 @@ def measure_batch(target: Path, drafter: Path, steps, *, sequences: int, tokens:
     tctx = Context(tm, opts)
     dctx = Context(dm, opts, other=tctx)
     plain = DFlashDecoder(tctx, None)
-    plain.reset()
     outs = plain.generate_batch([Request(p, tokens + n_draft + 1, stop_tokens=[]) for p in prompts])
     refs = [p + o for p, o in zip(prompts, outs)]
     lengths = sorted({1, 2, 3, 4, n_draft // 2, n_draft} - {0})

@@ -90,6 +90,13 @@ def block_right_for(ref: Sequence[int], L: int, n: int, a: int, n_vocab: int) ->
     return truth
 
 
+def reference_for(refs: Sequence[Sequence[int]], ctx: Sequence[int]) -> Sequence[int] | None:
+    """The first of ``refs`` that ``ctx`` is a prefix of (None: ``ctx`` left them all)."""
+    L = len(ctx)
+    # (the last token first: a context that left a reference mostly differs there, and the slice is a copy)
+    return next((r for r in refs if L <= len(r) and (not L or r[L - 1] == ctx[-1]) and r[:L] == ctx), None)
+
+
 def replayed_block(ref: Sequence[int], L: int, n: int, cum: np.ndarray, u: float, n_vocab: int) -> list[int]:
     """``n`` proposed tokens after ``ref[:L]`` of which the first ``a = #{i : cum[i] > u}`` are right."""
     return block_right_for(ref, L, n, int((cum[:n] > u).sum()) if n else 0, n_vocab)
@@ -111,11 +118,10 @@ class ReplayBook:
 
     def __call__(self, ctx: list[int], n: int) -> list[int]:
         self.steps += 1
-        L = len(ctx)
         u = self.rng.random()
-        for ref in self.refs:
-            if L <= len(ref) and ref[:L] == ctx:
-                return replayed_block(ref, L, n, self.cum, u, self.n_vocab)
+        ref = reference_for(self.refs, ctx)
+        if ref is not None:
+            return replayed_block(ref, len(ctx), n, self.cum, u, self.n_vocab)
         self.diverged += 1
         return [(int(ctx[-1]) + 1) % self.n_vocab] * n
 
