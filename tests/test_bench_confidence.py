@@ -54,5 +54,25 @@ def test_every_policy_decoding_sequences_together_gives_plain_decodings_text(mod
     _, steps = load_traces("demo-dspark")
     r = measure_batch(pair.target, pair.drafter, steps, sequences=2, tokens=24, trials=1, threads=1, n_draft=4)
     assert r["all_equal_plain"]
-    assert {"plain", "fixed 1", "fixed 4", "history", "confidence"} <= set(r["tokens_per_second"])
+    assert {"plain", "fixed 1", "fixed 4", "history", "confidence", "oracle"} <= set(r["tokens_per_second"])
     assert r["tau"]["fixed 4"] > 1.0 and r["tau"]["plain"] == 1.0     # recorded steps keep tokens; plain keeps one a pass
+    # the oracle verifies only what each sequence's step keeps, and keeps what the whole block keeps
+    assert r["tau"]["oracle"] == r["tau"]["fixed 4"]
+    assert r["of_oracle"]["oracle"] == 1.0
+
+
+def test_the_oracle_verifies_exactly_what_each_sequence_keeps():
+    """verify_accepted cuts each sequence's block to the count its recorded step accepts, whatever was drafted."""
+    from types import SimpleNamespace
+
+    from dflash_gguf.bench.confidence import verify_accepted
+
+    book = TraceBook([[1, 2, 3, 4, 5, 6, 7, 8]], [([0.5] * 4, 3), ([0.5] * 4, 1)], n_vocab=100, oracle=True)
+    dec = SimpleNamespace(proposer=book, policy=SimpleNamespace())
+    verify_accepted(dec, book)
+    out = np.zeros((2, 4), dtype=np.int32)
+    _replace(book, 4, out, None, [[1, 2], [9]], np.array([3, 9], dtype=np.int32))
+    assert book.accepted == {0: 3, 1: 0}          # the second context starts no reference: nothing kept
+    plan = SimpleNamespace(lengths=[4, 4])
+    dec.policy.verify_rows([SimpleNamespace(slot=0), SimpleNamespace(slot=1)], plan, None, False)
+    assert plan.lengths == [3, 0]

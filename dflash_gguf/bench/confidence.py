@@ -20,7 +20,8 @@ is the first call of a new decoder whose gate starts from what the warmed-up one
 :mod:`dflash_gguf.decoding.history`).
 
 ``--sequences B`` decodes B requests together instead (a server's slots without HTTP: the batch's gates
-and the confidence's allocation of rows across sequences), without the oracle and the first calls.
+and the confidence's allocation of rows across sequences; the oracle verifies each sequence's accepted
+tokens plus one row), without the first calls.
 
     python -m dflash_gguf.bench.confidence --shape 1.7b --type q4_0 --traces demo-dspark -t 2
     python -m dflash_gguf.bench.confidence --shape 1.7b --type q4_0 --draft-vocab 32768 --sequences 2 -t 2
@@ -76,8 +77,10 @@ class TraceBook(DrafterProposer):
     plain continuation), for any number of sequences at once. Runs the drafter (its cost is paid), then
     gives each sequence the next recorded step: the continuation of the reference its context is a prefix
     of, made wrong at the step's accepted count, with the step's confidences (``confidence=False``: none,
-    for the history-only policy; ``oracle``, one sequence: proposes only the tokens that will be accepted).
-    A context no reference starts with (another prompt) gets a wrong block, counted in ``diverged``."""
+    for the history-only policy).
+    A context no reference starts with (another prompt) gets a wrong block, counted in ``diverged``.
+    ``oracle``: each sequence's step will accept (``accepted[seq]``), which :func:`verify_accepted` cuts
+    its block to."""
 
     def __init__(self, references: list[list[int]], steps, n_vocab: int, start: int = 0, confidence: bool = True,
                  oracle: bool = False):
@@ -86,6 +89,7 @@ class TraceBook(DrafterProposer):
         self.i = start
         self.confidence = confidence
         self.oracle = oracle
+        self.accepted: dict[int, int] = {}
         self.blocks = 0
         self.diverged = 0
 
@@ -106,8 +110,19 @@ class TraceBook(DrafterProposer):
             if conf is not None and self.confidence:
                 conf[j, :n] = (c + [c[-1]] * n)[:n]
             if self.oracle:
-                return a
+                self.accepted[int(seqs[j])] = a if ref is not None else 0
         return n
+
+
+def verify_accepted(dec, book: TraceBook) -> None:
+    """Make ``dec`` verify, per sequence and step, exactly the drafted tokens ``book`` (an oracle) says the
+    target keeps: accepted + 1 rows, the fewest that give what the whole block gives - the ceiling for any
+    choice of verify lengths, drafter call included. The book must be ``dec``'s proposer."""
+    def verify_rows(seqs, plan, scores, padded):
+        for i, s in enumerate(seqs):
+            plan.lengths[i] = min(plan.lengths[i], book.accepted.get(s.slot, 0))
+    assert book.oracle and dec.proposer is book
+    dec.policy.verify_rows = verify_rows
 
 
 class TraceReplay(TraceBook):
@@ -141,6 +156,7 @@ def measure(target: Path, drafter: Path, steps, *, tokens: int, trials: int, thr
                               TraceReplay(reference, steps, tm.n_vocab))
     oracle = DFlashDecoder(tctx, dctx, SpecOptions(n_draft=n_draft), TraceReplay(reference, steps, tm.n_vocab,
                                                                                  confidence=False, oracle=True))
+    verify_accepted(oracle, oracle.proposer)
     decs = {"plain": plain, **fixed, "history": history, "confidence": confident, "oracle": oracle}
     tps: dict[str, list[float]] = {k: [] for k in decs}
     tau: dict[str, list[float]] = {k: [] for k in decs}
@@ -215,6 +231,9 @@ def measure_batch(target: Path, drafter: Path, steps, *, sequences: int, tokens:
                                     TraceBook(refs, steps, tm.n_vocab, confidence=False))
     decs["confidence"] = DFlashDecoder(tctx, dctx, SpecOptions(n_draft=n_draft, adaptive=True),
                                        TraceBook(refs, steps, tm.n_vocab))
+    decs["oracle"] = DFlashDecoder(tctx, dctx, SpecOptions(n_draft=n_draft),
+                                   TraceBook(refs, steps, tm.n_vocab, confidence=False, oracle=True))
+    verify_accepted(decs["oracle"], decs["oracle"].proposer)
     tps: dict[str, list[float]] = {k: [] for k in decs}
     tau: dict[str, list[float]] = {k: [] for k in decs}
     exact = True
@@ -252,7 +271,8 @@ def measure_batch(target: Path, drafter: Path, steps, *, sequences: int, tokens:
             "tau": {k: round(statistics.median(v), 2) for k, v in tau.items()},
             "best_fixed": best, "all_equal_plain": exact,
             "confidence_over_history": round(med["confidence"] / med["history"], 3),
-            "confidence_over_best_fixed": round(med["confidence"] / med[best], 3)}
+            "confidence_over_best_fixed": round(med["confidence"] / med[best], 3),
+            "of_oracle": {k: round(v / med["oracle"], 3) for k, v in med.items()}}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -269,7 +289,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--n-draft", type=int, default=8, help="tokens a block drafts (the DSpark demo drafter: 8)")
     ap.add_argument("--sequences", type=int, default=1,
                     help="decode this many sequences together (a server's slots: fixed lengths, the history gate "
-                         "and the confidence against plain decoding of as many; no oracle)")
+                         "and the confidence against plain decoding of as many; no first calls)")
     ap.add_argument("--draft-vocab", type=int, default=None, metavar="N",
                     help="the drafter with a reduced head of N rows (the converter's default: 32768)")
     ap.add_argument("--json", type=Path, help="also write the result here")
@@ -288,10 +308,11 @@ def main(argv: list[str] | None = None) -> int:
                  threads=a.threads, seconds=round(time.perf_counter() - t0, 1))
         print(f"{a.shape} {a.type}{f' dv{a.draft_vocab}' if a.draft_vocab else ''}, {name} traces, {a.sequences} "
               f"sequences together, {r['cpu']}, {a.threads} threads (synthetic weights, replayed steps)")
-        print(f"{'policy':<12} {'tok/s':>7} {'x plain':>8} {'min-max':>12} {'tok/pass':>8}")
+        print(f"{'policy':<12} {'tok/s':>7} {'x plain':>8} {'min-max':>12} {'tok/pass':>8} {'of oracle':>10}")
         for k, v in r["tokens_per_second"].items():
             lo, hi = r["over_plain_spread"][k]
-            print(f"{k:<12} {v:>7.2f} {r['over_plain'][k]:>8.3f} {lo:>5.2f}-{hi:<6.2f} {r['tau'][k]:>8.2f}")
+            print(f"{k:<12} {v:>7.2f} {r['over_plain'][k]:>8.3f} {lo:>5.2f}-{hi:<6.2f} {r['tau'][k]:>8.2f} "
+                  f"{r['of_oracle'][k]:>10.3f}")
         print(f"confidence / history {r['confidence_over_history']}x, / best fixed ({r['best_fixed']}) "
               f"{r['confidence_over_best_fixed']}x; every output equal to plain decoding: {r['all_equal_plain']}")
         if a.json:

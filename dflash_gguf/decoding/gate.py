@@ -615,7 +615,8 @@ class DraftLength:
         seconds = min(seconds, self.OUTLIER * c)
         # the prior (measured once, perhaps on a busier machine or a shorter context) stands in until
         # the first steady step of that length, as a first step after a switch does without a prior
-        w = 1.0 if n in self._prior else self.COST_EMA
+        was_prior = n in self._prior
+        w = 1.0 if was_prior else self.COST_EMA
         if self.batch > 1 and n > 0 and n in self._prior and c > 0:
             # the first measure of a drafting length's prior at a batch size: the other drafting lengths'
             # priors were scaled from one sequence's costs by the same model (batch_costs), so they are off by
@@ -635,7 +636,18 @@ class DraftLength:
             # by 30% while the whole block's stood. (Not a switch's step: it costs what it does for being
             # one, which says nothing of the machine.)
             f = new / c
-            self.cost = [x * f for x in self.cost]
+            if not was_prior:
+                self.cost = [x * f for x in self.cost]
+            else:
+                # the first measure of the plan's length replaces its prior: a factor for the costs still on
+                # the prior (one sequence's lengths, measured together by calibration, are off together; a
+                # batch's drafting lengths moved above), not for those steps measured. Scaled with it, a
+                # 4-sequence gate's plain cost, measured at 13 ms a sequence, became the 18 of a prior taken
+                # on a busy machine, and 2-token blocks that ran at 0.8x plain looked 1.1x (1.7B Q4_0, AVX2)
+                if self.batch == 1:
+                    self.cost = [x * f if k in self._prior else x for k, x in enumerate(self.cost)]
+                if f != 1.0 and (self.batch > 1 or any(k not in self._prior for k in range(len(self.cost)) if k != n)):
+                    self._evaluated = None     # not every cost moved by the one factor
         else:
             self._evaluated = None
         self.cost[n] = new
