@@ -195,6 +195,31 @@ def test_a_prior_measured_busy_is_dropped_once_plain_steps_show_it(pair, cache, 
     assert len(measured) == 1
 
 
+def test_a_batch_sizes_gate_is_checked_against_its_share_of_the_prior():
+    """A server's slots may decode several sequences together every step and never one alone: after each
+    request the gates of every batch size are asked too, each against what the prior says its plain step
+    costs a sequence (batch_costs: the batch's step shared out), not one sequence's plain step."""
+    from dflash_gguf.decoding.batch_costs import batch_prior
+    from dflash_gguf.decoding.gate import DraftLength
+    from dflash_gguf.decoding.policy import DraftPolicy
+
+    prior = np.array([1.0, 1.5, 1.6, 1.7, 1.8, 1.9, 2.0, 2.1])
+    share = batch_prior(prior, 2)[0]
+    assert share < calibration.STALE * prior[0]          # a share of a step: one sequence's is no measure
+    for f, stale in ((0.9, False), (0.6, True)):
+        g = DraftLength(7, batch_prior(prior, 2))
+        g.batch = 2
+        for _ in range(DraftLength.SETTLE[0] + 2):
+            g.record(0, 0, f * share)                    # settled plain steps of the batch, a sequence's share
+        assert 0 not in g._prior and calibration.prior_is_stale(prior, g) is stale
+    asked = []
+    policy = DraftPolicy(7, gated=True, confident=False)
+    policy.start_from(prior, lambda g: asked.append(g) or False)
+    two = policy._batch_gate(2)
+    policy.request_ended(None)
+    assert two in asked and policy.gate in asked
+
+
 def test_a_prior_cheaper_than_the_steps_is_kept(pair, cache):
     """Real steps costing more than the prior (longer contexts, a busier moment) leave it cached: only
     a prior too dear for this machine is a busy one."""

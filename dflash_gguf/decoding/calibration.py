@@ -49,6 +49,7 @@ from dflash_gguf.kernels.cpu import cpu_flags, cpu_model
 from dflash_gguf.decoding.proposer import DrafterProposer, Proposer
 from dflash_gguf.native.engine import Context
 from dflash_gguf.decoding.gate import DraftLength
+from dflash_gguf.decoding.batch_costs import batch_prior
 from dflash_gguf.native.threads import run_in_own_thread
 
 log = logging.getLogger("dflash_gguf.decoding")
@@ -252,8 +253,14 @@ def step_costs(decoder: Measured) -> np.ndarray | None:
 
 def prior_is_stale(prior: np.ndarray, gate: DraftLength) -> bool:
     """Whether ``gate``'s steady plain steps (no longer the prior's word: :meth:`DraftLength.record`)
-    cost under STALE x what the prior says a plain step costs."""
-    return 0 not in gate._prior and np.isfinite(gate.cost[0]) and gate.cost[0] < STALE * prior[0]
+    cost under STALE x what the prior says a plain step costs (a batch size's gate: a sequence's share of
+    such a step, :func:`.batch_costs.batch_prior`)."""
+    return bool(0 not in gate._prior and np.isfinite(gate.cost[0]) and gate.cost[0] < STALE * _plain(prior, gate))
+
+
+def _plain(prior: np.ndarray, gate: DraftLength) -> float:
+    """What ``prior`` (one sequence's step costs) says a plain step of ``gate``'s costs per sequence."""
+    return float(prior[0] if gate.batch == 1 else batch_prior(prior, gate.batch)[0])
 
 
 def check_prior(decoder: Measured, prior: np.ndarray, gate: DraftLength) -> bool:
@@ -275,13 +282,13 @@ def check_prior(decoder: Measured, prior: np.ndarray, gate: DraftLength) -> bool
     if data.get("stale") or cached.shape != prior.shape or not np.allclose(cached, prior):
         return True                         # dropped or changed by another decoder: not this decoder's prior
     if int(data.get("measured", 1)) > 1:
-        scale = gate.cost[0] / prior[0]
+        scale = gate.cost[0] / _plain(prior, gate)
         log.info("plain steps cost %.2f ms here, the prior measured again says %.2f ms: every length's cost "
-                 "scaled by %.2f", gate.cost[0] * 1e3, prior[0] * 1e3, scale)
+                 "scaled by %.2f", gate.cost[0] * 1e3, _plain(prior, gate) * 1e3, scale)
         paths.write_json(f, {**data, "costs": tidy(prior * scale).tolist(),
                              "rescaled": int(data.get("rescaled", 0)) + 1})
         return True
     log.info("plain steps cost %.2f ms here, the cached prior says %.2f ms (measured while the machine was "
-             "busy?): the next decoder of this pair measures again", gate.cost[0] * 1e3, prior[0] * 1e3)
+             "busy?): the next decoder of this pair measures again", gate.cost[0] * 1e3, _plain(prior, gate) * 1e3)
     paths.write_json(f, {"stale": True, "measured": int(data.get("measured", 1))})
     return True

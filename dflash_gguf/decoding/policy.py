@@ -268,7 +268,9 @@ class DraftPolicy:
         machine is marked stale (once), and the acceptance history is kept when it grew (``own_proposals``:
         the drafter's own, not a replay's or an oracle's, which are not the pair's acceptance)."""
         if not self._prior_checked:
-            self._prior_checked = any(self._stale(g) for g in (self.gate, self.gate_sampled) if g is not None)
+            # a batch size's gates too: a server's slots may never decode one sequence alone
+            self._prior_checked = any(self._stale(g) for g in (self.gate, self.gate_sampled, *self.batch_gates.values())
+                                      if g is not None)
         if self._keep and own_proposals and self.draws() > self._kept_draws:
             self._kept_draws = self.draws()
             greedy = max((g for g in (self.gate, *self.batch_gates.values()) if g is not None),
