@@ -55,7 +55,7 @@ def run(policy: DraftPolicy, seqs: list, steps: int, right, scores=None) -> tupl
             if scores is not None and d:
                 policy.observe_scores(s, conf[s.slot, :d], n, a)
             tokens += a + 1
-            done.append((s, SimpleNamespace(head=0, n=n, accepted=a, copied=False)))
+            done.append((s, SimpleNamespace(head=0, n=n, accepted=a, copied=False, drafted=d)))
         dt = step_cost(plan.lengths)
         seconds += dt
         policy.observe(done, plan, dt)
@@ -150,9 +150,54 @@ def test_a_batch_probe_drafts_for_one_sequence_and_within_each_context():
             probes += 1
             assert sum(1 for n in plan.lengths if n) == 1, plan.lengths
             assert plan.lengths[0] > 0, "the sequence with the fewest kept rows is probed"
-        policy.observe([(s, SimpleNamespace(head=0, n=n, accepted=0, copied=False)) for s, n in zip(seqs, plan.lengths)],
-                       plan, step_cost(plan.lengths))
+        policy.observe([(s, SimpleNamespace(head=0, n=n, accepted=0, copied=False, drafted=n))
+                        for s, n in zip(seqs, plan.lengths)], plan, step_cost(plan.lengths))
     assert probes > 0
     short = slots(policy, 1)
     short[0].cache = [0] * 95
     assert max(policy.plan(short, 100, False).lengths) <= 4
+
+
+def test_a_cut_block_counts_its_verified_tokens_and_not_its_cost():
+    """A block cut before the verify drafted more than it verified: only the verified tokens count as tried,
+    and the step, a longer draft with a shorter verify, is no step of either length, so no length's cost
+    moves (recorded as a short block's, an 8-token draft verified to one row made short lengths look dear).
+    A block verified whole is an ordinary step of its length."""
+    policy = DraftPolicy(N, gated=True, confident=True)
+    policy.start_from(prior())
+    (s,) = slots(policy, 1)
+    g = policy.gate
+    g.start_from(np.full(N, 9.0), np.full(N, 10.0))      # a drafter right nine times in ten: no warm-up
+    g._plan = N                                           # whole blocks
+    costs, tries = list(g.cost), g.tries.copy()
+    plan = policy.plan([s], 10**9, False)
+    assert plan.lengths == [N] and not g.scheduled
+    streak = g._streak
+    policy.observe([(s, SimpleNamespace(head=0, n=2, accepted=2, copied=False, drafted=N))], plan, 0.01)
+    assert g.cost == costs, "a cut step moved a cost"
+    np.testing.assert_allclose(g.tries, g.DECAY * tries + np.r_[1, 1, np.zeros(N - 2)])   # 2 verified, both kept
+    assert g._run == N and g._streak == streak + 1        # a step of the run of whole blocks
+    plan = policy.plan([s], 10**9, False)
+    policy.observe([(s, SimpleNamespace(head=0, n=N, accepted=3, copied=False, drafted=N))], plan, 2 * costs[N])
+    assert g.cost[N] > costs[N]                           # an uncut block is a step of its length
+
+
+def test_the_gates_scheduled_steps_are_not_cut():
+    """Warm-up steps and probes measure whole lengths (their cost, how deep the drafter is right): the
+    confidence leaves them whole; the plan's steps it cuts."""
+    policy = DraftPolicy(N, gated=True, confident=True)
+    policy.start_from(prior())
+    (s,) = slots(policy, 1)
+    low = np.full((1, N), 0.01, np.float32)               # confident in nothing
+    g = policy.gate
+    g.start_from(np.full(N, 9.0), np.full(N, 10.0))      # no warm-up
+    g._plan, g._again = 2, N                              # a middle plan's whole-block probe, its second step
+    plan = policy.plan([s], 10**9, False)
+    assert g.scheduled and plan.lengths == [N]
+    policy.verify_rows([s], plan, low, False)
+    assert plan.lengths == [N]
+    g._plan = N                                           # whole blocks planned
+    plan = policy.plan([s], 10**9, False)
+    assert not policy.gate.scheduled and plan.lengths == [N]
+    policy.verify_rows([s], plan, low, False)
+    assert plan.lengths[0] < N

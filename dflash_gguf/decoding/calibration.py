@@ -117,9 +117,11 @@ class _Schedule:
     def choose(self) -> int:
         return self.plan[self.i] if self.i < len(self.plan) else 0
 
-    def record(self, n: int, accepted: int, seconds: float, same_step: bool = False, batch: int = 1) -> None:
+    def record(self, n: int, accepted: int, seconds: float | None, same_step: bool = False, batch: int = 1,
+               verified: int | None = None) -> None:
         if self.i < len(self.plan) and not same_step:
-            if self.counted[self.i] and n == self.plan[self.i]:   # n is cut short only at the context's end
+            # n is cut short only at the context's end (no confidence cuts the schedule's blocks: verify_rows)
+            if self.counted[self.i] and n == self.plan[self.i] and seconds is not None:
                 self.seen.setdefault(n, []).append(seconds)
             self.i += 1
 

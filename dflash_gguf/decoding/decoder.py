@@ -330,6 +330,7 @@ class DFlashDecoder(Prompts, Scheduling):
         plan = self.policy.plan(seqs, self.n_ctx, self._pad)
         ns = plan.lengths
         qs = self._propose_all(seqs, ns) if any(ns) else [None] * len(seqs)
+        proposed = list(ns)
         for i, s in enumerate(seqs):
             c = s.chooser.constraints
             if ns[i] and c is not None:
@@ -392,7 +393,7 @@ class DFlashDecoder(Prompts, Scheduling):
             commit = cut_at_stop(commit, s.stop)
             self._sink_rows(s, len(s.cache) + h, r, len(commit))
             steps.append(Step(len(s.cache), n, a, commit, rows[row0[i]:row0[i] + lens[i]].copy(), int(row0[i]),
-                              saved[i], h, copied))
+                              saved[i], h, copied, proposed[i]))
         return steps, plan
 
     def _settle(self, done: list[tuple[Slot, Step, int]]) -> None:

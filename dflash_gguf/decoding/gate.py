@@ -515,10 +515,16 @@ class DraftLength:
         self._run, self._streak = (after._run, after._streak) if isinstance(after, DraftLength) else (None, 0)
         self._probe_after = 0
 
-    def record(self, n: int, accepted: int, seconds: float, same_step: bool = False, batch: int = 1) -> None:
+    def record(self, n: int, accepted: int, seconds: float | None, same_step: bool = False, batch: int = 1,
+               verified: int | None = None) -> None:
         """A step that drafted ``n`` tokens, ``accepted`` of them, in ``seconds``. ``same_step``: another
         sequence of the step recorded last (a batch: its acceptance counts, the step's cost once).
-        ``batch``: the sequences ``seconds`` is a share of (a batch's probe drafts for one)."""
+        ``batch``: the sequences ``seconds`` is a share of (a batch's probe drafts for one). ``verified``:
+        the drafted tokens the target verified, where fewer than ``n`` (a block cut by the drafter's
+        confidence or a grammar): only they count as reached. ``seconds`` None: the step's cost is no
+        ``n``-token step's (a cut block's: a longer draft, a shorter verify) and is left out; the step
+        still continues a run of ``n``."""
+        v = n if verified is None else verified
         if self._probe_after and not same_step:
             # the plain steps after a probe pay for the switch back (on the demo pair a plain step more at
             # first, the excess fading over ten to twenty steps), which is the probe's cost too: their summed
@@ -539,12 +545,13 @@ class DraftLength:
             # and whether it found nothing again (or something: whether that pays is the next plan's to say)
             self._fruitless = 0 if accepted else self._fruitless + 1
             self._probe_right = accepted > 0
-            first = self._probe_seen != self._probe_seen    # nan
-            self._probe_seen = seconds if first else 0.5 * (self._probe_seen + seconds)
-            self._tail_seen = 0.0 if first else 0.5 * self._tail_seen
-            self._probe_after, self._probe_after_w, self._probe_tail = self.PROBE_TAIL, (1.0 if first else 0.5), 0.0
-        if n > 0 and self._plan == 0 and 2 * accepted >= n and \
-                not (1 + accepted / batch) * self.cost[0] <= seconds:
+            if seconds is not None:
+                first = self._probe_seen != self._probe_seen    # nan
+                self._probe_seen = seconds if first else 0.5 * (self._probe_seen + seconds)
+                self._tail_seen = 0.0 if first else 0.5 * self._tail_seen
+                self._probe_after, self._probe_after_w, self._probe_tail = self.PROBE_TAIL, (1.0 if first else 0.5), 0.0
+        if n > 0 and self._plan == 0 and 2 * accepted >= v and \
+                not (seconds is not None and (1 + accepted / batch) * self.cost[0] <= seconds):
             # a probe while decoding plainly found the drafter right, and its step beat a plain one (or
             # plain's cost is unknown): look again soon, re-plan now. A probe that was right but still
             # slower than plain decoding (a drafter that pays on a larger target, not on this one) only
@@ -567,12 +574,14 @@ class DraftLength:
             self._right |= accepted > 0
             self.hits *= self.DECAY
             self.tries *= self.DECAY
-            self.tries[:min(accepted + 1, n)] += 1
+            self.tries[:min(accepted + 1, v)] += 1
             self.hits[:accepted] += 1
         if same_step:
             return
         self._streak = self._streak + 1 if n == self._run else 1
         self._run = n
+        if seconds is None:
+            return
         steady = self._streak > 1                                  # not a switch's (or a prefill's) first step
         settled = self._streak > self.SETTLE.get(n, 1)
         c = self.cost[n]

@@ -225,10 +225,10 @@ class DraftPolicy:
         """Cut the gated sequences' drafted blocks (``plan.lengths``, what each got) to the rows worth verifying
         by the drafter's calibrated confidence in them (``scores[slot, :n]``), weighed with the gate's
         measured step costs. Sequences no gate chooses for and DFlash2 lattices keep theirs; so does a
-        step whose blocks are padded to the longest (every row is verified anyway) and calibration's
-        fixed schedule (it measures whole lengths)."""
-        if self.confidence is None or padded or not isinstance(plan.gate, DraftLength):
-            return
+        step whose blocks are padded to the longest (every row is verified anyway), calibration's fixed
+        schedule and the gate's own (they measure whole lengths)."""
+        if self.confidence is None or padded or not isinstance(plan.gate, DraftLength) or plan.gate.scheduled:
+            return     # (the schedule's steps - warm-up, probes - measure whole lengths' costs and acceptance)
         ns = plan.lengths
         cut = [i for i, s in enumerate(seqs) if ns[i] > 1 and s.gate is not None and not s.lattice and not s.copied]
         if not cut:
@@ -258,9 +258,14 @@ class DraftPolicy:
         gated = [st for s, st in steps if s.gate is not None]
         # an acceptance probe of a batch drafted for one sequence (plan): the others drew nothing
         draws = [st for st in gated if st.n > 0] if gate.probing and len(steps) > 1 else gated
+        # a block cut before the verify (verify_rows, a grammar) drafted more than it verified: the step cost
+        # neither length's step, and only its verified tokens were tried (recorded as the drafted length's
+        # step otherwise, such steps made short lengths look dear: a one-token verify after an 8-token draft)
+        cut = any(st.drafted > st.n for st in gated)
+        share = None if cut else seconds / len(gated)
         for i, st in enumerate(draws or gated[:1]):
-            gate.record(choice if len(steps) > 1 else st.n, st.accepted, seconds / len(gated), same_step=i > 0,
-                        batch=len(gated))
+            drafted = choice if len(steps) > 1 else max(st.drafted, st.n)
+            gate.record(drafted, st.accepted, share, same_step=i > 0, batch=len(gated), verified=st.n)
 
     # ------------------------------------------------------------------ between requests
     def request_ended(self, pair: history.Pair, own_proposals: bool = True) -> None:

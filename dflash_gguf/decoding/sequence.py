@@ -41,8 +41,8 @@ class Request:
 
 @dataclass
 class Step:
-    """What :meth:`DFlashDecoder._advance` did for one sequence: ``n`` tokens drafted, ``commit`` (cut at
-    a stop token), the verify rows and their first row in the batch, what the rollback saved."""
+    """What :meth:`DFlashDecoder._advance` did for one sequence: ``n`` drafted tokens verified, ``commit``
+    (cut at a stop token), the verify rows and their first row in the batch, what the rollback saved."""
     pos: int
     n: int
     accepted: int
@@ -52,6 +52,8 @@ class Step:
     saved: bytes | None
     head: int = 0     # prompt rows decoded before ``pending`` (a prompt's tail fused into its first step)
     copied: bool = False   # the block was copied by prompt lookup (no draft ran)
+    drafted: int = -1      # tokens proposed (-1: ``n``): more where the block was cut before the verify (the
+                           # drafter's confidence, a grammar), which then cost a longer draft and a shorter verify
 
 
 @dataclass
