@@ -1705,6 +1705,36 @@ def test_a_batch_gates_first_measure_of_a_drafting_length_moves_the_other_drafti
         one.record(first, first, prior[first] / 2)
     np.testing.assert_allclose(np.delete(one.cost, first), np.delete(prior, first))
 
+def test_the_plans_first_measure_of_a_prior_keeps_the_evaluation_only_where_every_cost_moved_alike():
+    """Re-planning reuses the last evaluation while every cost moves by one factor: one sequence's first
+    measure of the plan's length, with every other length still on the prior, moves them all alike; with
+    a length measured, or at a batch size (its drafting priors stay), the costs move apart and it is dropped."""
+    prior = np.array([0.05, 0.15, 0.2, 0.25, 0.3])
+    for batch, measured, kept in ((1, False, True), (1, True, False), (2, False, False)):
+        g = G(4, prior)
+        g.batch = batch
+        if measured:
+            g._prior.discard(4)                             # the whole block measured already
+        g._plan = 0                                         # plain decoding (no acceptance to change)
+        g.record(0, 0, 0.04)                                # a run's first step
+        g._evaluate()
+        g.record(0, 0, 0.025)                               # steady, cheaper: replaces plain's prior (half of it)
+        assert 0 not in g._prior and (g._evaluated is not None) is kept, (batch, measured)
+
+
+def test_a_cut_block_counts_its_verified_positions_and_moves_no_cost():
+    """A block drafted whole and verified to ``verified`` tokens (the confidence cut it): only those were
+    tried, and with no seconds given the step moves no cost while continuing the run of its length."""
+    g = G(4, np.array([0.05, 0.15, 0.2, 0.25, 0.3]))
+    g._plan = 4
+    g.record(4, 1, 0.3)
+    costs = list(g.cost)
+    g.record(4, 2, None, verified=2)
+    np.testing.assert_allclose(g.tries, [G.DECAY + 1, G.DECAY + 1, 0, 0])    # the third was not verified
+    np.testing.assert_allclose(g.hits, [G.DECAY + 1, 1, 0, 0])
+    assert g.cost == costs and g._run == 4 and g._streak == 2
+
+
 @pytest.mark.parametrize("batch", [1, 2])
 def test_the_plans_first_measure_of_its_prior_leaves_measured_costs_alone(batch):
     """The plan's own steps move every cost with the machine, but the first of them replaces its length's
