@@ -648,11 +648,11 @@ class DraftLength:
             if not was_prior:
                 self.cost = [x * f for x in self.cost]
             else:
-                # the first measure of the plan's length replaces its prior: a factor for the costs still on
-                # the prior (one sequence's lengths, measured together by calibration, are off together; a
-                # batch's drafting lengths moved above), not for those steps measured. Scaled with it, a
-                # 4-sequence gate's plain cost, measured at 13 ms a sequence, became the 18 of a prior taken
-                # on a busy machine, and 2-token blocks that ran at 0.8x plain looked 1.1x (1.7B Q4_0, AVX2)
+                # the first measure of the plan's length replaces its prior: the prior's error, a factor for
+                # the costs still on the prior (one sequence's lengths, measured together by calibration, are
+                # off together; a batch's drafting lengths moved above), not for those steps measured. Scaled
+                # with it, a batch gate's measured plain cost took on a busy prior's error and blocks slower
+                # than plain decoding looked faster (BENCHMARKS-LOG section 51)
                 if self.batch == 1:
                     self.cost = [x * f if k in self._prior else x for k, x in enumerate(self.cost)]
                 if f != 1.0 and (self.batch > 1 or any(k not in self._prior for k in range(len(self.cost)) if k != n)):
