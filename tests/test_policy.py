@@ -55,7 +55,7 @@ def run(policy: DraftPolicy, seqs: list, steps: int, right, scores=None) -> tupl
             if scores is not None and d:
                 policy.observe_scores(s, conf[s.slot, :d], n, a)
             tokens += a + 1
-            done.append((s, SimpleNamespace(head=0, n=n, accepted=a, copied=False, drafted=d)))
+            done.append((s, SimpleNamespace(head=0, n=n, accepted=a, copied=False, proposed=d)))
         dt = step_cost(plan.lengths)
         seconds += dt
         policy.observe(done, plan, dt)
@@ -150,7 +150,7 @@ def test_a_batch_probe_drafts_for_one_sequence_and_within_each_context():
             probes += 1
             assert sum(1 for n in plan.lengths if n) == 1, plan.lengths
             assert plan.lengths[0] > 0, "the sequence with the fewest kept rows is probed"
-        policy.observe([(s, SimpleNamespace(head=0, n=n, accepted=0, copied=False, drafted=n))
+        policy.observe([(s, SimpleNamespace(head=0, n=n, accepted=0, copied=False, proposed=n))
                         for s, n in zip(seqs, plan.lengths)], plan, step_cost(plan.lengths))
     assert probes > 0
     short = slots(policy, 1)
@@ -173,12 +173,12 @@ def test_a_cut_block_counts_its_verified_tokens_and_not_its_cost():
     plan = policy.plan([s], 10**9, False)
     assert plan.lengths == [N] and not g.scheduled
     streak = g._streak
-    policy.observe([(s, SimpleNamespace(head=0, n=2, accepted=2, copied=False, drafted=N))], plan, 0.01)
+    policy.observe([(s, SimpleNamespace(head=0, n=2, accepted=2, copied=False, proposed=N))], plan, 0.01)
     assert g.cost == costs, "a cut step moved a cost"
     np.testing.assert_allclose(g.tries, g.DECAY * tries + np.r_[1, 1, np.zeros(N - 2)])   # 2 verified, both kept
     assert g._run == N and g._streak == streak + 1        # a step of the run of whole blocks
     plan = policy.plan([s], 10**9, False)
-    policy.observe([(s, SimpleNamespace(head=0, n=N, accepted=3, copied=False, drafted=N))], plan, 2 * costs[N])
+    policy.observe([(s, SimpleNamespace(head=0, n=N, accepted=3, copied=False, proposed=N))], plan, 2 * costs[N])
     assert g.cost[N] > costs[N]                           # an uncut block is a step of its length
 
 

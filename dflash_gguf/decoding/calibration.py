@@ -283,14 +283,15 @@ def check_prior(decoder: Measured, prior: np.ndarray, gate: DraftLength) -> bool
     cached = np.asarray(data.get("costs", []), dtype=float)
     if data.get("stale") or cached.shape != prior.shape or not np.allclose(cached, prior):
         return True                         # dropped or changed by another decoder: not this decoder's prior
+    plain = _plain(prior, gate)
     if int(data.get("measured", 1)) > 1:
-        scale = gate.cost[0] / _plain(prior, gate)
+        scale = gate.cost[0] / plain
         log.info("plain steps cost %.2f ms here, the prior measured again says %.2f ms: every length's cost "
-                 "scaled by %.2f", gate.cost[0] * 1e3, _plain(prior, gate) * 1e3, scale)
+                 "scaled by %.2f", gate.cost[0] * 1e3, plain * 1e3, scale)
         paths.write_json(f, {**data, "costs": tidy(prior * scale).tolist(),
                              "rescaled": int(data.get("rescaled", 0)) + 1})
         return True
     log.info("plain steps cost %.2f ms here, the cached prior says %.2f ms (measured while the machine was "
-             "busy?): the next decoder of this pair measures again", gate.cost[0] * 1e3, _plain(prior, gate) * 1e3)
+             "busy?): the next decoder of this pair measures again", gate.cost[0] * 1e3, plain * 1e3)
     paths.write_json(f, {"stale": True, "measured": int(data.get("measured", 1))})
     return True

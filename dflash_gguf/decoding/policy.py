@@ -261,11 +261,11 @@ class DraftPolicy:
         # a block cut before the verify (verify_rows, a grammar) drafted more than it verified: the step cost
         # neither length's step, and only its verified tokens were tried (recorded as the drafted length's
         # step otherwise, such steps made short lengths look dear: a one-token verify after an 8-token draft)
-        cut = any(st.drafted > st.n for st in gated)
+        cut = any(st.proposed > st.n for st in gated)
         share = None if cut else seconds / len(gated)
         for i, st in enumerate(draws or gated[:1]):
-            drafted = choice if len(steps) > 1 else max(st.drafted, st.n)
-            gate.record(drafted, st.accepted, share, same_step=i > 0, batch=len(gated), verified=st.n)
+            length = choice if len(steps) > 1 else max(st.proposed, st.n)
+            gate.record(length, st.accepted, share, same_step=i > 0, batch=len(gated), verified=st.n)
 
     # ------------------------------------------------------------------ between requests
     def request_ended(self, pair: history.Pair, own_proposals: bool = True) -> None:

@@ -52,7 +52,7 @@ class Step:
     saved: bytes | None
     head: int = 0     # prompt rows decoded before ``pending`` (a prompt's tail fused into its first step)
     copied: bool = False   # the block was copied by prompt lookup (no draft ran)
-    drafted: int = -1      # tokens proposed (-1: ``n``): more where the block was cut before the verify (the
+    proposed: int = -1     # tokens drafted (-1: ``n``): more where the block was cut before the verify (the
                            # drafter's confidence, a grammar), which then cost a longer draft and a shorter verify
 
 
